@@ -1,0 +1,42 @@
+"""Loading user plug-ins by import path: the one place that turns a string into an object."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+__all__ = ["PluginError", "load_object"]
+
+
+class PluginError(ValueError):
+    """A plug-in path that cannot be loaded; the message is one line meant for the user."""
+
+
+def load_object(spec: str) -> object:
+    """Load ``pkg.module:attr`` or ``path/to/file.py:attr`` (attr may be dotted)."""
+    if ":" not in spec:
+        raise PluginError(f"{spec!r}: expected 'pkg.module:name' or 'path/to/file.py:name'")
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py") or "/" in where or "\\" in where:
+            path = Path(where)
+            if not path.is_file():
+                raise PluginError(f"{spec!r}: file {where!r} does not exist")
+            name_in_sys = f"_plugin_{path.resolve().as_posix().replace('/', '_').replace('.', '_')}"
+            module_spec = importlib.util.spec_from_file_location(name_in_sys, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name_in_sys] = module  # dataclasses and pickling look modules up here
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except PluginError:
+        raise
+    except Exception as exc:  # the user's module may fail in any way while importing
+        raise PluginError(f"{spec!r}: cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{spec!r}: {where!r} has no attribute {name!r}")
+        obj = getattr(obj, part)
+    return obj
