@@ -24,7 +24,7 @@ class _Stack(nn.Module):
     """Embeddings, positions and a stack of layers: the part the three families share."""
 
     def __init__(self, *, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
-                 ffn: Callable, norm: Callable, pos: Callable, norm_placement: str, final_norm: bool,
+                 ffn: Callable, norm: Callable, pos: Callable, norm_placement: str, final_norm: bool | None,
                  embed_scale: bool, embed_norm: bool, dropout: float, layer: type, layer_kwargs: dict,
                  embedding: TokenEmbedding | None = None, device=None, dtype=None):
         super().__init__()
@@ -40,6 +40,8 @@ class _Stack(nn.Module):
             layer(attention, ffn, norm, norm_placement, dropout, **layer_kwargs, **kw) for _ in range(layers))
         for index, module in enumerate(self.layers):
             module.self_attn.layer_index = index
+        if final_norm is None:  # pre-norm leaves the last residual sum unnormalised; post-norm does not
+            final_norm = norm_placement == "pre"
         self.final_norm = norm(**kw) if final_norm else None
 
     def embed(self, tokens: torch.Tensor, offset: int = 0, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +77,7 @@ class EncoderOnly(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
                  ffn: Callable, norm: Callable, pos: Callable, norm_placement: str = "post",
-                 final_norm: bool = False, embed_scale: bool = False, embed_norm: bool = False,
+                 final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
                  type_vocab_size: int = 0, pooler: bool = False, head_classes: int = 0,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()
@@ -110,7 +112,7 @@ class DecoderOnly(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
                  ffn: Callable, norm: Callable, pos: Callable, norm_placement: str = "pre",
-                 final_norm: bool = True, embed_scale: bool = False, embed_norm: bool = False,
+                 final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
                  tie_head: bool = True, dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -139,7 +141,7 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
                  ffn: Callable, norm: Callable, pos: Callable, decoder_layers: int | None = None,
-                 norm_placement: str = "post", final_norm: bool = False, embed_scale: bool = True,
+                 norm_placement: str = "post", final_norm: bool | None = None, embed_scale: bool = True,
                  embed_norm: bool = False, share_embeddings: bool = True, tie_head: bool = True,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["PluginError", "load_object"]
+__all__ = ["PluginError", "load_object", "locate"]
 
 
 class PluginError(ValueError):
@@ -40,3 +40,23 @@ def load_object(spec: str) -> object:
             raise PluginError(f"{spec!r}: {where!r} has no attribute {name!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def locate(dotted: str) -> object:
+    """Load 'pkg.module.Name' (Hydra's _target_ form): the longest importable prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not ".".join(parts[:cut]).startswith(exc.name):
+                raise PluginError(f"{dotted!r}: importing it failed: {exc}") from exc
+            continue
+        except Exception as exc:  # the user's module may fail in any way while importing
+            raise PluginError(f"{dotted!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                raise PluginError(f"{dotted!r}: {'.'.join(parts[:cut])!r} has no attribute {name!r}")
+            obj = getattr(obj, name)
+        return obj
+    raise PluginError(f"{dotted!r}: no module named {parts[0]!r}")

@@ -1,0 +1,194 @@
+"""What a valid zoo config is, checked before anything is built.
+
+Hydra's structured config (``ZooSchema``) fixes the top-level keys and their types, so an unknown
+key or a non-integer size is refused while composing. ``validate`` then checks what types cannot
+say (positive sizes, divisibility, known choices) and every part node against the constructor of
+its ``_target_``, so that no key is ever dropped silently. Each problem is one ``ConfigError``
+line naming the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from zoo.ffn import ACTIVATIONS
+from zoo.kernel import KERNELS
+from zoo.layers import NORM_PLACEMENTS
+from zoo.plugins import PluginError, locate
+
+__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype"]
+
+PARTS = ("attention", "ffn", "norm", "pos")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; str() is one line for the user."""
+
+
+@dataclass
+class ZooSchema:
+    d_model: int = MISSING
+    heads: int = MISSING
+    kv_heads: Optional[int] = None
+    layers: int = MISSING
+    d_ff: int = MISSING
+    vocab_size: int = MISSING
+    max_len: int = MISSING
+    dropout: float = MISSING
+    norm_placement: str = MISSING
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    model: Any = MISSING
+    attention: Any = MISSING
+    ffn: Any = MISSING
+    norm: Any = MISSING
+    pos: Any = MISSING
+    task: Any = MISSING
+
+
+@dataclass
+class RunTask:
+    name: str = "run"
+    batch: int = 2
+    seq_len: int = 32
+
+
+@dataclass
+class SummaryTask:
+    name: str = "summary"
+
+
+TASK_SCHEMAS: dict[str, type] = {"run": RunTask, "summary": SummaryTask}
+
+ConfigStore.instance().store(name="zoo_schema", node=ZooSchema)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name}: unknown dtype (allowed: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value}: {allowed}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether a plain config value fits a constructor annotation; unknown hints pass."""
+    if hint is inspect.Parameter.empty or hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # callables, modules and other rich types are the constructor's to check
+
+
+def _check_part(path: str, node: DictConfig) -> None:
+    """Every key of a part node must be a parameter of its _target_, of the annotated type."""
+    target = node.get("_target_")
+    if not target:
+        _fail(f"{path}._target_", None, "every part needs an import path such as 'zoo.attention.MultiHeadAttention'")
+    try:
+        obj = locate(target)
+    except PluginError as exc:
+        _fail(f"{path}._target_", target, f"cannot be loaded: {exc}")
+    init = obj.__init__ if inspect.isclass(obj) else obj
+    signature = inspect.signature(init)
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # annotations that cannot be evaluated: skip the type check, keep the key check
+        hints = {}
+    names = [n for n in signature.parameters if n not in ("self", "device", "dtype")]
+    for key in node:
+        if key in ("_target_", "_partial_"):
+            continue
+        if key not in signature.parameters and not accepts_any:
+            _fail(f"{path}.{key}", node[key], f"not a parameter of {target} (allowed: {', '.join(names)})")
+        value = node[key]
+        if key in hints and not _type_ok(value, hints[key]):
+            _fail(f"{path}.{key}", value, f"expected {_hint_name(hints[key])}")
+
+
+def _hint_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        if cfg[key] < 1:
+            _fail(key, cfg[key], "must be a positive integer")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError (one line) for the first value that cannot be used."""
+    _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
+    if cfg.d_model % cfg.heads:
+        divisors = [h for h in range(1, cfg.d_model + 1) if cfg.d_model % h == 0]
+        _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {', '.join(map(str, divisors[:12]))}{', ...' if len(divisors) > 12 else ''})")
+    if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
+        divisors = [k for k in range(1, cfg.heads + 1) if cfg.heads % k == 0]
+        _fail("kv_heads", cfg.kv_heads, f"must divide heads={cfg.heads} (allowed: null, {', '.join(map(str, divisors))})")
+    if not 0.0 <= cfg.dropout < 1.0:
+        _fail("dropout", cfg.dropout, "must lie in [0, 1)")
+    if cfg.norm_placement not in NORM_PLACEMENTS:
+        _fail("norm_placement", cfg.norm_placement, f"unknown placement (allowed: {', '.join(NORM_PLACEMENTS)})")
+    torch_dtype(cfg.dtype)
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        _fail("device", cfg.device, "not a device (allowed: cpu, cuda, cuda:N, meta)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail("device", cfg.device, "CUDA is not available on this machine (allowed: cpu)")
+
+    for part in ("model", *PARTS):
+        _check_part(part, cfg[part])
+    if cfg.ffn.get("activation") is not None and cfg.ffn._target_ == "zoo.ffn.FeedForward" \
+            and cfg.ffn.activation not in ACTIVATIONS:
+        _fail("ffn.activation", cfg.ffn.activation, f"unknown activation (allowed: {', '.join(ACTIVATIONS)})")
+    kernel = cfg.attention.get("kernel")
+    if isinstance(kernel, str) and kernel not in KERNELS:
+        from zoo.kernel import resolve_kernel
+        try:
+            resolve_kernel(kernel)
+        except PluginError as exc:
+            _fail("attention.kernel", kernel, str(exc).split(": ", 1)[-1])
+    if cfg.pos._target_ == "zoo.positional.RotaryPositions" and (cfg.d_model // cfg.heads) % 2:
+        _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
+
+    name = cfg.task.get("name")
+    if name not in TASK_SCHEMAS:
+        _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
+    schema = TASK_SCHEMAS[name]
+    allowed = {f.name for f in fields(schema)}
+    for key in cfg.task:
+        if key not in allowed:
+            _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema), cfg.task)
+    except Exception as exc:
+        key = getattr(exc, "full_key", "") or "task"
+        _fail(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
+              str(exc).splitlines()[0])
+    for f in fields(schema):
+        if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
+            _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
