@@ -45,7 +45,7 @@ def explain_composition_error(exc: HydraException) -> str:
         if "could not be converted to" in reason:
             reason = "expected " + reason.rsplit("converted to ", 1)[1].lower()
         return f"{lines[0].removeprefix('Error merging override ')}: {reason}"
-    return lines[0] if lines else type(exc).__name__
+    return f"{lines[0] if lines else type(exc).__name__} (an override is key=value or group=option)"
 
 
 def model_from_config(cfg: DictConfig, *, device=None, dtype=None) -> nn.Module:

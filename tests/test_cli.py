@@ -1,0 +1,48 @@
+"""`python -m zoo` as a user runs it: from another directory, with good and bad values."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def zoo(*arguments: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_default_command_prints_card_and_forward(tmp_path):
+    result = zoo("model=decoder_only", "heads=8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "heads=8" in result.stdout and "total" in result.stdout
+    assert "forward    (2, 32) -> (2, 32, 1000)" in result.stdout
+
+
+@pytest.mark.parametrize("preset,total", [("gpt2_small", "124,439,808"), ("bert_base", "109,482,240"),
+                                          ("vaswani_base", "63,084,544")])
+def test_summary_prints_exact_counts(tmp_path, preset, total):
+    result = zoo(f"preset={preset}", "task=summary", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert total in result.stdout
+    if preset == "vaswani_base":
+        assert "44,140,544" in result.stdout
+
+
+@pytest.mark.parametrize("override,words", [
+    ("heads=3", ["heads=3", "must divide d_model=64", "allowed"]),
+    ("kv_heads=3", ["kv_heads=3", "allowed"]),
+    ("heads=abc", ["heads=abc", "integer"]),
+    ("model=transformer", ["model=transformer", "allowed", "decoder_only"]),
+    ("ffn.activation=tanh", ["ffn.activation=tanh", "relu"]),
+    ("attention.bogus=1", ["attention.bogus", "unknown key"]),
+    ("+attention.bogus=1", ["attention.bogus=1", "not a parameter", "kv_heads"]),
+    ("dropout=2", ["dropout=2", "[0, 1)"]),
+    ("attention._target_=nowhere.Attention", ["attention._target_=nowhere.Attention", "no module"]),
+])
+def test_bad_value_is_one_line_and_status_2(tmp_path, override, words):
+    result = zoo(override, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert all(word in lines[0] for word in words), lines[0]
