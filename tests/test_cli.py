@@ -46,3 +46,16 @@ def test_bad_value_is_one_line_and_status_2(tmp_path, override, words):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert all(word in lines[0] for word in words), lines[0]
+
+
+@pytest.mark.parametrize("preset,reference", [("gpt2_small", "hf"), ("vaswani_base", "torch")])
+def test_compare_prints_differences_within_bounds(tmp_path, preset, reference):
+    result = zoo(f"preset={preset}", "task=compare", f"reference={reference}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "logits" in result.stdout and "all within bound" in result.stdout
+
+
+def test_compare_with_the_wrong_reference_is_one_line(tmp_path):
+    result = zoo("preset=vaswani_base", "task=compare", "reference=hf", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "zoo: invalid config: reference=hf: preset=vaswani_base is compared with reference=torch"

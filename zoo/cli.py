@@ -10,6 +10,9 @@ from omegaconf import DictConfig
 from zoo.build import compose_config, model_from_config
 from zoo.schema import ConfigError, validate
 from zoo.summary import model_card, random_inputs, timed_forward
+from zoo.checkpoint import CheckpointError
+from zoo.generate import generate_task
+from zoo.train import train_task
 
 __all__ = ["main"]
 
@@ -40,7 +43,24 @@ def summary(cfg: DictConfig) -> None:
     print(model_card(cfg, model_from_config(cfg, device="meta")))
 
 
-TASKS = {"run": run, "summary": summary}
+def compare(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from zoo.compare import REFERENCES, run_compare
+
+    preset = HydraConfig.get().runtime.choices.get("preset")
+    if preset not in REFERENCES:
+        raise ConfigError(f"preset={preset}: task=compare needs a preset with a reference implementation "
+                          f"(allowed: {', '.join(REFERENCES)})")
+    if cfg.reference is not None and cfg.reference != REFERENCES[preset]:
+        raise ConfigError(f"reference={cfg.reference}: preset={preset} is compared with reference={REFERENCES[preset]}")
+    options = {k: v for k, v in cfg.task.items() if k != "name"}
+    result = run_compare(preset, cfg.reference, seed=cfg.seed, **options)
+    if not result["ok"]:
+        print("zoo: compare: a difference exceeds its rounding-error bound", file=sys.stderr)
+        sys.exit(1)
+
+
+TASKS = {"compare": compare, "run": run, "summary": summary, "train": train_task, "generate": generate_task}
 
 
 @hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")
@@ -49,7 +69,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         validate(cfg)
     except ConfigError as error:
         _exit_with(error)
-    TASKS[cfg.task.name](cfg)
+    try:  # a task finds some problems only once it runs (data vs model, a checkpoint): still one line
+        TASKS[cfg.task.name](cfg)
+    except ConfigError as error:
+        _exit_with(error)
+    except CheckpointError as error:
+        print(f"zoo: bad checkpoint: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:

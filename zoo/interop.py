@@ -18,6 +18,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,8 +36,8 @@ from zoo.positional import LearnedPositions, NoPositions, RotaryPositions, Sinus
 
 __all__ = [
     "Geometry", "StateDictMismatch", "ConversionError", "zoo_geometry",
-    "gpt2_geometry", "gpt2_to_zoo", "zoo_to_gpt2", "zoo_gpt2_from_hf", "hf_gpt2_from_zoo",
-    "bert_geometry", "bert_to_zoo", "zoo_to_bert", "zoo_bert_from_hf",
+    "gpt2_geometry", "gpt2_to_zoo", "zoo_to_gpt2", "zoo_gpt2_from_hf", "hf_gpt2_config", "hf_gpt2_from_zoo",
+    "bert_geometry", "bert_to_zoo", "zoo_to_bert", "zoo_bert_from_hf", "hf_bert_config", "hf_bert_from_zoo",
     "TorchTransformerReference", "torch_transformer_geometry", "torch_transformer_to_zoo",
     "zoo_from_torch_transformer", "mha_to_zoo", "zoo_attention_from_mha",
     "read_checkpoint", "load_state_dict_checked", "load_checkpoint", "save_checkpoint",
@@ -138,11 +139,14 @@ class Geometry:
 
     def overrides(self) -> list[str]:
         """Hydra overrides for ``zoo.build.build_model`` that describe this geometry (conf/ tree)."""
-        def value(v):
-            return "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+        def value(v):  # YAML spelling: null, true/false, floats with their exponent (1e-12)
+            if v is None:
+                return "null"
+            return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
         out = [f"model={self.family}", f"ffn={self.activation}", f"norm={self.norm}", f"pos={self.pos}"]
         out += [f"{k}={value(getattr(self, k))}" for k in
-                ("d_model", "heads", "kv_heads", "layers", "d_ff", "vocab_size", "max_len", "dropout", "norm_placement")]
+                ("d_model", "heads", "kv_heads", "layers", "d_ff", "vocab_size", "max_len", "dropout",
+                 "norm_placement")]
         out += [f"norm.eps={value(self.norm_eps)}", f"attention.dropout={value(self.attention_dropout)}",
                 f"attention.bias={value(self.bias)}", f"ffn.bias={value(self.bias)}"]
         if self.norm == "layernorm":
@@ -164,7 +168,6 @@ def zoo_geometry(model: nn.Module) -> Geometry:
                         (pos, tuple(POSITIONS.values()))):
         if type(part) not in kinds:
             raise ConversionError(f"zoo_geometry knows only the zoo's own parts, found {type(part).__name__}")
-    tied = model.kind != "encoder_only" and model.lm_head.weight is stack.embedding.weight
     kw = dict(
         family=model.kind, vocab_size=model.vocab_size, d_model=model.d_model, heads=attn.heads,
         kv_heads=None if attn.kv_heads == attn.heads else attn.kv_heads, layers=len(stack.layers),
@@ -173,7 +176,9 @@ def zoo_geometry(model: nn.Module) -> Geometry:
         pos=next(k for k, v in POSITIONS.items() if type(pos) is v), norm_placement=layer.attn_block.placement,
         final_norm=stack.final_norm is not None, embed_scale=stack.embedding.multiplier != 1.0,
         embed_norm=stack.embed_norm is not None, bias=attn.q_proj.bias is not None,
-        dropout=stack.dropout.p, attention_dropout=attn.dropout, tie_head=tied)
+        dropout=stack.dropout.p, attention_dropout=attn.dropout)
+    if model.kind != "encoder_only":  # an encoder-only model has no LM head to tie
+        kw.update(tie_head=model.lm_head.weight is stack.embedding.weight)
     if model.kind == "encoder_only":
         kw.update(type_vocab_size=0 if model.token_types is None else model.token_types.num_embeddings,
                   pooler=model.pooler is not None, head_classes=0 if model.head is None else model.head.out_features)
@@ -239,7 +244,7 @@ def gpt2_geometry(config) -> Geometry:
                     activation=_GPT2_ACTIVATIONS[config.activation_function], norm_eps=config.layer_norm_epsilon,
                     pos="learned", norm_placement="pre", final_norm=True,
                     tie_head=bool(getattr(config, "tie_word_embeddings", True)),
-                    dropout=config.resid_pdrop, attention_dropout=config.attn_pdrop)
+                    dropout=float(config.resid_pdrop), attention_dropout=float(config.attn_pdrop))
 
 
 def _gpt2_compatible(g: Geometry) -> None:
@@ -265,7 +270,8 @@ def gpt2_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     q|k|v along its output axis.
     """
     _gpt2_compatible(geometry)
-    src = _drop_buffers(_strip_prefix(state, "transformer.", keep=["lm_head.weight"]), (".attn.bias", ".attn.masked_bias"))
+    src = _drop_buffers(_strip_prefix(state, "transformer.", keep=["lm_head.weight"]),
+                        (".attn.bias", ".attn.masked_bias"))
     if "lm_head.weight" not in src:  # GPT2Model: no head; GPT-2's head is the token embedding
         _require(geometry.tie_head, "a GPT2Model state dict has no lm_head.weight, so the head must be tied")
         src["lm_head.weight"] = src.get("wte.weight")
@@ -314,7 +320,8 @@ def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
         _linear(out, h + "ln_2", state, z + "ffn_block.norm")
         qkv = torch.stack([state[f"{z}self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
         out[h + "attn.c_attn.weight"] = rearrange(qkv, "three o d -> d (three o)")
-        out[h + "attn.c_attn.bias"] = torch.cat([state[f"{z}self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
+        out[h + "attn.c_attn.bias"] = torch.cat([state[f"{z}self_attn.{n}.bias"]
+                                                 for n in ("q_proj", "k_proj", "v_proj")])
         for zoo_name, hf_name in (("self_attn.out_proj", "attn.c_proj"), ("ffn.up", "mlp.c_fc"),
                                   ("ffn.down", "mlp.c_proj")):
             out[f"{h}{hf_name}.weight"] = state[f"{z}{zoo_name}.weight"].t()
@@ -324,33 +331,41 @@ def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _hf_dtype(model: nn.Module) -> torch.dtype:
+def _dtype_of(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
 def zoo_gpt2_from_hf(hf_model: nn.Module, *, device=None, dtype=None, kernel: str | Callable = "math") -> DecoderOnly:
     """A DecoderOnly with the geometry and weights of a Hugging Face GPT2LMHeadModel (or GPT2Model)."""
     geometry = gpt2_geometry(hf_model.config)
-    model = geometry.build(device=device, dtype=dtype or _hf_dtype(hf_model), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or _dtype_of(hf_model), kernel=kernel)
     load_state_dict_checked(model, gpt2_to_zoo(hf_model.state_dict(), geometry), source="converted GPT-2 weights")
     return model.train(hf_model.training)
 
 
+def hf_gpt2_config(geometry: Geometry, *, attn_implementation: str = "eager"):
+    """The GPT2Config of a GPT-2-shaped geometry."""
+    from transformers import GPT2Config
+
+    g = geometry
+    _gpt2_compatible(g)
+    # gelu_tanh is written "gelu_new" in GPT-2's config: the same function (tanh approximation) in
+    # HF's own formula, which differs from torch's only in rounding.
+    activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[g.activation]
+    return GPT2Config(vocab_size=g.vocab_size, n_positions=g.max_len, n_embd=g.d_model, n_layer=g.layers,
+                      n_head=g.heads, n_inner=g.d_ff, activation_function=activation, layer_norm_epsilon=g.norm_eps,
+                      resid_pdrop=g.dropout, embd_pdrop=g.dropout, attn_pdrop=g.attention_dropout,
+                      tie_word_embeddings=g.tie_head, bos_token_id=g.vocab_size - 1, eos_token_id=g.vocab_size - 1,
+                      attn_implementation=attn_implementation)
+
+
 def hf_gpt2_from_zoo(model: DecoderOnly, *, attn_implementation: str = "eager"):
     """A Hugging Face GPT2LMHeadModel with the geometry and weights of a GPT-2-shaped DecoderOnly."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     g = zoo_geometry(model)
-    _gpt2_compatible(g)
-    # gelu_tanh is written "gelu_new" in GPT-2's config: the same function (tanh approximation),
-    # HF's own formula, which differs from torch's only in rounding (~1 ulp).
-    activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[g.activation]
-    config = GPT2Config(vocab_size=g.vocab_size, n_positions=g.max_len, n_embd=g.d_model, n_layer=g.layers,
-                        n_head=g.heads, n_inner=g.d_ff, activation_function=activation, layer_norm_epsilon=g.norm_eps,
-                        resid_pdrop=g.dropout, embd_pdrop=g.dropout, attn_pdrop=g.attention_dropout,
-                        tie_word_embeddings=g.tie_head, bos_token_id=g.vocab_size - 1, eos_token_id=g.vocab_size - 1,
-                        attn_implementation=attn_implementation)
-    hf = GPT2LMHeadModel(config).to(device=model.lm_head.weight.device, dtype=model.lm_head.weight.dtype)
+    weight = model.lm_head.weight
+    hf = GPT2LMHeadModel(hf_gpt2_config(g, attn_implementation=attn_implementation)).to(weight.device, weight.dtype)
     load_state_dict_checked(hf, zoo_to_gpt2(model.state_dict(), g), source="converted zoo weights")
     return hf.train(model.training)
 
@@ -373,7 +388,8 @@ def bert_geometry(config) -> Geometry:
                     max_len=config.max_position_embeddings, activation=_BERT_ACTIVATIONS[config.hidden_act],
                     norm_eps=config.layer_norm_eps, pos="learned", norm_placement="post", final_norm=False,
                     embed_norm=True, type_vocab_size=config.type_vocab_size, pooler=True,
-                    dropout=config.hidden_dropout_prob, attention_dropout=config.attention_probs_dropout_prob)
+                    dropout=float(config.hidden_dropout_prob),
+                    attention_dropout=float(config.attention_probs_dropout_prob))
 
 
 def _bert_names(g: Geometry) -> dict[str, str]:
@@ -389,7 +405,8 @@ def _bert_names(g: Geometry) -> dict[str, str]:
              "pooler.dense": "pooler"}
     for i in range(g.layers):
         b, z = f"encoder.layer.{i}.", f"encoder.layers.{i}."
-        names.update({b + "attention.self.query": z + "self_attn.q_proj", b + "attention.self.key": z + "self_attn.k_proj",
+        names.update({b + "attention.self.query": z + "self_attn.q_proj",
+                      b + "attention.self.key": z + "self_attn.k_proj",
                       b + "attention.self.value": z + "self_attn.v_proj",
                       b + "attention.output.dense": z + "self_attn.out_proj",
                       b + "attention.output.LayerNorm": z + "attn_block.norm", b + "intermediate.dense": z + "ffn.up",
@@ -416,10 +433,36 @@ def zoo_to_bert(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     return {hf: state[zoo] for hf, zoo in names.items()}
 
 
+def hf_bert_config(geometry: Geometry, *, attn_implementation: str = "eager"):
+    """The BertConfig of a BERT-shaped geometry."""
+    from transformers import BertConfig
+
+    g = geometry
+    _bert_names(g)  # checks the geometry
+    activation = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+    _require(g.activation in activation, f"BERT has no {g.activation!r} activation")
+    return BertConfig(vocab_size=g.vocab_size, hidden_size=g.d_model, num_hidden_layers=g.layers,
+                      num_attention_heads=g.heads, intermediate_size=g.d_ff, hidden_act=activation[g.activation],
+                      hidden_dropout_prob=g.dropout, attention_probs_dropout_prob=g.attention_dropout,
+                      max_position_embeddings=g.max_len, type_vocab_size=g.type_vocab_size, layer_norm_eps=g.norm_eps,
+                      attn_implementation=attn_implementation)
+
+
+def hf_bert_from_zoo(model: EncoderOnly, *, attn_implementation: str = "eager"):
+    """A Hugging Face BertModel with the geometry and weights of a BERT-shaped EncoderOnly."""
+    from transformers import BertModel
+
+    g = zoo_geometry(model)
+    weight = model.encoder.embedding.weight
+    hf = BertModel(hf_bert_config(g, attn_implementation=attn_implementation)).to(weight.device, weight.dtype)
+    load_state_dict_checked(hf, zoo_to_bert(model.state_dict(), g), source="converted zoo weights")
+    return hf.train(model.training)
+
+
 def zoo_bert_from_hf(hf_model: nn.Module, *, device=None, dtype=None, kernel: str | Callable = "math") -> EncoderOnly:
     """An EncoderOnly with the geometry and weights of a Hugging Face BertModel; pass token_types to forward."""
     geometry = bert_geometry(hf_model.config)
-    model = geometry.build(device=device, dtype=dtype or _hf_dtype(hf_model), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or _dtype_of(hf_model), kernel=kernel)
     load_state_dict_checked(model, bert_to_zoo(hf_model.state_dict(), geometry), source="converted BERT weights")
     return model.train(hf_model.training)
 
@@ -450,21 +493,24 @@ class TorchTransformerReference(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.embedding = nn.Embedding(vocab_size, d_model, **kw)
-        self.transformer = nn.Transformer(d_model, heads, layers, layers if decoder_layers is None else decoder_layers,
-                                          d_ff, dropout, activation, layer_norm_eps=layer_norm_eps, batch_first=True,
-                                          norm_first=norm_first, bias=bias, **kw)
+        with warnings.catch_warnings():  # "nested tensors unavailable" notices: they are switched off below
+            warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+            self.transformer = nn.Transformer(d_model, heads, layers,
+                                              layers if decoder_layers is None else decoder_layers, d_ff, dropout,
+                                              activation, layer_norm_eps=layer_norm_eps, batch_first=True,
+                                              norm_first=norm_first, bias=bias, **kw)
         # Keep PyTorch's per-layer fast path but not the nested-tensor conversion, whose padded
         # outputs would not be plain tensors for forward hooks.
         self.transformer.encoder.enable_nested_tensor = self.transformer.encoder.use_nested_tensor = False
-        self.register_buffer("positions", _textbook_positions(max_len, d_model).to(dtype or torch.get_default_dtype()),
-                             persistent=False)
         self.vocab_size, self.max_len, self.d_model = vocab_size, max_len, d_model
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"sequence of length {tokens.shape[1]} exceeds max_len={self.max_len}")
         x = self.embedding(tokens) * math.sqrt(self.d_model)
-        return x + self.positions[: tokens.shape[1]].to(x.dtype)
+        # Computed per call in float64, not stored: a buffer would be rounded by module.to(float32)
+        # and stay rounded after a later .to(float64).
+        return x + _textbook_positions(tokens.shape[1], self.d_model).to(x)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
                 tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -493,24 +539,29 @@ def torch_transformer_geometry(transformer: nn.Transformer, vocab_size: int, max
     attn = first.self_attn
     _require(attn._qkv_same_embed_dim and attn.bias_k is None and not attn.add_zero_attn,
              "attention with kdim/vdim, bias_k/bias_v or add_zero_attn has no zoo counterpart")
-    _require((enc.norm is None) == (dec.norm is None), "the encoder and decoder must both have, or both lack, a final norm")
+    _require((enc.norm is None) == (dec.norm is None),
+             "the encoder and decoder must both have, or both lack, a final norm")
     return Geometry(family="encoder_decoder", vocab_size=vocab_size, d_model=attn.embed_dim, heads=attn.num_heads,
                     layers=len(enc.layers), decoder_layers=len(dec.layers), d_ff=first.linear1.out_features,
                     max_len=max_len, activation=_layer_activation(first), norm_eps=first.norm1.eps, pos="sinusoidal",
                     norm_placement="pre" if first.norm_first else "post", final_norm=enc.norm is not None,
-                    embed_scale=True, bias=first.linear1.bias is not None, dropout=first.dropout.p,
-                    attention_dropout=attn.dropout)
+                    embed_scale=True, bias=first.linear1.bias is not None, dropout=float(first.dropout.p),
+                    attention_dropout=float(attn.dropout))
 
 
 def mha_to_zoo(state: State, prefix: str = "", out_prefix: str = "") -> dict[str, torch.Tensor]:
     """nn.MultiheadAttention state dict -> MultiHeadAttention state dict (in_proj split into q, k, v)."""
+    bias = prefix + "in_proj_bias" in state
+    expected = [f"{prefix}{k}" for k in ("in_proj_weight", "out_proj.weight")
+                + (("in_proj_bias", "out_proj.bias") if bias else ())]
+    _check_keys({k: v for k, v in state.items() if k.startswith(prefix)}, expected, "nn.MultiheadAttention state dict")
     out = {}
     for name, w in zip(("q_proj", "k_proj", "v_proj"), _split_rows(state[prefix + "in_proj_weight"])):
         out[f"{out_prefix}{name}.weight"] = w
-    if prefix + "in_proj_bias" in state:
+    if bias:
         for name, b in zip(("q_proj", "k_proj", "v_proj"), _split_rows(state[prefix + "in_proj_bias"])):
             out[f"{out_prefix}{name}.bias"] = b
-    _linear(out, out_prefix + "out_proj", state, prefix + "out_proj", bias=prefix + "out_proj.bias" in state)
+    _linear(out, out_prefix + "out_proj", state, prefix + "out_proj", bias=bias)
     return out
 
 
@@ -531,37 +582,34 @@ def torch_transformer_to_zoo(state: State, geometry: Geometry, embedding: torch.
     """nn.Transformer state dict + the (shared) embedding matrix -> EncoderDecoder state dict."""
     _require(geometry.family == "encoder_decoder" and geometry.share_embeddings and geometry.tie_head,
              "the nn.Transformer converter fills one shared, tied embedding")
+    suffixes = (".weight", ".bias") if geometry.bias else (".weight",)
+    attention = [f"{k}{s}" for k, s in (("in_proj_", "weight"), ("out_proj.", "weight"))] + \
+        ([f"{k}{s}" for k, s in (("in_proj_", "bias"), ("out_proj.", "bias"))] if geometry.bias else [])
+    names: dict[str, str] = {}  # nn.Transformer key -> zoo key, for the parameters copied as they are
+    expected: list[str] = []
+    decoder_layers = geometry.layers if geometry.decoder_layers is None else geometry.decoder_layers
+    for side, count in (("encoder", geometry.layers), ("decoder", decoder_layers)):
+        blocks = ["attn_block", "cross_block", "ffn_block"] if side == "decoder" else ["attn_block", "ffn_block"]
+        for i in range(count):
+            t = f"{side}.layers.{i}."
+            parts = {f"norm{j + 1}": f"{block}.norm" for j, block in enumerate(blocks)}
+            parts.update(linear1="ffn.up", linear2="ffn.down")
+            names.update({t + ref + s: t + zoo + s for ref, zoo in parts.items() for s in suffixes})
+            for ref in ("self_attn", "multihead_attn") if side == "decoder" else ("self_attn",):
+                expected += [f"{t}{ref}.{k}" for k in attention]
+        if geometry.final_norm:
+            names.update({f"{side}.norm{s}": f"{side}.final_norm{s}" for s in suffixes})
+    _check_keys(state, expected + list(names), "nn.Transformer state dict")
+
     out = {"encoder.embedding.embedding.weight": embedding, "decoder.embedding.embedding.weight": embedding,
            "lm_head.weight": embedding}
-    b = geometry.bias
-    decoder_layers = geometry.layers if geometry.decoder_layers is None else geometry.decoder_layers
-    used = set()
+    out.update({zoo: state[ref] for ref, zoo in names.items()})
     for side, count in (("encoder", geometry.layers), ("decoder", decoder_layers)):
         for i in range(count):
-            t = z = f"{side}.layers.{i}."
-            attns = [("self_attn", "self_attn")] + ([("multihead_attn", "cross_attn")] if side == "decoder" else [])
-            for ref_name, zoo_name in attns:
-                part = {k: v for k, v in state.items() if k.startswith(t + ref_name + ".")}
-                used |= part.keys()
-                out.update(mha_to_zoo(part, t + ref_name + ".", z + zoo_name + "."))
-            norms = ["attn_block", "cross_block", "ffn_block"] if side == "decoder" else ["attn_block", "ffn_block"]
-            pairs = [(f"norm{j + 1}", f"{n}.norm") for j, n in enumerate(norms)] + [("linear1", "ffn.up"),
-                                                                                   ("linear2", "ffn.down")]
-            for ref_name, zoo_name in pairs:
-                for suffix in (".weight", ".bias") if b else (".weight",):
-                    if t + ref_name + suffix not in state:
-                        raise StateDictMismatch(missing=[t + ref_name + suffix], source="nn.Transformer state dict")
-                    out[z + zoo_name + suffix] = state[t + ref_name + suffix]
-                    used.add(t + ref_name + suffix)
-        if geometry.final_norm:
-            for suffix in (".weight", ".bias") if b else (".weight",):
-                key = f"{side}.norm{suffix}"
-                if key not in state:
-                    raise StateDictMismatch(missing=[key], source="nn.Transformer state dict")
-                out[f"{side}.final_norm{suffix}"] = state[key]
-                used.add(key)
-    if state.keys() - used:
-        raise StateDictMismatch(unexpected=state.keys() - used, source="nn.Transformer state dict")
+            t = f"{side}.layers.{i}."
+            out.update(mha_to_zoo(state, t + "self_attn.", t + "self_attn."))
+            if side == "decoder":
+                out.update(mha_to_zoo(state, t + "multihead_attn.", t + "cross_attn."))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -569,7 +617,7 @@ def zoo_from_torch_transformer(reference: TorchTransformerReference, *, device=N
                                kernel: str | Callable = "math") -> EncoderDecoder:
     """An EncoderDecoder with the geometry and weights of a ``TorchTransformerReference``."""
     geometry = torch_transformer_geometry(reference.transformer, reference.vocab_size, reference.max_len)
-    model = geometry.build(device=device, dtype=dtype or _hf_dtype(reference), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or _dtype_of(reference), kernel=kernel)
     load_state_dict_checked(model, torch_transformer_to_zoo(reference.transformer.state_dict(), geometry,
                                                             reference.embedding.weight.detach()),
                             source="converted nn.Transformer weights")
@@ -593,7 +641,8 @@ def _tensor_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return list(groups.values())
 
 
-def save_checkpoint(model: nn.Module | State, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+def save_checkpoint(model: nn.Module | State, path: str | os.PathLike,
+                    metadata: Mapping[str, str] | None = None) -> Path:
     """Write the weights as safetensors, atomically (temp file + os.replace).
 
     safetensors refuses tensors that share memory, so each group of tied weights is stored once

@@ -60,6 +60,14 @@ class SinusoidalPositions(_Positions):
         table = sinusoidal_table(max_len, d_model, device=None if device == "meta" else device, dtype=dtype)
         self.register_buffer("table", table.to(device) if device == "meta" else table, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # module.to(dtype) would cast the stored table, so a float32 model moved to float64 kept a
+        # table rounded to float32 (errors ~3e-8). Recompute it from float64 in the new dtype.
+        super()._apply(fn, recurse)
+        if self.table.device.type != "meta":
+            self.table = sinusoidal_table(*self.table.shape, device=self.table.device, dtype=self.table.dtype)
+        return self
+
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         self._check_length(offset + x.shape[1])
         return x + self.table[offset: offset + x.shape[1]].to(x.dtype)

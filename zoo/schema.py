@@ -22,6 +22,7 @@ from zoo.ffn import ACTIVATIONS
 from zoo.kernel import KERNELS
 from zoo.layers import NORM_PLACEMENTS
 from zoo.plugins import PluginError, locate
+from zoo.data import DATA_TASKS
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype"]
 
@@ -47,12 +48,14 @@ class ZooSchema:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    reference: Optional[str] = None  # task=compare: hf (gpt2_small, bert_base) or torch (vaswani_base)
     model: Any = MISSING
     attention: Any = MISSING
     ffn: Any = MISSING
     norm: Any = MISSING
     pos: Any = MISSING
     task: Any = MISSING
+    data: Any = MISSING  # conf/data: the synthetic task that task=train and task=generate use
 
 
 @dataclass
@@ -67,7 +70,76 @@ class SummaryTask:
     name: str = "summary"
 
 
-TASK_SCHEMAS: dict[str, type] = {"run": RunTask, "summary": SummaryTask}
+@dataclass
+class TrainTask:
+    """Options of task=train (zoo/train.py); the model's vocab_size and max_len are derived from the data."""
+    name: str = "train"
+    steps: int = 2000
+    batch: int = 64
+    lr: float = 1e-3
+    warmup: int = 100           # linear warm-up steps, then cosine decay to min_lr_ratio * lr at `steps`
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01  # on matrices and embeddings only, never on biases and norms
+    clip: float = 1.0           # max global gradient norm
+    eval_every: int = 200
+    eval_batches: int = 4       # held-out sequences per evaluation: eval_batches * batch
+    checkpoint_every: int = 500
+    out_dir: str = "${hydra:runtime.output_dir}"  # the current directory when not run by Hydra
+    resume: bool = False        # continue from the last checkpoint in out_dir
+    keep: int = 2               # checkpoints kept in out_dir (older ones are deleted)
+
+
+@dataclass
+class GenerateTask:
+    """Options of task=generate (zoo/generate.py): decode with the model and data of a train checkpoint."""
+    name: str = "generate"
+    checkpoint: str = ""        # a train out_dir (its last checkpoint) or one step-NNNNNNN directory
+    samples: int = 8            # held-out prompts to decode when no prompt is given
+    prompt: str = ""            # symbols separated by spaces, e.g. "3 1 4 1 5"; empty: held-out samples
+    max_new: Optional[int] = None  # null: the longest answer plus EOS
+    temperature: float = 0.0    # 0: greedy
+    top_k: Optional[int] = None  # null: sample from the whole vocabulary
+    cache: bool = True          # incremental decoding with a KV cache (false: recompute the prefix)
+    seed: int = 0
+
+
+@dataclass
+class CompareTask:
+    """Options of task=compare (zoo/compare.py): the reduced size both models are built at."""
+    name: str = "compare"
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    vocab_size: int = 512
+    max_len: int = 64
+    batch: int = 3
+    seq_len: int = 16
+    padding: bool = True
+
+
+TASK_SCHEMAS: dict[str, type] = {"compare": CompareTask, "run": RunTask, "summary": SummaryTask, "train": TrainTask,
+                                 "generate": GenerateTask}
+
+
+@dataclass
+class DataOptions:
+    name: str = MISSING
+    vocab: int = 16
+    min_len: int = 8
+    max_len: int = 16
+    seed: int = 0
+
+
+# Ranges of float (and optional) task options that a type cannot say; checked for any task that has them.
+_TASK_RANGES = {
+    "lr": (lambda v: v > 0, "must be positive"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
+    "weight_decay": (lambda v: v >= 0, "must be non-negative"),
+    "clip": (lambda v: v > 0, "must be positive"),
+    "temperature": (lambda v: v >= 0, "must be non-negative (0 is greedy)"),
+    "top_k": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
+    "max_new": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
+}
 
 ConfigStore.instance().store(name="zoo_schema", node=ZooSchema)
 
@@ -192,3 +264,27 @@ def validate(cfg: DictConfig) -> None:
     for f in fields(schema):
         if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
             _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
+    for key, (ok, allowed) in _TASK_RANGES.items():
+        if key in cfg.task and not ok(cfg.task[key]):
+            _fail(f"task.{key}", cfg.task[key], allowed)
+    if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
+        _check_data(cfg.data)
+
+
+def _check_data(data: DictConfig) -> None:
+    if data.get("name") not in DATA_TASKS:
+        _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
+    allowed = {f.name for f in fields(DataOptions)}
+    for key in data:
+        if key not in allowed:
+            _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
+    try:
+        OmegaConf.merge(OmegaConf.structured(DataOptions), data)
+    except Exception as exc:
+        key = str(getattr(exc, "full_key", "") or "").split(".")[-1]
+        _fail(f"data.{key}" if key else "data", data.get(key, ""), str(exc).splitlines()[0])
+    for key in ("vocab", "min_len"):
+        if data[key] < 1:
+            _fail(f"data.{key}", data[key], "must be a positive integer")
+    if data.max_len < data.min_len:
+        _fail("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")

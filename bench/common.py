@@ -1,0 +1,168 @@
+"""Timing, FLOP counting and machine information shared by the benchmarks.
+
+Timing is plain ``time.perf_counter`` around a device synchronisation (the same idea as
+``torch.utils.benchmark``'s blocked_autorange, with the interleaving it lacks): each callable is
+warmed up, then the callables of one comparison run in alternating order (A B C, C B A, ...) for
+the same number of rounds, and each is summarised by its median. Comparing in the same rounds means that
+a slow phase of a shared machine hits the zoo and the reference alike.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
+           "write_json_atomic", "default_device"]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device``; CPU work is already done when a call returns."""
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    if backend is not None and hasattr(backend, "synchronize"):
+        backend.synchronize()
+
+
+def _time(fn: Callable[[], object], device: torch.device, number: int = 1) -> float:
+    """Seconds per call, averaged over ``number`` back-to-back calls."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / number
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 1,
+                min_repeats: int = 3, max_repeats: int = 15, budget_s: float = 5.0,
+                min_sample_s: float = 0.05) -> dict:
+    """Median seconds per call of each callable, measured in alternating rounds.
+
+    One sample times ``number`` back-to-back calls, enough to last min_sample_s (1 for slow calls),
+    so that a short call is not one scheduler time slice. The number of rounds is
+    budget_s / (time of one round), clamped to [min_repeats, max_repeats]: big cells get few
+    repeats, small ones many. With warmup=0 the first round is measured and kept (for calls too
+    slow to run once just to warm up).
+    """
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    if warmup:
+        for _ in range(warmup):
+            round_s = sum(_time(fns[name], device) for name in names)
+    else:  # the caller warmed up on a smaller problem: the first measured round sets the pace
+        for name in names:
+            samples[name].append(_time(fns[name], device))
+        round_s = sum(s[0] for s in samples.values())
+    number = 1 if warmup == 0 else max(1, math.ceil(min_sample_s / max(round_s / len(names), 1e-9)))
+    repeats = max(min_repeats, min(max_repeats, int(budget_s / max(round_s * number, 1e-9))))
+    for r in range(len(samples[names[0]]), repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            samples[name].append(_time(fns[name], device, number))
+    return {"repeats": repeats, "calls_per_sample": number,
+            "seconds": {name: statistics.median(s) for name, s in samples.items()},
+            "samples": samples}
+
+
+def forward_flops(family: str, *, batch: int, seq_len: int, d_model: int, d_ff: int, vocab_size: int,
+                  layers: int, decoder_layers: int | None = None, pooler: bool = False) -> int:
+    """Matmul FLOPs (a multiply-add = 2) of one forward pass; element-wise work is not counted.
+
+    With T = batch * seq_len tokens per stack, d = d_model, f = d_ff, V = vocab_size, heads of any
+    number (kv_heads = heads):
+        a layer's projections      2 T (4 d^2 + 2 d f)        q, k, v, out; FFN up and down
+        self-attention core        4 b L S d                  Q K^T and P V, the full L x S square
+                                                              (causal masking is not subtracted)
+        cross-attention            2 T_tgt 2 d^2 + 2 T_src 2 d^2 + 4 b L_tgt L_src d
+        tied LM head               2 T d V                    decoder_only, encoder_decoder
+        BERT pooler                2 b d^2                    encoder_only with pooler
+    The sequence length is the same for source and target in the encoder-decoder benchmarks.
+    ``tests/test_bench.py`` checks this against torch.utils.flop_counter on the math kernel.
+    """
+    b, length, d, f = batch, seq_len, d_model, d_ff
+    tokens = b * length
+    layer = 2 * tokens * (4 * d * d + 2 * d * f) + 4 * b * length * length * d
+    if family == "decoder_only":
+        return layers * layer + 2 * tokens * d * vocab_size
+    if family == "encoder_only":
+        return layers * layer + (2 * b * d * d if pooler else 0)
+    if family == "encoder_decoder":
+        cross = 2 * tokens * 2 * d * d + 2 * tokens * 2 * d * d + 4 * b * length * length * d
+        dec = layers if decoder_layers is None else decoder_layers
+        return layers * layer + dec * (layer + cross) + 2 * tokens * d * vocab_size
+    raise ValueError(f"unknown family {family!r}")
+
+
+def matmul_flops_per_s(n: int, dtype: torch.dtype, device: torch.device, *, budget_s: float = 3.0) -> dict:
+    """The machine's dense matmul rate: torch.mm of two n x n matrices, median of repeats."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = interleaved({"mm": lambda: torch.mm(a, b)}, device, warmup=2, min_repeats=3, budget_s=budget_s)
+    seconds = out["seconds"]["mm"]
+    return {"n": n, "repeats": out["repeats"], "seconds": seconds, "flops_per_s": 2 * n ** 3 / seconds}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        device_name = _cpu_model()
+    else:
+        device_name = device.type
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    info = {
+        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "usable_cores": usable,
+        "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "device": str(device), "device_name": device_name,
+    }
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write to a temporary file in the same directory, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

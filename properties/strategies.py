@@ -1,0 +1,159 @@
+"""What Hypothesis draws, and the tensors a drawn case seeds.
+
+Hypothesis draws only structure: shapes, the dtype, flags, magnitudes and one integer seed.  Bulk
+tensors come from a ``torch.Generator`` seeded with that integer, always on the CPU in float64 and then
+rounded to the case's dtype and moved to the device, so a counterexample is a short, readable line such
+as ``Case(lead=(), l=1, s=2, e=1, ev=1, dtype=torch.float32, seed=0)`` and replays identically on every
+device.  The dtypes drawn are the ones selected on the command line (``--dtype``); ``conftest.py`` sets
+them with :func:`select_dtypes` before any test module is imported.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from hypothesis import example, strategies as st
+
+__all__ = ["DTYPES", "dtype_name", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
+           "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
+           "random_bool_mask", "scale_partial_sums", "score_range_exponents"]
+
+# Order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show float32
+# unless the failure needs another dtype.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
+                                  "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_selected: list[torch.dtype] = list(DTYPES.values())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def select_dtypes(dtypes) -> None:
+    """Restrict every dtype strategy to ``dtypes`` (called once by conftest from ``--dtype``)."""
+    _selected[:] = [d for d in DTYPES.values() if d in set(dtypes)]
+
+
+def selected_dtypes() -> tuple[torch.dtype, ...]:
+    return tuple(_selected)
+
+
+def dtypes(where=None) -> st.SearchStrategy[torch.dtype]:
+    """The selected dtypes (optionally only those satisfying ``where``), float32 first."""
+    def choose():
+        chosen = [d for d in _selected if where is None or where(d)]
+        return st.sampled_from(chosen or list(_selected))
+    return st.deferred(choose)
+
+
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: leading (batch, head) dims, query/key lengths, head sizes, dtype, seed."""
+
+    lead: tuple[int, ...]
+    l: int
+    s: int
+    e: int
+    ev: int
+    dtype: torch.dtype
+    seed: int
+
+    def __repr__(self) -> str:
+        return (f"Case(lead={self.lead}, l={self.l}, s={self.s}, e={self.e}, ev={self.ev}, "
+                f"dtype={self.dtype}, seed={self.seed})")
+
+    def generator(self, stream: int = 0) -> torch.Generator:
+        """A CPU generator for this case; ``stream`` gives independent draws for the same case."""
+        return torch.Generator().manual_seed(self.seed * 1009 + stream)
+
+    def qkv64(self, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Standard-normal query, key and value in float64 (CPU), before rounding to the dtype."""
+        g = self.generator(stream)
+        return (gaussian(g, *self.lead, self.l, self.e), gaussian(g, *self.lead, self.s, self.e),
+                gaussian(g, *self.lead, self.s, self.ev))
+
+    def qkv(self, device, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The case's query, key and value in its dtype on ``device``."""
+        return tuple(on(t, self.dtype, device) for t in self.qkv64(stream))
+
+
+@st.composite
+def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=8, min_s=1, max_s=8,
+          max_e=16, max_ev=8, dtype=None, l_equals_s=False) -> Case:
+    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads)."""
+    n_lead = lead if lead is not None else draw(st.integers(min_lead, max_lead))
+    dims = tuple(draw(st.integers(1, max_dim)) for _ in range(n_lead))
+    l = draw(st.integers(min_l, max_l))
+    s = l if l_equals_s else draw(st.integers(min_s, max_s))
+    return Case(lead=dims, l=l, s=s, e=draw(st.integers(1, max_e)), ev=draw(st.integers(1, max_ev)),
+                dtype=draw(dtype if dtype is not None else dtypes()), seed=draw(seeds))
+
+
+def pinned_cases(n_lead: int = 2) -> list[Case]:
+    """Shapes that every property also runs on: L = 1, S = 1, odd head sizes, and B == L (a batch axis
+    confused with the sequence axis goes unnoticed unless they differ, and is caught only if some case
+    makes them equal in one place and not in another).  In the first selected dtype."""
+    dtype = _selected[0]
+    shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
+              ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
+    return [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
+            for lead, l, s, e, ev in shapes]
+
+
+def with_pinned_cases(argname: str = "case", n_lead: int = 2, transform=None, **other_args):
+    """Decorator: add :func:`pinned_cases` as explicit examples (``transform`` adapts a case to a test's
+    constraints, e.g. l == s); ``other_args`` are the test's other drawn arguments."""
+    def decorate(test):
+        for case in pinned_cases(n_lead):
+            test = example(**{argname: transform(case) if transform else case}, **other_args)(test)
+        return test
+    return decorate
+
+
+def square(case: Case) -> Case:
+    """The case with s = l (for properties stated on square score matrices)."""
+    return replace(case, s=case.l)
+
+
+def gaussian(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+def on(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """Round to ``dtype`` on the CPU (the same rounding on every device), then move."""
+    return t.to(dtype).to(device)
+
+
+def identity_values(lead: tuple[int, ...], s: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """V = I_S for every leading index: attention is linear in V, so the output is the weight matrix."""
+    return torch.eye(s, dtype=dtype, device=device).expand(*lead, s, s).contiguous()
+
+
+def random_bool_mask(generator: torch.Generator, shape, density: float, *, keep_one: bool = True):
+    """Bernoulli(density) bool mask (True = may attend); ``keep_one`` gives every query a random key."""
+    mask = torch.rand(*shape, generator=generator, dtype=torch.float64) < density
+    if keep_one:
+        pick = torch.randint(shape[-1], (*shape[:-1], 1), generator=generator)
+        mask = mask | torch.zeros(shape, dtype=torch.bool).scatter(-1, pick, True)
+    return mask
+
+
+def scale_partial_sums(q: torch.Tensor, k: torch.Tensor, scale: float, target: float):
+    """Rescale q and k (float64) by the same factor so that max_ij scale * sum_e |q_ie k_je| == target.
+
+    Every partial sum of every scaled score is then at most ``target`` in magnitude, whatever order a
+    kernel adds in: the precondition of ATTN-LARGE-SCORES."""
+    current = (abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))).max().item()
+    factor = math.sqrt(target / current) if current > 0 else 1.0
+    return q * factor, k * factor
+
+
+def score_range_exponents(dtype: torch.dtype) -> st.SearchStrategy[int]:
+    """log2 of the largest scaled partial sum: from 0 up to a quarter of the dtype's largest value
+    (room for the max subtraction, which doubles the range, and for rounding)."""
+    return st.integers(0, int(math.log2(torch.finfo(dtype).max)) - 2)
