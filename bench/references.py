@@ -69,6 +69,7 @@ def build_reference(family: str, cfg: DictConfig, *, device, dtype) -> nn.Module
             vocab_size=cfg.vocab_size, n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.layers,
             n_head=cfg.heads, n_inner=cfg.d_ff, activation_function="gelu_new", layer_norm_epsilon=cfg.norm.eps,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+            bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,  # GPT-2's 50256 = vocab - 1
             attn_implementation="sdpa")
         model = transformers.GPT2LMHeadModel(config)
     elif family == "encoder_only":

@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import settings
 
+from properties import model_options  # --model / --zoo: the model clauses (test_models.py)
 from properties.harness import GuardedKernel
 from properties.oracle import ALIGNMENTS
 from properties.spec import SpecError, load_clauses
@@ -60,6 +61,7 @@ def pytest_addoption(parser):
                     help="output required for a query with no admissible key (default: zeros)")
     group.addoption("--report-json", metavar="PATH",
                     help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
+    model_options.add_options(parser)
 
 
 def _default_devices() -> list[str]:
@@ -104,6 +106,7 @@ def pytest_configure(config):
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
     select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
     _records.clear()
+    model_options.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
 
 
 def pytest_generate_tests(metafunc):

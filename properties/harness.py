@@ -39,7 +39,7 @@ def describe_call(query, key, value, kwargs) -> str:
     return f"kernel({args})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GuardedKernel:
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``."""
@@ -49,6 +49,9 @@ class GuardedKernel:
 
     def __repr__(self) -> str:
         return self.name
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer prefers this to __repr__
+        printer.text(self.name)
 
     def __call__(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``kwargs`` go to the kernel unchanged (only those given, so minimal signatures work);

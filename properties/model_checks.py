@@ -13,6 +13,7 @@ import torch
 from hypothesis import strategies as st
 
 from properties.subject import Subject
+from properties.tolerance import unit_roundoff
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call", "COMPARISON_FACTOR", "comparison_tolerance",
            "assert_same_output", "embedding_probe", "DRAW_LEN"]
@@ -27,6 +28,9 @@ class Batch:
     length: int
     real: tuple[int, ...]
     seed: int
+
+    def _repr_pretty_(self, printer, cycle):  # one line in Hypothesis' counterexamples
+        printer.text(repr(self))
 
     def mask(self, device) -> torch.Tensor:
         return torch.arange(self.length, device=device)[None, :] < torch.tensor(self.real, device=device)[:, None]
@@ -96,7 +100,7 @@ COMPARISON_FACTOR = 2.0 ** 21
 
 
 def comparison_tolerance(reference: torch.Tensor) -> float:
-    u = torch.finfo(reference.dtype).eps / 2
+    u = unit_roundoff(reference.dtype)
     scale = reference.detach().abs().max().item() if reference.numel() else 0.0
     return COMPARISON_FACTOR * u * max(scale, torch.finfo(reference.dtype).tiny)
 

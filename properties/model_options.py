@@ -25,6 +25,7 @@ POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 ZOO_TINY = ("d_model=32", "heads=2", "layers=2", "d_ff=64", "vocab_size=64", "max_len=16")
 
 _KEY = pytest.StashKey[dict]()
+_SKIP = pytest.StashKey[str]()
 
 
 @dataclass
@@ -38,7 +39,11 @@ class ModelUnderTest:
     precise_note: str = ""
 
     def __repr__(self) -> str:  # Hypothesis prints it in every counterexample: keep it short
-        return f"<{self.name}: {self.native.kind}, precise in {'float64' if self.precise is not self.native else 'own dtype'}>"
+        precision = "float64" if self.precise is not self.native else "own dtype"
+        return f"<{self.name}: {self.native.kind}, comparisons in {precision}>"
+
+    def _repr_pretty_(self, printer, cycle):  # Hypothesis' printer would list every field
+        printer.text(repr(self))
 
 
 @dataclass
@@ -57,25 +62,26 @@ def add_options(parser) -> None:
                          '"model=decoder_only attention._target_=mypkg.MyAttention"')
 
 
-def _option(config, name):
-    # --device / --dtype belong to the component suite's conftest; absent, the defaults apply.
-    try:
-        return config.getoption(name)
-    except ValueError:
-        return None
-
-
 def _device_dtype(config):
-    device, dtype = _option(config, "device"), _option(config, "dtype")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return (torch.device(device) if device else None), dtype
+    """The first --device and --dtype given (conftest.py's repeatable options); else cpu, float32.
+
+    The component suite sweeps every device and dtype; a model run takes one, because each
+    zoo model is a dozen clauses of whole forward passes.
+    """
+    devices = config.getoption("--device", None) or ["cpu"]
+    dtypes = config.getoption("--dtype", None) or ["float32"]
+    return torch.device(devices[0]), getattr(torch, dtypes[0])
 
 
 def configure(config) -> None:
     """Check --model and --zoo at startup: an unusable model is a one-line UsageError."""
     config.addinivalue_line("markers", "model: a model-level clause (properties/test_models.py)")
     device, dtype = _device_dtype(config)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        config.stash[_KEY] = {}
+        config.stash[_SKIP] = f"--device {device}: CUDA not available, model clauses not run"
+        return
+    config.stash[_SKIP] = ""
     sources: dict[str, _Source] = {}
     try:
         if config.getoption("model"):
@@ -115,7 +121,9 @@ def _lazy_zoo(overrides, device, dtype) -> Callable[[], Subject]:
     return make
 
 
-def subject_ids(config) -> list[str]:
+def subject_ids(config) -> list:
+    if config.stash.get(_SKIP, ""):
+        return [pytest.param("none", marks=pytest.mark.skip(reason=config.stash[_SKIP]))]
     return list(config.stash[_KEY])
 
 
@@ -133,8 +141,7 @@ def _device_of(subject: Subject, config) -> torch.device:
     if subject.module is not None:
         for tensor in (*subject.module.parameters(), *subject.module.buffers()):
             return tensor.device
-    device, _ = _device_dtype(config)
-    return device or torch.device("cpu")
+    return _device_dtype(config)[0]
 
 
 def _float64_twin(make: Callable[[], Subject], device: torch.device) -> tuple[Subject | None, str]:

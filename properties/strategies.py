@@ -17,7 +17,7 @@ from hypothesis import example, strategies as st
 
 __all__ = ["DTYPES", "dtype_name", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
            "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
-           "random_bool_mask", "scale_partial_sums", "score_range_exponents"]
+           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values"]
 
 # Order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show float32
 # unless the failure needs another dtype.
@@ -143,17 +143,35 @@ def random_bool_mask(generator: torch.Generator, shape, density: float, *, keep_
     return mask
 
 
+def _largest_partial_sum(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
+    return (abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))).max().item()
+
+
 def scale_partial_sums(q: torch.Tensor, k: torch.Tensor, scale: float, target: float):
-    """Rescale q and k (float64) by the same factor so that max_ij scale * sum_e |q_ie k_je| == target.
+    """Rescale q and k (float64) by one factor so that max_ij scale * sum_e |q_ie k_je| == target.
 
     Every partial sum of every scaled score is then at most ``target`` in magnitude, whatever order a
-    kernel adds in: the precondition of ATTN-LARGE-SCORES."""
-    current = (abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))).max().item()
-    factor = math.sqrt(target / current) if current > 0 else 1.0
+    kernel adds in: the precondition of ATTN-LARGE-SCORES.  (Square roots taken apart: target/current
+    itself may overflow.)"""
+    current = _largest_partial_sum(q, k, scale)
+    if current == 0:
+        return q, k
+    factor = math.sqrt(target) / math.sqrt(current)
     return q * factor, k * factor
 
 
-def score_range_exponents(dtype: torch.dtype) -> st.SearchStrategy[int]:
-    """log2 of the largest scaled partial sum: from 0 up to a quarter of the dtype's largest value
-    (room for the max subtraction, which doubles the range, and for rounding)."""
-    return st.integers(0, int(math.log2(torch.finfo(dtype).max)) - 2)
+def rescale_keys(q: torch.Tensor, k: torch.Tensor, scale: float, target: float, limit: float) -> torch.Tensor:
+    """k (float64) rescaled so that max_ij scale * sum_e |q_ie k_je| reaches ``target`` against these
+    queries (keys as large as the dtype allows, ATTN-LARGE-SCORES' precondition), with no entry above
+    ``limit`` (small queries would otherwise need keys beyond the dtype's range)."""
+    current, largest = _largest_partial_sum(q, k, scale), k.abs().max().item()
+    if current == 0 or largest == 0:
+        return k
+    log_factor = min(math.log2(target) - math.log2(current), math.log2(limit) - math.log2(largest))
+    return k * 2.0**log_factor
+
+
+def huge_values(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of magnitude finfo(dtype).max / 4 with v's signs: as large as a convex combination can
+    carry without rounding up to Inf."""
+    return torch.where(v < 0, -1.0, 1.0).to(torch.float64) * (torch.finfo(dtype).max / 4)

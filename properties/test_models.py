@@ -12,21 +12,17 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-try:
-    from properties import clause
-except ImportError:  # TEMP until helper-1's decorator lands
-    def clause(cid):
-        return pytest.mark.clause(cid)
+from properties import clause
 from properties.model_checks import (DRAW_LEN, Batch, assert_same_output, batches, call, comparison_tolerance,
-                                     embedding_probe, padded, real_tokens)
+                                     embedding_probe, real_tokens)
 from properties.model_options import model_under_test, subject_ids
 from properties.subject import Subject
 
 pytestmark = pytest.mark.model
 
-# A tenth of the profile's examples: each model example runs whole forward passes, and the default
-# suite has twelve models. The ci and thorough profiles scale this up with their own counts.
-EXAMPLES = max(4, settings().max_examples // 10)
+# Half the profile's examples, at least 6: each model example runs whole forward passes and the
+# default suite has twelve models. The thorough profile scales this up with its own count.
+EXAMPLES = max(6, settings().max_examples // 2)
 model_settings = settings(max_examples=EXAMPLES, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
 DECODERS = ("decoder_only", "encoder_decoder")
@@ -42,6 +38,16 @@ def mut(request):
     return model_under_test(request.config, request.param)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The models here are tiny: intra-op threads add only synchronisation, which on a loaded 2-core
+    # machine made this module 20x slower. Restored afterwards for the other suites.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def only(subject: Subject, *kinds: str) -> None:
     if subject.kind not in kinds:
         pytest.skip(f"applies to {' and '.join(kinds)}, not {subject.kind}")
@@ -51,7 +57,7 @@ def draw_len(subject: Subject, reserve: int = 0) -> int:
     return min(DRAW_LEN, subject.max_len - reserve)
 
 
-def forward(s: Subject, device, src: tuple | None, tgt: tuple):
+def forward(s: Subject, src: tuple | None, tgt: tuple):
     """tgt/src are (tokens, mask); src only for encoder_decoder. No autograd unless asked for."""
     with torch.no_grad():
         return call(s, *(src[0], tgt[0], src[1], tgt[1]) if src is not None else tgt)
@@ -65,13 +71,13 @@ def draw_pair(data, s: Subject, device, *, min_len=1, padding=True, reserve=0, s
     if s.kind == "encoder_decoder":
         src_b = data.draw(batches(draw_len(s, reserve), min_len=min_len, padding=padding, size=tgt_b.size),
                           label="source")
-        src_b = Batch(src_b.size, src_b.length, src_b.real, src_b.seed + 2**17)  # never the target's ids
+        src_b = Batch(src_b.size, src_b.length, src_b.real, src_b.seed + 2**17)  # other ids than the target's
         src = (src_b.tokens(s, device), src_b.mask(device), src_b)
-    return src, (tgt_b.tokens(s, device), tgt_b.mask(device), tgt_b)
-
-
-def real_positions(batch: Batch, device) -> torch.Tensor:
-    return batch.mask(device)
+    tgt = (tgt_b.tokens(s, device), tgt_b.mask(device), tgt_b)
+    if src is not None and torch.equal(src[0], tgt[0]):
+        # Equal source and target would make the shared embedding's calls indistinguishable.
+        src[0][0, 0] = other_real_tokens(src[0][0, :1], src_b.seed, s)[0]
+    return src, tgt
 
 
 def other_real_tokens(old: torch.Tensor, seed: int, s: Subject) -> torch.Tensor:
@@ -90,7 +96,7 @@ def other_real_tokens(old: torch.Tensor, seed: int, s: Subject) -> torch.Tensor:
 def test_output_shape(mut, data):
     s = mut.native
     src, tgt = draw_pair(data, s, mut.device)
-    out = forward(s, mut.device, src and src[:2], tgt[:2])  # call() checks shape and dtype
+    out = forward(s, src and src[:2], tgt[:2])  # call() checks shape and dtype
     assert out.device == tgt[0].device, f"output on {out.device}; expected the input's device {tgt[0].device}"
 
 
@@ -106,8 +112,8 @@ def test_causal_perturbation(mut, data):
     later = torch.zeros_like(mask)
     later[:, i + 1:] = True
     changed = torch.where(later & mask, other_real_tokens(tokens, b.seed + 1, s), tokens)
-    before = forward(s, mut.device, src and src[:2], (tokens, mask))
-    after = forward(s, mut.device, src and src[:2], (changed, mask))
+    before = forward(s, src and src[:2], (tokens, mask))
+    after = forward(s, src and src[:2], (changed, mask))
     assert_same_output(after[:, : i + 1], before[:, : i + 1],
                        f"logits at positions <= {i} after changing the tokens after {i}")
 
@@ -146,8 +152,8 @@ def test_every_target_depends_on_every_source(mut, data):
     j = data.draw(st.integers(0, min(sb.real) - 1), label="source position j")
     changed = src.clone()
     changed[:, j] = other_real_tokens(src[:, j], sb.seed + 1, s)
-    before = forward(s, mut.device, (src, src_mask), (tgt, tgt_mask))
-    after = forward(s, mut.device, (changed, src_mask), (tgt, tgt_mask))
+    before = forward(s, (src, src_mask), (tgt, tgt_mask))
+    after = forward(s, (changed, src_mask), (tgt, tgt_mask))
     tol = comparison_tolerance(before)
     change = (after - before).abs().amax(dim=-1)                       # (B, Lt)
     unaffected = ((change <= tol) & tgt_mask).nonzero().tolist()
@@ -166,8 +172,8 @@ def test_permutation(mut, data):
     order = data.draw(st.permutations(range(b.length)), label="permutation")
     perm = torch.tensor(order, device=mut.device)
     assume(not torch.equal(tokens[:, perm], tokens))  # a permutation that changes the input
-    out = forward(s, mut.device, None, (tokens, mask))
-    permuted = forward(s, mut.device, None, (tokens[:, perm], mask))
+    out = forward(s, None, (tokens, mask))
+    permuted = forward(s, None, (tokens[:, perm], mask))
     if not s.positional:
         assert_same_output(permuted, out[:, perm], f"output for permuted tokens vs permuted output {order}")
         return
@@ -184,10 +190,10 @@ def test_permutation(mut, data):
 def test_batch_independence(mut, data):
     s = mut.precise
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=4)
-    together = forward(s, mut.device, src and src[:2], (tokens, mask))
+    together = forward(s, src and src[:2], (tokens, mask))
     for k in range(b.size):
         alone_src = src and (src[0][k:k + 1], src[1][k:k + 1])
-        alone = forward(s, mut.device, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
+        alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
         real = mask[k]
         assert_same_output(together[k][real], alone[0][real],
                            f"sample {k} inside a batch of {b.size} vs alone (real positions)")
@@ -209,9 +215,9 @@ def _padding_case(mut, data, left: bool):
                       if src is not None else "pads")
     k_src = data.draw(st.integers(0 if k_tgt else 1, s.max_len - src[2].length), label="pads (source)") \
         if src is not None else 0
-    before = forward(s, mut.device, src and src[:2], (tokens, mask))
+    before = forward(s, src and src[:2], (tokens, mask))
     padded_src = src and _pad(src[0], src[1], k_src, s.pad_id, left)
-    after = forward(s, mut.device, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
+    after = forward(s, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
     after = after[:, k_tgt:] if left else after[:, : b.length]
     side = "prepending" if left else "appending"
     assert_same_output(after[mask], before[mask], f"real positions after {side} {k_tgt} padded positions"
@@ -240,8 +246,8 @@ def test_left_padding(mut, data):
 def test_mask_none_means_all_real(mut, data):
     s = mut.precise
     src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
-    with_mask = forward(s, mut.device, src and src[:2], (tokens, mask))
-    without = forward(s, mut.device, src and (src[0], None), (tokens, None))
+    with_mask = forward(s, src and src[:2], (tokens, mask))
+    without = forward(s, src and (src[0], None), (tokens, None))
     assert_same_output(without, with_mask, "mask=None vs an all-True mask")
 
 
@@ -257,7 +263,7 @@ def test_eval_determinism(mut, data, seeds):
     with torch.random.fork_rng(devices=devices):  # leave the global random state as it was
         for seed in seeds:
             torch.manual_seed(seed)
-            outs.append(forward(s, mut.device, src and src[:2], tgt[:2]))
+            outs.append(forward(s, src and src[:2], tgt[:2]))
     same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])
     assert same.all(), (f"two forward passes on the same input differ at {int((~same).sum())} elements "
                         f"(max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under random seeds "
@@ -272,7 +278,7 @@ def test_output_distribution(mut, data):
     s = mut.native
     only(s, *DECODERS)
     src, (tokens, mask, _) = draw_pair(data, s, mut.device)
-    logits = forward(s, mut.device, src and src[:2], (tokens, mask))[mask]       # (real positions, V)
+    logits = forward(s, src and src[:2], (tokens, mask))[mask]       # (real positions, V)
     log_p = torch.log_softmax(logits, dim=-1)
     bad = (~torch.isfinite(log_p)).any(-1).nonzero().flatten().tolist()
     assert not bad, f"log-probabilities not finite at {len(bad)} real positions (flattened indices {bad[:5]})"
@@ -296,9 +302,9 @@ def test_autoregressive_factorisation(mut, data):
     s = mut.precise
     only(s, *DECODERS)
     src, (y, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False, max_size=2)
-    full = forward(s, mut.device, src and src[:2], (y, mask))
+    full = forward(s, src and src[:2], (y, mask))
     one_pass = _log_p(full[:, :-1], y[:, 1:])                                   # log p(y_k | y_<k), k >= 1
-    steps = torch.stack([_log_p(forward(s, mut.device, src and src[:2], (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
+    steps = torch.stack([_log_p(forward(s, src and src[:2], (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
                          for k in range(1, b.length)], dim=1)
     # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
     tol = 2 * comparison_tolerance(full)
@@ -319,7 +325,7 @@ def test_cached_decoding(mut, data):
         pytest.skip("Subject.decode_step is None: the model offers no cached incremental decoding")
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
     cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
-    full = forward(s, mut.device, src and src[:2], (tokens, mask))
+    full = forward(s, src and src[:2], (tokens, mask))
     state = None
     for start, end in zip([0, *cuts], [*cuts, b.length]):
         def step(*args):
@@ -345,7 +351,7 @@ def test_every_length_up_to_max_len(mut, data):
     length = data.draw(st.integers(1, s.max_len), label="length")
     batch = Batch(1, length, (length,), data.draw(st.integers(0, 2**16), label="seed"))
     tokens, mask = batch.tokens(s, mut.device), batch.mask(mut.device)
-    out = forward(s, mut.device, (tokens, mask) if s.kind == "encoder_decoder" else None, (tokens, mask))
+    out = forward(s, (tokens, mask) if s.kind == "encoder_decoder" else None, (tokens, mask))
     assert torch.isfinite(out).all(), f"non-finite output at length {length} <= max_len={s.max_len}"
 
 
@@ -365,7 +371,7 @@ def test_beyond_max_len(mut, data):
     src = (long if side == "source" else short, ones(long if side == "source" else short)) \
         if s.kind == "encoder_decoder" else None
     try:
-        out = forward(s, mut.device, src, (tgt, ones(tgt)))
+        out = forward(s, src, (tgt, ones(tgt)))
     except AssertionError:
         raise
     except Exception as exc:

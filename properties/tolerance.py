@@ -33,7 +33,8 @@ import torch
 
 from properties.oracle import Reference, expand_kv_heads, reference_attention, to_float64
 
-__all__ = ["unit_roundoff", "gamma", "SoftmaxBounds", "softmax_bounds", "output_bound"]
+__all__ = ["unit_roundoff", "gamma", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
+           "output_bound"]
 
 _F64 = torch.float64
 
@@ -46,6 +47,17 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 def gamma(n: int, u: float) -> float:
     """Higham's gamma_n = n u / (1 - n u): the relative error of n successive roundings."""
     return n * u / (1 - n * u) if n * u < 1 else math.inf
+
+
+def evaluation_error(s: int, dtype: torch.dtype) -> float:
+    """Step 3: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
+    return gamma(2 * s + 6, unit_roundoff(dtype)) + gamma(2 * s + 6, unit_roundoff(_F64))
+
+
+def rowsum_error(s: int, dtype: torch.dtype) -> float:
+    """Bound on |sum_j w_hat_ij - 1|: the normalization divides the exponentials it sums, so score errors
+    cancel and only the evaluation error and underflow of s weights remain."""
+    return evaluation_error(s, dtype) + s * torch.finfo(dtype).tiny
 
 
 @dataclass(frozen=True)
@@ -111,43 +123,52 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     scores, admissible = reference.scores, reference.scores > float("-inf")
     u, u64 = unit_roundoff(dtype), unit_roundoff(_F64)
 
+    # Scores may approach the dtype's largest value (ATTN-LARGE-SCORES, MASK-LOW-PRECISION): every sum
+    # below is formed so that it cannot overflow where the quantity it bounds is finite (halved gaps);
+    # an infinite exponent means a weight below exp(-finfo(float64).max), i.e. exactly 0.
     dot_error = (gamma(e + 5, u) + gamma(e + 5, u64)) * _score_magnitude(q, k, attn_mask, scale, enable_gqa)
     dot_error = torch.where(admissible, dot_error, torch.zeros_like(dot_error))
     finite_scores = torch.where(admissible, scores, torch.zeros_like(scores))
     row_max = torch.where(admissible, scores, torch.full_like(scores, -math.inf)).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    argument_error = 2 * (u + u64) * ((finite_scores - row_max).abs() + dot_error
-                                      + dot_error.amax(-1, keepdim=True))
+    half_gap = (finite_scores / 2 - row_max / 2).abs()
+    argument_error = 4 * (u + u64) * (half_gap + dot_error / 2 + dot_error.amax(-1, keepdim=True) / 2)
     delta = torch.where(admissible, dot_error + argument_error, torch.zeros_like(dot_error))
 
     # log w_j = -log(1 + sum_{l != j} exp(s_l - s_j)): written with score differences so that the
     # interval stays accurate when scores are huge and one weight is within ulps of 1.
     own = torch.eye(s, dtype=torch.bool)
     others = admissible[..., None, :] & ~own
-    difference = torch.where(others, scores[..., None, :] - finite_scores[..., :, None],
-                             torch.full_like(others, -math.inf, dtype=_F64))
+    minus_inf = torch.full(others.shape, -math.inf, dtype=_F64)
+    difference = torch.where(others, scores[..., None, :] - finite_scores[..., :, None], minus_inf)
     spread = delta[..., :, None] + delta[..., None, :]
-    lse_upper = torch.logsumexp(difference - spread, dim=-1)
-    lse_lower = torch.logsumexp(difference + spread, dim=-1)
+    # NaN (inf - inf) is replaced on the safe side: a term dropped from the sum only raises the upper
+    # bound, an infinite term only lowers the lower bound.
+    lse_upper = torch.logsumexp(torch.nan_to_num(difference - spread, nan=-math.inf), dim=-1)
+    lse_lower = torch.logsumexp(torch.nan_to_num(difference + spread, nan=math.inf), dim=-1)
     log_upper, log_lower = -_softplus(lse_upper), -_softplus(lse_lower)
     # The interval is itself evaluated in float64.  d log w_j / d(s_l - s_j) = -w_l, so rounding an
     # exponent s_l - s_j +- spread (3 operations) moves log w_j by at most 4 u64 |exponent| w_l; the
     # log-sum-exp's final addition and the softplus add 4 u64 |lse| (1 - w_j) and 4 u64 (1 + |log w_j|).
     weight_cap = log_upper.exp().clamp_max(1.0)
     others_cap = torch.where(others, weight_cap[..., None, :], torch.zeros_like(spread))
-    exponent = torch.where(others, difference.abs() + spread, torch.zeros_like(spread))
+    half_exponent = torch.where(others, difference.abs() / 2 + spread / 2, torch.zeros_like(spread))
     lse = torch.maximum(lse_upper.abs(), lse_lower.abs())
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    evaluation = 4 * u64 * ((others_cap * (exponent + lse[..., None])).sum(-1) + 1
-                            + torch.where(torch.isfinite(log_lower), log_lower.abs(), torch.zeros_like(lse)))
-    log_upper, log_lower = log_upper + evaluation, log_lower - evaluation
-    eval_error = gamma(2 * s + 6, u) + gamma(2 * s + 6, u64)
+    weighted = torch.where(others_cap > 0, others_cap * (half_exponent + lse[..., None] / 2),
+                           torch.zeros_like(spread))
+    own_size = torch.where(torch.isfinite(log_lower), log_lower.abs(), torch.zeros_like(lse))
+    evaluation = 8 * u64 * weighted.sum(-1) + 4 * u64 * (1 + own_size)
+    # A weight whose upper bound is exp(-inf) is exactly 0 whatever the evaluation error.
+    log_upper = torch.where(log_upper == -math.inf, log_upper, log_upper + evaluation)
+    log_lower = log_lower - evaluation
+    eval_error = evaluation_error(s, dtype)
     tiny = torch.finfo(dtype).tiny
     zero = torch.zeros_like(scores)
     upper = torch.where(admissible, (log_upper.exp() * (1 + eval_error)).clamp_max(1 + eval_error) + tiny, zero)
     lower = torch.where(admissible, (log_lower.exp() * (1 - eval_error) - tiny).clamp_min(0.0), zero)
     return SoftmaxBounds(reference=reference, score_error=delta, lower=lower, upper=upper,
-                         eval_error=eval_error, rowsum_error=eval_error + s * tiny, dtype=dtype, tiny=tiny)
+                         eval_error=eval_error, rowsum_error=rowsum_error(s, dtype), dtype=dtype, tiny=tiny)
 
 
 def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,

@@ -66,7 +66,9 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     scale = 1.0 / math.sqrt(e) if scale is None else scale
 
     ct = _compute_dtype(query.dtype)
-    scores = einsum(query.to(ct), key.to(ct), "... l e, ... s e -> ... l s") * scale
+    # Scale before the product: an unscaled q.k is sqrt(e) times larger than the score and can overflow
+    # where the score does not (properties/SPEC.md, ATTN-LARGE-SCORES).
+    scores = einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s")
     allowed = torch.ones(l, s, dtype=torch.bool, device=query.device)
     if is_causal:
         allowed = allowed.tril()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -158,8 +157,8 @@ def _likely_cause(difference: tuple) -> tuple[int, str]:
 class _Progress:
     """One self-rewriting line on a terminal; elsewhere (logs, pipes) only the evaluation lines."""
 
-    def __init__(self, stream=sys.stdout):
-        self.stream, self.live, self.last = stream, stream.isatty(), 0.0
+    def __init__(self, stream=sys.stdout, quiet: bool = False):
+        self.stream, self.quiet, self.live, self.last = stream, quiet, not quiet and stream.isatty(), 0.0
 
     def update(self, text: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -169,6 +168,8 @@ class _Progress:
             self.last = now
 
     def line(self, text: str) -> None:
+        if self.quiet:
+            return
         if self.live:
             self.stream.write("\r" + " " * 100 + "\r")
         print(text, file=self.stream, flush=True)
@@ -198,7 +199,7 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
     model.train()
     optimizer = make_optimizer(model, lr=opts.lr, weight_decay=opts.weight_decay)
     start = 0
-    progress = _Progress(open(os.devnull, "w") if quiet else sys.stdout)
+    progress = _Progress(quiet=quiet)
     if resume_from is not None:
         state = read_state(resume_from)
         differences = _config_differences(state["config"], config)
@@ -218,7 +219,7 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
                   f"length {data.min_len}-{data.max_len}; {opts.steps} steps of {opts.batch}; "
                   f"checkpoints in {out_dir}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    started, smoothed, result = time.monotonic(), None, None
+    started, cpu_started, smoothed, result = time.monotonic(), time.process_time(), None, None
     for step in range(start, opts.steps):
         lr = learning_rate(step, lr=opts.lr, warmup=opts.warmup, steps=opts.steps, min_lr_ratio=opts.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -247,11 +248,13 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
 
     if result is None:  # resumed at the end: nothing left to train, report the checkpoint's model
         result = evaluate(model, held_out)
-    seconds = time.monotonic() - started
+    seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
+    # CPU time too: on a shared machine the wall time also counts the waits for a free core.
     progress.line(f"held-out exact match: {100 * result['exact']:.2f}% of {result['sequences']} sequences "
                   f"(token accuracy {100 * result['token_acc']:.2f}%) after {opts.steps} steps, "
-                  f"{seconds:.1f} s")
-    return {**result, "seconds": seconds, "model": model, "out_dir": out_dir, "config": cfg}
+                  f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU)")
+    return {**result, "seconds": seconds, "cpu_seconds": cpu_seconds, "model": model, "out_dir": out_dir,
+            "config": cfg}
 
 
 def train_task(cfg: DictConfig) -> None:
