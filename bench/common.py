@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
+__all__ = ["CLOCKS", "synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
            "write_json_atomic", "default_device"]
 
 
@@ -38,19 +38,23 @@ def synchronize(device: torch.device) -> None:
         backend.synchronize()
 
 
-def _time(fn: Callable[[], object], device: torch.device, number: int = 1) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(fn: Callable[[], object], device: torch.device, number: int = 1, clock: str = "wall") -> float:
     """Seconds per call, averaged over ``number`` back-to-back calls."""
+    now = CLOCKS[clock]
     synchronize(device)
-    start = time.perf_counter()
+    start = now()
     for _ in range(number):
         fn()
     synchronize(device)
-    return (time.perf_counter() - start) / number
+    return (now() - start) / number
 
 
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 1,
                 min_repeats: int = 3, max_repeats: int = 15, budget_s: float = 5.0,
-                min_sample_s: float = 0.05) -> dict:
+                min_sample_s: float = 0.05, clock: str = "wall") -> dict:
     """Median seconds per call of each callable, measured in alternating rounds.
 
     One sample times ``number`` back-to-back calls, enough to last min_sample_s (1 for slow calls),
@@ -58,21 +62,24 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *, w
     budget_s / (time of one round), clamped to [min_repeats, max_repeats]: big cells get few
     repeats, small ones many. With warmup=0 the first round is measured and kept (for calls too
     slow to run once just to warm up).
+
+    clock="cpu" measures the process's CPU time instead of wall time: on a CPU shared with other
+    work and with one torch thread, that leaves out the time spent waiting for a core.
     """
     names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
     if warmup:
         for _ in range(warmup):
-            round_s = sum(_time(fns[name], device) for name in names)
+            round_s = sum(_time(fns[name], device, 1, clock) for name in names)
     else:  # the caller warmed up on a smaller problem: the first measured round sets the pace
         for name in names:
-            samples[name].append(_time(fns[name], device))
+            samples[name].append(_time(fns[name], device, 1, clock))
         round_s = sum(s[0] for s in samples.values())
     number = 1 if warmup == 0 else max(1, math.ceil(min_sample_s / max(round_s / len(names), 1e-9)))
     repeats = max(min_repeats, min(max_repeats, int(budget_s / max(round_s * number, 1e-9))))
     for r in range(len(samples[names[0]]), repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
-            samples[name].append(_time(fns[name], device, number))
+            samples[name].append(_time(fns[name], device, number, clock))
     return {"repeats": repeats, "calls_per_sample": number,
             "seconds": {name: statistics.median(s) for name, s in samples.items()},
             "samples": samples}
@@ -107,11 +114,13 @@ def forward_flops(family: str, *, batch: int, seq_len: int, d_model: int, d_ff: 
     raise ValueError(f"unknown family {family!r}")
 
 
-def matmul_flops_per_s(n: int, dtype: torch.dtype, device: torch.device, *, budget_s: float = 3.0) -> dict:
+def matmul_flops_per_s(n: int, dtype: torch.dtype, device: torch.device, *, budget_s: float = 3.0,
+                       clock: str = "wall") -> dict:
     """The machine's dense matmul rate: torch.mm of two n x n matrices, median of repeats."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    out = interleaved({"mm": lambda: torch.mm(a, b)}, device, warmup=2, min_repeats=3, budget_s=budget_s)
+    out = interleaved({"mm": lambda: torch.mm(a, b)}, device, warmup=2, min_repeats=3, budget_s=budget_s,
+                      clock=clock)
     seconds = out["seconds"]["mm"]
     return {"n": n, "repeats": out["repeats"], "seconds": seconds, "flops_per_s": 2 * n ** 3 / seconds}
 

@@ -34,8 +34,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cfg = compose_config(overrides(args.family, args))
-    models = {f"zoo ({args.backend} kernel)": (zoo_call, build_model(overrides(args.family, args, f"attention={args.backend}"),
-                                                                     device=device, dtype=dtype)),
+    zoo = build_model(overrides(args.family, args, f"attention={args.backend}"), device=device, dtype=dtype)
+    models = {f"zoo ({args.backend} kernel)": (zoo_call, zoo),
               "reference": (reference_call, build_reference(args.family, cfg, device=device, dtype=dtype))}
     inputs = model_inputs(args.family, cfg.vocab_size, args.batch, args.seq_len, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -27,6 +27,7 @@ def _index(flat_index: int, shape) -> tuple[int, ...]:
 def assert_within(actual, expected, bound, *, what: str = "out", reference: str = "oracle",
                   note: str = "") -> None:
     """|actual - expected| <= bound everywhere (bound: scalar or broadcastable tensor)."""
+    __tracebackhide__ = True  # pytest shows the property's line, not this helper's
     a, e = _f64(actual), _f64(expected)
     a, e = torch.broadcast_tensors(a, e)
     b = torch.broadcast_to(_f64(bound), a.shape)
@@ -52,6 +53,7 @@ def assert_within(actual, expected, bound, *, what: str = "out", reference: str 
 def assert_identical(actual, expected, *, what: str = "out", reference: str = "expected",
                      note: str = "") -> None:
     """Bitwise equality (same values, NaN only where NaN)."""
+    __tracebackhide__ = True
     a, e = _f64(actual), _f64(expected)
     a, e = torch.broadcast_tensors(a, e)
     same = (a == e) | (torch.isnan(a) & torch.isnan(e))
@@ -69,6 +71,7 @@ def assert_identical(actual, expected, *, what: str = "out", reference: str = "e
 
 def assert_all(condition: torch.Tensor, values: torch.Tensor, *, what: str, note: str = "") -> None:
     """Every entry of ``condition`` holds; otherwise report the first offending entry of ``values``."""
+    __tracebackhide__ = True
     condition = torch.as_tensor(condition).detach().cpu()
     if bool(condition.all()):
         return

@@ -56,6 +56,7 @@ class GuardedKernel:
     def __call__(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``kwargs`` go to the kernel unchanged (only those given, so minimal signatures work);
         ``nan_rows`` (bool, query shape without E) marks queries allowed to come out NaN."""
+        __tracebackhide__ = True
         call = describe_call(query, key, value, kwargs)
         try:
             out = self.fn(query, key, value, **kwargs)
@@ -81,6 +82,7 @@ class GuardedKernel:
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
         """The kernel's attention weights: its output for V = I_S (attention is linear in V)."""
+        __tracebackhide__ = True
         value = identity_values(tuple(key.shape[:-2]), key.shape[-2], key.dtype, key.device)
         return self(query, key, value, **kwargs)
 
@@ -119,6 +121,7 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
     """Call the kernel with ``contract`` (its keyword arguments) and check ATTN-ORACLE's bound.  Queries
     without an admissible key must give zeros (exactly: their bound is 0) or, with
     ``fully_masked='nan'``, NaN.  Returns (output, bounds)."""
+    __tracebackhide__ = True
     bounds = softmax_bounds(query, key, value, causal_alignment=causal_alignment, **contract)
     no_key = bounds.reference.no_key_rows
     out = kernel(query, key, value, nan_rows=no_key if fully_masked == "nan" else None, **contract)

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
-           "reinitialize", "zoo_words", "call", "inputs", "PARTS"]
+           "reinitialize", "zoo_words", "call", "inputs", "OneLine", "PARTS"]
 
 PARTS = ("attention", "ffn", "norm", "pos")
 
@@ -52,6 +52,13 @@ LAYER_SIZES = ("d_model=16", "heads=2", "d_ff=32", "layers=2", "vocab_size=16", 
 EXAMPLES = max(4, settings().max_examples // 2)
 module_settings = settings(max_examples=EXAMPLES, deadline=None,
                            suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
+
+
+class OneLine:
+    """Mixin for drawn structures: Hypothesis prints the dataclass's repr on one line."""
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))
 
 
 @dataclass(frozen=True, repr=False)
@@ -228,13 +235,15 @@ def _layer_subject(words: tuple[str, ...], name: str, device: str) -> LayerSubje
     return LayerSubject(name, str(cfg.norm_placement), int(cfg.d_model), model, enc_layers, dec_layers, pos, reason)
 
 
-def layer_params(config) -> list:
-    """pytest params: keys of layer subjects (built lazily per device by :func:`layer_subject`)."""
+def layer_params(config, placement: str | None = None) -> list:
+    """pytest params: keys of layer subjects (built lazily per device by :func:`layer_subject`); in the
+    default run only the compositions with ``norm_placement=placement`` when one is given."""
     words = zoo_words(config)
     if words is not None:
         return [pytest.param(("--zoo", tuple(words)), id="zoo")]
-    return [pytest.param((f"{'-'.join(w.split('=')[1] for w in words)}", ("model=encoder_decoder",) + words),
-                         id="-".join(w.split("=")[1] for w in words)) for words in DEFAULT_COMPOSITIONS]
+    chosen = [w for w in DEFAULT_COMPOSITIONS if placement is None or f"norm_placement={placement}" in w]
+    return [pytest.param((name, ("model=encoder_decoder",) + words), id=name)
+            for words in chosen for name in ["-".join(w.split("=")[1] for w in words)]]
 
 
 def layer_subject(key, device) -> LayerSubject:
@@ -269,3 +278,13 @@ def inputs(seed: int, stream: int, shape, dtype, device, scale: float = 1.0, shi
     """N(shift, scale²) entries from the example's seed (CPU float64), rounded to dtype, moved to device."""
     g = torch.Generator().manual_seed(seed * 1009 + stream)
     return (shift + scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The parts here are tiny: intra-op threads only add synchronisation, which on a loaded machine costs
+    more than the arithmetic (as in test_models.py). Restored afterwards. Imported by each module test file."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,12 +6,10 @@ model from Hydra overrides. Everything a user can get wrong here is a one-line `
 """
 from __future__ import annotations
 
-import copy
 import shlex
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
 from torch import nn
 
 from zoo.attention import KVCache
@@ -19,7 +17,7 @@ from zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.plugins import PluginError, load_object
 from zoo.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject", "in_float64"]
+__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject"]
 
 KINDS = ("encoder_only", "decoder_only", "encoder_decoder")
 ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
@@ -177,18 +175,3 @@ def zoo_subject(overrides: str | Sequence[str], *, device=None, dtype=None) -> S
         raise SubjectError(f"--zoo {' '.join(words)!r}: building the model raised {type(exc).__name__}: {first}") from exc
     return as_subject(model, origin="--zoo")
 
-
-def in_float64(make: Callable[[], Subject]) -> Subject | None:
-    """A fresh subject from ``make`` with its module cast to float64, or None without a module.
-
-    Fresh, because ``forward`` closes over the module: casting a copy would not reach it.
-    """
-    subject = make()
-    if subject.module is None:
-        return None
-    subject.module.to(torch.float64)  # casts floating parameters and buffers only
-    return subject
-
-
-def zoo_copy_in_float64(model: nn.Module) -> Subject:
-    return as_subject(copy.deepcopy(model).to(torch.float64))

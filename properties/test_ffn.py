@@ -17,7 +17,8 @@ from properties.assertions import assert_within
 from properties.harness import require_dtype
 from properties.model_checks import comparison_tolerance
 from properties.module_oracle import ffn_layers, ffn_oracle
-from properties.modules import call, inputs, module_settings, part_params
+from properties.modules import OneLine, call, inputs, module_settings, part_params
+from properties.modules import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from properties.strategies import dtypes, seeds
 
 
@@ -27,7 +28,7 @@ def pytest_generate_tests(metafunc):
 
 
 @dataclass(frozen=True)
-class Ffn:
+class Ffn(OneLine):
     batch: int
     l: int
     d_model: int

@@ -10,12 +10,14 @@ from properties.harness import check_against_oracle, require_dtype
 from properties.strategies import Case, cases, on, with_pinned_cases
 
 
-def skip_unless_gqa(kernel, device):
-    """Skip (with the reason) a kernel that rejects the enable_gqa keyword: an optional feature."""
+@pytest.fixture(scope="session")
+def gqa_kernel(kernel, device):
+    """The kernel, or a skip (with the reason) if it rejects the enable_gqa keyword: an optional feature."""
     q = torch.zeros(1, 2, 1, 1, device=device)
     kv = torch.zeros(1, 1, 1, 1, device=device)
     if kernel.rejects_keyword("enable_gqa", q, kv, kv, enable_gqa=True):
         pytest.skip(f"kernel {kernel.name} rejects the enable_gqa keyword (TypeError)")
+    return kernel
 
 
 def _kv_heads(case: Case, divisor_index: int) -> int:
@@ -27,9 +29,8 @@ def _kv_heads(case: Case, divisor_index: int) -> int:
 @with_pinned_cases(divisor_index=0)
 @with_pinned_cases(divisor_index=1)
 @given(case=cases(lead=2, max_dim=6), divisor_index=st.integers(0, 3))
-def test_query_head_reads_its_group_kv_head(kernel, device, case, divisor_index):
+def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case, divisor_index):
     """divisor_index picks H_kv among the divisors of H (wrapping around)."""
-    skip_unless_gqa(kernel, device)
     require_dtype(device, case.dtype)
     kv_heads = _kv_heads(case, divisor_index)
     q, _, _ = case.qkv64()
@@ -38,4 +39,4 @@ def test_query_head_reads_its_group_kv_head(kernel, device, case, divisor_index)
     k = torch.randn(b, kv_heads, case.s, case.e, generator=g, dtype=torch.float64)
     v = torch.randn(b, kv_heads, case.s, case.ev, generator=g, dtype=torch.float64)
     q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
-    check_against_oracle(kernel, q, k, v, enable_gqa=True, what=f"out (H={case.lead[1]}, H_kv={kv_heads})")
+    check_against_oracle(gqa_kernel, q, k, v, enable_gqa=True, what=f"out (H={case.lead[1]}, H_kv={kv_heads})")

@@ -15,18 +15,21 @@ from hypothesis import given, strategies as st
 from properties import clause
 from properties.assertions import assert_identical
 from properties.model_checks import assert_same_output, comparison_tolerance
-from properties.modules import inputs, layer_params, layer_subject, module_settings
+from properties.modules import OneLine, inputs, layer_params, layer_subject, module_settings
+from properties.modules import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 ENCODER_PARTS = ("self_attn", "ffn", "attn_block.norm", "ffn_block.norm")
 
 
 def pytest_generate_tests(metafunc):
     if "layer_key" in metafunc.fixturenames:
-        metafunc.parametrize("layer_key", layer_params(metafunc.config))
+        name = metafunc.function.__name__
+        placement = "post" if "post_norm" in name else "pre" if "pre_norm" in name else None
+        metafunc.parametrize("layer_key", layer_params(metafunc.config, placement))
 
 
 @dataclass(frozen=True)
-class Draw:
+class Draw(OneLine):
     batch: int
     l: int
     s: int

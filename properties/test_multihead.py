@@ -17,7 +17,8 @@ from properties.assertions import assert_within
 from properties.harness import require_dtype
 from properties.model_checks import comparison_tolerance
 from properties.module_oracle import multihead_oracle, projections, single_head_oracle
-from properties.modules import call, inputs, module_settings, part_params
+from properties.modules import OneLine, call, inputs, module_settings, part_params
+from properties.modules import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from properties.strategies import dtypes, seeds, selected_dtypes
 
 FIRST = selected_dtypes()[0]   # pinned examples use the first selected dtype (float32 unless --dtype says)
@@ -29,7 +30,7 @@ def pytest_generate_tests(metafunc):
 
 
 @dataclass(frozen=True)
-class Mha:
+class Mha(OneLine):
     """One drawn problem: batch, query length l, memory length s (cross only), heads h, key/value heads k,
     head size e (d_model = h·e), cross attention or self, right padding of the keys, causal, dtype, seed."""
     batch: int
@@ -122,7 +123,8 @@ def comparison(module, p: Mha, attention, device):
                                     is_causal=p.causal, dtype=p.dtype).error
         return module, p.dtype, bound
     module = build(attention, p, device, torch.float64)
-    return module, torch.float64, lambda out, *_: torch.tensor(comparison_tolerance(out))
+    return module, torch.float64, lambda out, x, *_: torch.full((*x.shape[:2], p.d_model), comparison_tolerance(out),
+                                                                 dtype=torch.float64)
 
 
 # ------------------------------------------------------------------------------------------- MHA-SHAPE

@@ -18,7 +18,8 @@ from properties.assertions import assert_all, assert_within
 from properties.harness import require_dtype
 from properties.model_checks import comparison_tolerance
 from properties.module_oracle import effective_u, layer_norm_oracle, layer_norm_stats, rms_norm_oracle
-from properties.modules import call, inputs, module_settings, part_params
+from properties.modules import OneLine, call, inputs, module_settings, part_params
+from properties.modules import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from properties.oracle import to_float64
 from properties.strategies import dtypes, seeds
 from properties.tolerance import gamma, unit_roundoff
@@ -46,7 +47,7 @@ def kinds(*names):
 
 
 @dataclass(frozen=True)
-class Tokens:
+class Tokens(OneLine):
     """(batch, l) tokens of d features: entries N(shift·scale, scale²) per sample, dtype, seed."""
     batch: int
     l: int

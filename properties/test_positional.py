@@ -17,7 +17,8 @@ from properties import clause
 from properties.assertions import assert_all, assert_within
 from properties.harness import require_dtype
 from properties.module_oracle import rotary_pair_error, sinusoid_error, sinusoid_table
-from properties.modules import call, inputs, module_settings, part_params
+from properties.modules import OneLine, call, inputs, module_settings, part_params
+from properties.modules import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from properties.oracle import to_float64
 from properties.strategies import dtypes, seeds
 from properties.tolerance import gamma, unit_roundoff
@@ -38,7 +39,7 @@ def pytest_generate_tests(metafunc):
 
 
 @dataclass(frozen=True)
-class Table:
+class Table(OneLine):
     """Codes for d features (even) and positions [offset, offset + l) of a module with max_len."""
     d: int
     max_len: int
@@ -167,7 +168,7 @@ def test_shift_is_a_rotation(pos, device, p, data):
 
 # ---------------------------------------------------------------------------------- POS-ROTARY-RELATIVE
 @dataclass(frozen=True)
-class Rotary:
+class Rotary(OneLine):
     batch: int
     heads: int
     e: int

@@ -1,23 +1,25 @@
 """Rounding-error bounds for attention, derived from the standard model of floating-point arithmetic.
 
-Model (SPEC.md, "Tolerance model"): the kernel's inputs are exact in the tested dtype; every operation it
-performs is rounded with unit roundoff at most u = eps(dtype) / 2 (a kernel that accumulates in a wider
-type only does better); ``exp`` is accurate to 2 ulps (4u; libm, SLEEF and GPU ``ex2.approx`` all are).
-With gamma(n) = n u / (1 - n u) (Higham, *Accuracy and Stability of Numerical Algorithms*, 3.1):
+Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them):
 
-1. Scores.  A dot product of length E, the scale (rounded, applied once or as sqrt(scale) to both sides)
+1. Model.  The kernel's inputs are exact in the tested dtype; every operation it performs is rounded
+   with unit roundoff at most u = eps(dtype) / 2 (a kernel that accumulates in a wider type only does
+   better); ``exp`` is accurate to 2 ulps (4u; libm, SLEEF and GPU ``ex2.approx`` all are).  gamma(n) =
+   n u / (1 - n u) bounds n successive roundings (Higham, *Accuracy and Stability of Numerical
+   Algorithms*, 3.1).
+2. Scores.  A dot product of length E, the scale (rounded, applied once or as sqrt(scale) to both sides)
    and the float mask cost at most E + 5 roundings: |s_hat - s| <= gamma(E + 5) * (scale * sum_e |q_e k_e|
    + |mask|).  Subtracting a running maximum (or multiplying by log2 e) before ``exp`` moves the argument
    by at most 2u * (|s - max s| + the score errors).  Call the sum of both ``score_error`` (delta).
-2. Softmax of perturbed scores.  Softmax is increasing in its own score and decreasing in the others, so
+3. Softmax of perturbed scores.  Softmax is increasing in its own score and decreasing in the others, so
    every weight computed from scores within +-delta lies in
        [exp(s_j - d_j) / (exp(s_j - d_j) + sum_{l != j} exp(s_l + d_l)),
         exp(s_j + d_j) / (exp(s_j + d_j) + sum_{l != j} exp(s_l - d_l))]
    (evaluated in log space, so huge scores stay informative: a large gap keeps the interval one-hot).
-3. Evaluation.  ``exp`` (4u), the row sum and the rescaling of an online (flash) softmax (2S roundings in
+4. Evaluation.  ``exp`` (4u), the row sum and the rescaling of an online (flash) softmax (2S roundings in
    numerator and denominator together), the division and the rounding to the dtype change a weight by a
    factor within 1 +- gamma(2S + 6).  A weight may also underflow: +- finfo.tiny absolute.
-4. Output.  sum_j w_j v_j costs gamma(S + 2) * sum_j w_j |v_j| (S products, S - 1 sums, the final
+5. Output.  sum_j w_j v_j costs gamma(S + 2) * sum_j w_j |v_j| (S products, S - 1 sums, the final
    rounding to the dtype).
 
 The oracle itself runs in float64, so the same model with u = 2^-53 is added on top: for float64 inputs
@@ -50,7 +52,7 @@ def gamma(n: int, u: float) -> float:
 
 
 def evaluation_error(s: int, dtype: torch.dtype) -> float:
-    """Step 3: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
+    """Step 4: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
     return gamma(2 * s + 6, unit_roundoff(dtype)) + gamma(2 * s + 6, unit_roundoff(_F64))
 
 
@@ -65,10 +67,10 @@ class SoftmaxBounds:
     """Oracle and error intervals for the weights of one attention call (all float64, CPU)."""
 
     reference: Reference        # the oracle (scores, weights, output)
-    score_error: torch.Tensor   # (..., l, s) delta of step 1, tested dtype plus the oracle's float64
+    score_error: torch.Tensor   # (..., l, s) delta of step 2, tested dtype plus the oracle's float64
     lower: torch.Tensor         # (..., l, s) every correctly computed weight is >= lower ...
     upper: torch.Tensor         # ... and <= upper; both are exactly 0 where a key is not admissible
-    eval_error: float           # step 3: relative error of evaluating the softmax (both precisions)
+    eval_error: float           # step 4: relative error of evaluating the softmax (both precisions)
     rowsum_error: float         # bound on |sum_j w_hat_ij - 1| for a row with an admissible key
     dtype: torch.dtype
     tiny: float                 # underflow slack per weight
@@ -173,7 +175,7 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
 
 def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
                  weight_factor: float = 1.0) -> torch.Tensor:
-    """Elementwise bound on |kernel output - oracle output| (step 4 of the module docstring).
+    """Elementwise bound on |kernel output - oracle output| (step 5 of the module docstring).
 
     ``weight_factor`` scales every weight (dropout's 1/(1-p)); ``extra_roundings`` counts further
     roundings per weight (dropout's rescale).

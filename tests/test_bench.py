@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a directory of the repository, not an installed package
 
 from bench.common import forward_flops, interleaved  # noqa: E402
+from bench.report import markdown  # noqa: E402
 from bench.run import FAMILIES, TOY  # noqa: E402
 from zoo.build import build_model, compose_config  # noqa: E402
 
@@ -82,3 +83,5 @@ def test_bench_command_writes_json(tmp_path):
     assert "suite" not in results
     for target in results["targets"]:
         assert set(target) >= {"target", "value", "met"}
+    table = markdown(results)  # the README's tables
+    assert "| family |" in table and "| greedy decoding |" in table

@@ -141,6 +141,8 @@ def generate_task(cfg: DictConfig) -> None:
     mode = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature}, top_k {opts.top_k}"
     print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, "
           f"{'with' if opts.cache else 'without'} KV cache")
+    if opts.prompt and int(lengths[0]) < data.min_len:
+        print(f"  (the prompt is shorter than any the model was trained on: {data.min_len}-{data.max_len} symbols)")
     right = 0
     for i, tokens in enumerate(outputs):
         want = expected[i][: int(lengths[i])].tolist() + [EOS]

@@ -97,9 +97,11 @@ class RotaryPositions(_Positions):
     def rotate(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         l, e = t.shape[-2], t.shape[-1]
         self._check_length(offset + l)
-        position = torch.arange(offset, offset + l, device=t.device, dtype=torch.float32)
-        inverse_frequency = self.base ** (-torch.arange(0, e, 2, device=t.device, dtype=torch.float32) / e)
+        compute = torch.promote_types(t.dtype, torch.float32)  # half-precision angles lose whole radians
+        position = torch.arange(offset, offset + l, device=t.device, dtype=compute)
+        inverse_frequency = self.base ** (-torch.arange(0, e, 2, device=t.device, dtype=compute) / e)
         angle = repeat(torch.outer(position, inverse_frequency), "l j -> l (two j)", two=2)
-        first, second = rearrange(t.float(), "... (two j) -> two ... j", two=2)
+        wide = t.to(compute)
+        first, second = rearrange(wide, "... (two j) -> two ... j", two=2)
         rotated_half = torch.cat([-second, first], dim=-1)
-        return (t.float() * angle.cos() + rotated_half * angle.sin()).to(t.dtype)
+        return (wide * angle.cos() + rotated_half * angle.sin()).to(t.dtype)
