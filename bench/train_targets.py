@@ -23,9 +23,11 @@ from zoo.train import train
 
 GOAL, BUDGET_S = 0.99, 180.0
 
-# Why these settings: dropout 0 (endless fresh data, nothing to regularise), pre-norm (stable at a
-# high learning rate), learned positions for the decoder-only model (reversal is a position lookup:
-# answer position q reads prompt position 2*sep - q - 1, which learned positions let it memorise).
+# Why these settings: dropout 0 (endless fresh data, nothing to regularise); pre-norm (stable at a high
+# learning rate); for reverse, learned positions (reversal is a position lookup: answer position q reads
+# prompt position 2*sep - q - 1; sinusoidal positions drown the 0.02-scale GPT-style token embeddings)
+# and three layers, which learn it several times faster per step than two; for sort, batch 128 at 2e-3,
+# steadier than batch 64 at 3e-3 for the same CPU time (99.95% against 99.2% on seed 1).
 TARGETS = {
     "reverse": ["model=decoder_only", "data=reverse", "d_model=64", "heads=4", "layers=3", "d_ff=256",
                 "norm_placement=pre", "pos=learned", "dropout=0", "attention=torch", "task=train",
@@ -33,8 +35,8 @@ TARGETS = {
                 "task.eval_every=500", "task.eval_batches=16", "task.checkpoint_every=1500"],
     "sort": ["model=encoder_decoder", "data=sort", "d_model=64", "heads=4", "layers=2", "d_ff=256",
              "norm_placement=pre", "dropout=0", "attention=torch", "task=train",
-             "task.steps=2500", "task.batch=64", "task.lr=3e-3", "task.warmup=100",
-             "task.eval_every=500", "task.eval_batches=16", "task.checkpoint_every=2500"],
+             "task.steps=1500", "task.batch=128", "task.lr=2e-3", "task.warmup=100",
+             "task.eval_every=500", "task.eval_batches=8", "task.checkpoint_every=1500"],
 }
 
 

@@ -39,6 +39,8 @@ _PHASES = tuple(p for p in Phase if p != Phase.explain)
 settings.register_profile("default", max_examples=12, deadline=None, phases=_PHASES)
 settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True, print_blob=True)
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=400)
+# `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
+settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=3)
 settings.load_profile("default")  # Hypothesis' pytest plugin loads --hypothesis-profile after this
 
 _KERNELS = pytest.StashKey[list]()
@@ -166,17 +168,33 @@ def _message(report) -> str:
     return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
 
 
+def _counterexample(report) -> str:
+    """Hypothesis' minimal failing input ("Falsifying example: test(case=..., ...)"), as one line."""
+    text = str(report.longrepr)
+    starts = [i for i in (text.find("Falsifying example:"), text.find("Failing explicit example:")) if i >= 0]
+    if not starts:
+        return ""
+    parts = []
+    for line in text[min(starts):].splitlines():
+        line = line.removeprefix("E").strip()
+        parts.append(line)
+        if line == ")" or (len(parts) == 1 and line.endswith(")")):
+            break
+    return " ".join(" ".join(parts).replace("( ", "(").replace(", )", ")").split())
+
+
 def pytest_runtest_logreport(report):
     ids = getattr(report, "clauses", None)
     if not ids:
         return
     record = _records.setdefault(report.nodeid, {"clauses": ids, "status": "passed", "duration_s": 0.0,
-                                                "message": ""})
+                                                "message": "", "counterexample": ""})
     record["duration_s"] += report.duration
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
             record["status"], record["message"] = status, _message(report)
+            record["counterexample"] = _counterexample(report)
     elif report.skipped and record["status"] == "passed":
         record["status"], record["message"] = "skipped", _message(report)
 
@@ -187,7 +205,8 @@ def pytest_sessionfinish(session):
         return
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "status": r["status"], "nodeid": nodeid,
-             "duration_s": round(r["duration_s"], 6), "message": r["message"]}
+             "duration_s": round(r["duration_s"], 6), "message": r["message"],
+             "counterexample": r["counterexample"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,8 @@ def rescale_keys(q: torch.Tensor, k: torch.Tensor, scale: float, target: float, 
     if current == 0 or largest == 0:
         return k
     log_factor = min(math.log2(target) - math.log2(current), math.log2(limit) - math.log2(largest))
-    return k * 2.0**log_factor
+    half = log_factor / 2  # tiny keys may need a factor beyond float64's range; its square root is not
+    return k * 2.0**half * 2.0**half
 
 
 def huge_values(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

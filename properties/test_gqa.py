@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from properties import clause
 from properties.harness import check_against_oracle, require_dtype
-from properties.strategies import Case, cases, on, with_pinned_cases
+from properties.strategies import cases, gaussian, on, with_pinned_cases
 
 
 @pytest.fixture(scope="session")
@@ -20,23 +20,15 @@ def gqa_kernel(kernel, device):
     return kernel
 
 
-def _kv_heads(case: Case, divisor_index: int) -> int:
-    divisors = [d for d in range(1, case.lead[1] + 1) if case.lead[1] % d == 0]
-    return divisors[divisor_index % len(divisors)]
-
-
 @clause("GQA-HEADS")
-@with_pinned_cases(divisor_index=0)
-@with_pinned_cases(divisor_index=1)
-@given(case=cases(lead=2, max_dim=6), divisor_index=st.integers(0, 3))
-def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case, divisor_index):
-    """divisor_index picks H_kv among the divisors of H (wrapping around)."""
+@with_pinned_cases(n_lead=1, kv_heads=2, group=2)  # the smallest shape where head i's kv head is observable
+@given(case=cases(lead=1), kv_heads=st.integers(1, 3), group=st.integers(1, 3))
+def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case, kv_heads, group):
+    """case.lead is the batch; the query has kv_heads * group heads, key and value kv_heads."""
     require_dtype(device, case.dtype)
-    kv_heads = _kv_heads(case, divisor_index)
-    q, _, _ = case.qkv64()
-    g = case.generator(1)
-    b = case.lead[0]
-    k = torch.randn(b, kv_heads, case.s, case.e, generator=g, dtype=torch.float64)
-    v = torch.randn(b, kv_heads, case.s, case.ev, generator=g, dtype=torch.float64)
+    g = case.generator()
+    (b,), h = case.lead, kv_heads * group
+    q = gaussian(g, b, h, case.l, case.e)
+    k, v = gaussian(g, b, kv_heads, case.s, case.e), gaussian(g, b, kv_heads, case.s, case.ev)
     q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
-    check_against_oracle(gqa_kernel, q, k, v, enable_gqa=True, what=f"out (H={case.lead[1]}, H_kv={kv_heads})")
+    check_against_oracle(gqa_kernel, q, k, v, enable_gqa=True, what=f"out (H={h}, H_kv={kv_heads})")

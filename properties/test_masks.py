@@ -13,7 +13,7 @@ from properties.harness import check_against_oracle, require_dtype
 from properties.oracle import to_float64
 from properties.strategies import (cases, huge_values, on, random_bool_mask, rescale_keys,
                                    with_pinned_cases)
-from properties.tolerance import output_bound, softmax_bounds
+from properties.tolerance import output_bound
 
 densities = st.floats(0.0, 1.0)
 mask_kinds = st.sampled_from(["bool", "float"])

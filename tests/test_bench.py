@@ -1,9 +1,11 @@
 """The benchmark machinery at toy sizes: it runs, and its JSON has the promised structure. No timing asserts."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # bench/ is a directory of the repository, not an
 
 from bench.common import forward_flops, interleaved  # noqa: E402
 from bench.report import markdown  # noqa: E402
-from bench.run import FAMILIES, TOY  # noqa: E402
+from bench.run import FAMILIES, TOY, bench_mutation  # noqa: E402
 from zoo.build import build_model, compose_config  # noqa: E402
 
 
@@ -53,7 +55,7 @@ def test_bench_command_writes_json(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--toy", "--device", "cpu", "--threads", "1", "--dtypes", "float32",
          "--lengths", "16", "--batch", "1", "--new-tokens", "4", "--prompt", "3", "--matmul-n", "64",
-         "--parts", "models,kernel,decode,mutation", "--out", str(out)],
+         "--parts", "models,kernel,decode", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "targets" in done.stdout
@@ -79,9 +81,20 @@ def test_bench_command_writes_json(tmp_path):
     assert all(set(c["ratio"]) == {"zoo_torch", "zoo_math"} for c in results["kernel"])
     (decode,) = results["decode"]
     assert decode["new_tokens"] == 4 and decode["speedup"] > 0 and decode["same_tokens"] is True
-    assert results["mutation"]["available"] in (True, False)
-    assert "suite" not in results
+    assert "suite" not in results and "mutation" not in results
     for target in results["targets"]:
         assert set(target) >= {"target", "value", "met"}
     table = markdown(results)  # the README's tables
     assert "| family |" in table and "| greedy decoding |" in table
+
+
+def test_mutation_hook(monkeypatch):
+    absent = bench_mutation(modules=("no_such_module_here",), fallback=False)
+    assert absent["available"] is False and "first_failure_times" in absent["reason"]
+    fake = types.ModuleType("fake_mutation_report")
+    fake.first_failure_times = lambda: {"a": 0.5, "b": 1.5, "c": None, "d": 3.0}
+    monkeypatch.setitem(sys.modules, "fake_mutation_report", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "fake_mutation_report" else None)
+    found = bench_mutation(modules=("fake_mutation_report",), fallback=False)
+    assert found["available"] and found["mutants"] == 4 and found["caught"] == 3
+    assert found["median_first_failure_seconds"] == 1.5

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 import torch
@@ -27,6 +28,17 @@ def _exit_with(error: Exception) -> None:
     sys.exit(2)
 
 
+def _verify(cfg: DictConfig, model, profile: str) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from zoo.verify import verify
+
+    runtime = HydraConfig.get()
+    status = verify(cfg, list(runtime.overrides.task), dict(runtime.runtime.choices),
+                    Path(runtime.runtime.output_dir), profile=profile, model=model)
+    if status:
+        sys.exit(status)
+
+
 def run(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     model = model_from_config(cfg)
@@ -36,7 +48,16 @@ def run(cfg: DictConfig) -> None:
     out, seconds = timed_forward(model, inputs)
     shapes = " + ".join(str(tuple(t.shape)) for t in inputs)
     print(f"\nforward    {shapes} -> {tuple(out.shape)} {str(out.dtype).removeprefix('torch.')} "
-          f"in {seconds * 1e3:.1f} ms (eval, no grad)")
+          f"in {seconds * 1e3:.1f} ms (eval, no grad)\n")
+    if cfg.task.verify:
+        _verify(cfg, model, cfg.task.profile)
+
+
+def verify_task(cfg: DictConfig) -> None:
+    torch.manual_seed(cfg.seed)
+    model = model_from_config(cfg)
+    print(model_card(cfg, model) + "\n")
+    _verify(cfg, model, cfg.task.profile)
 
 
 def summary(cfg: DictConfig) -> None:
@@ -60,7 +81,7 @@ def compare(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-TASKS = {"compare": compare, "run": run, "summary": summary, "train": train_task, "generate": generate_task}
+TASKS = {"verify": verify_task, "compare": compare, "run": run, "summary": summary, "train": train_task, "generate": generate_task}
 
 
 @hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")

@@ -105,6 +105,7 @@ def _save(figure, path: Path) -> None:
     os.close(handle)
     try:
         figure.savefig(temporary, dpi=110, bbox_inches="tight")
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; a report's picture is not
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

@@ -58,11 +58,23 @@ class ZooSchema:
     data: Any = MISSING  # conf/data: the synthetic task that task=train and task=generate use
 
 
+PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/conftest.py
+
+
 @dataclass
 class RunTask:
     name: str = "run"
     batch: int = 2
     seq_len: int = 32
+    verify: bool = True         # then a quick verification of the assembled model (task=verify does it fully)
+    profile: str = "quick"
+
+
+@dataclass
+class VerifyTask:
+    """Options of task=verify (zoo/verify.py): the Hypothesis profile the suite runs with."""
+    name: str = "verify"
+    profile: str = "default"
 
 
 @dataclass
@@ -117,7 +129,7 @@ class CompareTask:
     padding: bool = True
 
 
-TASK_SCHEMAS: dict[str, type] = {"compare": CompareTask, "run": RunTask, "summary": SummaryTask, "train": TrainTask,
+TASK_SCHEMAS: dict[str, type] = {"verify": VerifyTask, "compare": CompareTask, "run": RunTask, "summary": SummaryTask, "train": TrainTask,
                                  "generate": GenerateTask}
 
 
@@ -261,6 +273,8 @@ def validate(cfg: DictConfig) -> None:
         key = getattr(exc, "full_key", "") or "task"
         _fail(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
               str(exc).splitlines()[0])
+    if "profile" in allowed and cfg.task.profile not in PROFILES:
+        _fail("task.profile", cfg.task.profile, f"unknown profile (allowed: {', '.join(PROFILES)})")
     for f in fields(schema):
         if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
             _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")

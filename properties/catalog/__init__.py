@@ -1,0 +1,196 @@
+"""The bug catalog: deliberately broken implementations, one realistic bug each, and the correct ones.
+
+``CATALOG`` lists every broken implementation at three levels — kernels (``kernels.py``, SDPA signature,
+plugged in with ``--kernel``), modules (``modules.py``, zoo parts replaced through ``_target_`` with
+``--zoo``) and models (``models.py``, factories for ``--model``) — with its mechanism and the spec clauses
+(``properties/SPEC.md``) whose statements it violates. ``CORRECT`` lists implementations that must pass
+with zero failures. ``python -m properties.mutation_report`` runs the suite on all of them;
+``tests/test_catalog.py`` checks the same in CI.
+
+    pytest properties/ --kernel properties.catalog.kernels:causal_off_by_one
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "by_name"]
+
+LEVELS = ("kernel", "module", "model")
+_K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "properties.catalog.models"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One implementation under test, plugged in as a user would: ``pytest properties/ OPTION ARGUMENT``.
+
+    level: kernel | module | model — which clauses concern it (the suite's kernel, module or model tests).
+    expected: clause IDs whose statements the bug violates (empty for a correct implementation).
+    """
+    name: str
+    level: str
+    mechanism: str
+    expected: tuple[str, ...]
+    option: str       # --kernel | --zoo | --model
+    argument: str
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise ValueError(f"Entry {self.name}: level {self.level!r} not in {LEVELS}")
+        if self.option not in ("--kernel", "--zoo", "--model"):
+            raise ValueError(f"Entry {self.name}: option {self.option!r}")
+
+    @property
+    def needs_source_tree(self) -> bool:
+        """An ``examples/file.py:factory`` path: only available in a checkout of the repository."""
+        return self.argument.split(":")[0].endswith(".py")
+
+    def resolved_argument(self, root: Path | None) -> str | None:
+        """The argument with a relative ``.py`` path made absolute against ``root`` (None if absent)."""
+        if not self.needs_source_tree:
+            return self.argument
+        path, _, name = self.argument.rpartition(":")
+        if root is None or not (root / path).is_file():
+            return None
+        return f"{root / path}:{name}"
+
+
+def _kernel(name, mechanism, *expected):
+    return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_K}:{name}")
+
+
+def _module(name, mechanism, overrides, *expected):
+    return Entry(name, "module", mechanism, expected, "--zoo", overrides)
+
+
+def _model(name, mechanism, *expected):
+    return Entry(name, "model", mechanism, expected, "--model", f"{_Z}:{name}")
+
+
+CATALOG: list[Entry] = [
+    # ------------------------------------------------------------------------------------------ kernels
+    _kernel("softmax_over_queries", "softmax normalizes over the query axis (dim=-2), not the keys",
+            "ATTN-ROWSUM", "ATTN-ORACLE"),
+    _kernel("scale_missing", "the 1/sqrt(d_k) factor forgotten (scale=None treated as 1)",
+            "SCALE-DEFAULT", "SCALE-VARIANCE", "ATTN-ORACLE"),
+    _kernel("scale_inverted", "multiplies by sqrt(d_k) instead of dividing",
+            "SCALE-DEFAULT", "SCALE-VARIANCE", "ATTN-ORACLE"),
+    _kernel("scale_applied_twice", "q pre-scaled and the scores scaled again: sigma^2 = 1/d_k",
+            "SCALE-DEFAULT", "SCALE-EXPLICIT", "SCALE-VARIANCE", "ATTN-ORACLE"),
+    _kernel("scale_by_model_width", "divides by sqrt(d_model) = sqrt(H*E) instead of sqrt(d_k)",
+            "SCALE-DEFAULT", "ATTN-ORACLE"),
+    _kernel("scale_by_value_width", "divides by sqrt(d_v) (value.size(-1)) instead of sqrt(d_k)",
+            "SCALE-DEFAULT", "ATTN-ORACLE"),
+    _kernel("scale_by_head_count", "head size read from dim 1, the head count in (B, H, L, E)",
+            "SCALE-DEFAULT", "ATTN-ORACLE"),
+    _kernel("scale_argument_ignored", "the scale= keyword accepted and ignored (always 1/sqrt(E))",
+            "SCALE-EXPLICIT"),
+    _kernel("scores_in_input_dtype", "(q @ k^T) * scale in the input dtype, no upcast: the unscaled product overflows",
+            "ATTN-LARGE-SCORES"),
+    _kernel("softmax_without_max", "exp(s)/sum exp(s) without subtracting the row max: overflow to inf/inf = NaN",
+            "ATTN-LARGE-SCORES", "ATTN-SHIFT-INVARIANT"),
+    _kernel("causal_off_by_one", "causal mask tril(diagonal=1): each query also sees the next key",
+            "CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT"),
+    _kernel("causal_ignored", "is_causal accepted and never applied",
+            "CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT"),
+    _kernel("causal_bottom_right", "causal diagonal aligned bottom-right (FlashAttention >= 2.1) under PyTorch's top-left contract",
+            "CAUSAL-ALIGNMENT", "CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE"),
+    _kernel("bool_mask_inverted", "bool mask read as True = masked (nn.MultiheadAttention's polarity)",
+            "MASK-BOOL", "MASK-BOOL-FLOAT", "MASK-NO-INFLUENCE", "MASK-BROADCAST"),
+    _kernel("float_mask_ignored", "only bool masks handled: an additive float mask is dropped",
+            "MASK-FLOAT-ADDITIVE", "MASK-BOOL-FLOAT", "MASK-LOW-PRECISION", "MASK-BROADCAST"),
+    _kernel("mask_after_softmax", "masked weights zeroed after the softmax: rows no longer sum to 1",
+            "MASK-BOOL", "MASK-BOOL-FLOAT", "ATTN-ROWSUM", "CAUSAL-ALIGNMENT", "MASK-BROADCAST"),
+    _kernel("fully_masked_rows_nan", "plain softmax over an all -inf row: NaN instead of zeros",
+            "MASK-FULLY-MASKED"),
+    _kernel("finite_mask_fill", "-1e4 added to masked scores (BERT's extended mask) instead of -inf: masked keys keep weight",
+            "MASK-NO-INFLUENCE", "CAUSAL-NO-FUTURE", "MASK-FULLY-MASKED"),
+    _kernel("dropout_always_on", "dropout with a fixed p = 0.1 whatever dropout_p says (also at inference)",
+            "DROPOUT-OFF", "DROPOUT-RATE", "ATTN-ORACLE"),
+    _kernel("dropout_not_rescaled", "kept weights not rescaled by 1/(1 - p): the expected output shrinks",
+            "DROPOUT-EXPECTATION"),
+    _kernel("batch_and_heads_mixed", "k, v flattened head-major, q batch-major: slices attend to other slices' keys",
+            "ATTN-SLICE-INDEPENDENT", "ATTN-ORACLE"),
+    _kernel("flash_attention_tiles_dropped", "tiled online softmax with S // block key tiles: the last partial tile is lost",
+            "ATTN-ORACLE", "ATTN-ROWSUM"),
+    _kernel("gqa_heads_tiled", "kv heads expanded with repeat (head i mod H_kv), not repeat_interleave",
+            "GQA-HEADS"),
+    _kernel("output_in_compute_dtype", "the float32 accumulator returned for half inputs (cast back forgotten)",
+            "ATTN-SHAPE"),
+    # ------------------------------------------------------------------------------------------ modules
+    _module("split_heads_without_transpose", "heads split with view(b, h, l, e) instead of view(b, l, h, e).transpose",
+            f"attention._target_={_M}.SplitHeadsWithoutTranspose", "MHA-ORACLE", "MHA-PERMUTATION"),
+    _module("merge_heads_transposed", "heads merged as (e h) while split as (h e): W^O reads the wrong columns",
+            f"attention._target_={_M}.MergeHeadsTransposed", "MHA-ORACLE"),
+    _module("gqa_heads_interleaved", "grouped kv heads tiled (head i mod k) instead of repeat_interleave (i // g)",
+            f"attention._target_={_M}.GqaHeadsInterleaved", "MHA-GQA"),
+    _module("attention_scale_by_model_width", "the module passes scale = 1/sqrt(d_model) instead of 1/sqrt(d_model/h)",
+            f"attention._target_={_M}.ScaleByModelWidth", "MHA-ORACLE", "MHA-SINGLE-HEAD"),
+    _module("layernorm_over_positions", "LayerNorm statistics over the positions (dim 1), not each token's features",
+            f"norm._target_={_M}.LayerNormOverPositions", "NORM-PER-TOKEN", "NORM-STANDARDIZE"),
+    _module("ffn_without_activation", "the activation between the two linear maps forgotten",
+            f"ffn._target_={_M}.FeedForwardWithoutActivation", "FFN-FORMULA"),
+    _module("gelu_tanh_for_exact", "GELU's tanh approximation where the config says exact GELU",
+            f"ffn=gelu ffn._target_={_M}.GeluTanhForExact", "FFN-FORMULA"),
+    _module("sin_cos_swapped", "cos on the even features and sin on the odd ones",
+            f"pos._target_={_M}.SinCosSwapped", "POS-SINUSOID-FORMULA"),
+    _module("frequency_exponent_doubled", "exponent 2*(2i)/d: the even index arange(0, d, 2) doubled again",
+            f"pos._target_={_M}.FrequencyExponentDoubled", "POS-SINUSOID-FORMULA", "POS-SINUSOID-WAVELENGTHS"),
+    _module("residual_missing", "post-norm sub-layers without the residual: Norm(Sublayer(x))",
+            f"model=encoder_decoder model._target_={_M}.NoResidualEncoderDecoder", "LAYER-RESIDUAL",
+            "LAYER-POST-NORM"),
+    _module("residual_of_normed_input", "pre-norm residual carries the normalized input: h = Norm(x); h + Sublayer(h)",
+            f"model=encoder_decoder norm_placement=pre model._target_={_M}.NormedResidualEncoderDecoder",
+            "LAYER-PRE-NORM", "LAYER-RESIDUAL"),
+    # ------------------------------------------------------------------------------------------- models
+    _model("no_causal_mask", "the decoder's self-attention never receives is_causal",
+           "MODEL-CAUSAL", "MODEL-FACTORISATION", "MODEL-KV-CACHE"),
+    _model("causal_mask_dropped_with_padding", "the causal mask is built only without a padding mask (one condition lost)",
+           "MODEL-CAUSAL", "MODEL-PADDING", "MODEL-KV-CACHE"),
+    _model("query_padding_mask", "the padding mask applied to the queries (output rows) instead of the keys",
+           "MODEL-PADDING", "MODEL-BATCH"),
+    _model("padding_mask_inverted", "padding mask passed in torch.nn's polarity (True = ignore): real keys masked",
+           "MODEL-PADDING", "MODEL-BATCH"),
+    _model("cross_attends_to_decoder", "cross-attention attends over the decoder's own states, not the encoder's",
+           "MODEL-DEPENDENCE"),
+    _model("memory_padding_mask_dropped", "cross-attention called without the source padding mask",
+           "MODEL-PADDING", "MODEL-BATCH"),
+    _model("dropout_in_eval", "F.dropout(..., training=True) hard-coded: dropout active in eval mode",
+           "MODEL-DETERMINISM"),
+    _model("batch_statistics_norm", "BatchNorm-style statistics over the batch and positions instead of per token",
+           "MODEL-BATCH", "MODEL-PADDING"),
+    _model("cache_offset_ignored", "positions restart at 0 in every cached decoding step (offset ignored)",
+           "MODEL-KV-CACHE"),
+    _model("positions_not_added", "position codes computed but never added to the embeddings",
+           "MODEL-PERMUTATION"),
+]
+
+_MHA = "properties.catalog.correct.TorchMultiheadAttention"
+CORRECT: list[Entry] = [
+    Entry("F.scaled_dot_product_attention", "kernel", "PyTorch's SDPA", (), "--kernel",
+          "torch.nn.functional:scaled_dot_product_attention"),
+    Entry("zoo math", "kernel", "the zoo's einsum kernel", (), "--kernel", "math"),
+    Entry("zoo torch", "kernel", "the zoo's backend calling F.scaled_dot_product_attention", (), "--kernel", "torch"),
+    Entry("stepwise", "kernel", "correct.StepwiseAttention (the broken kernels' base)", (), "--kernel",
+          "properties.catalog.correct:stepwise_attention"),
+    Entry("flash", "kernel", "FlashAttention's tiled online softmax in plain torch", (), "--kernel",
+          "properties.catalog.correct:flash_attention"),
+    Entry("flash in the zoo", "module", "the zoo's attention on the flash kernel", (), "--zoo",
+          "attention.kernel=properties.catalog.correct:flash_attention"),
+    Entry("nn.MultiheadAttention", "module", "torch.nn.MultiheadAttention as the zoo's attention", (), "--zoo",
+          f"attention._target_={_MHA} ~attention.kernel ~attention.kv_heads"),
+    Entry("nn.MultiheadAttention (enc-dec)", "module", "torch.nn.MultiheadAttention in an encoder-decoder", (),
+          "--zoo", f"model=encoder_decoder attention._target_={_MHA} ~attention.kernel ~attention.kv_heads"),
+    Entry("nn.TransformerEncoder", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:encoder"),
+    Entry("nn.Transformer", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:transformer"),
+    Entry("HF GPT-2", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:gpt2"),
+    Entry("HF BERT", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bert"),
+    Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
+]
+
+
+def by_name(name: str) -> Entry:
+    for entry in CATALOG + CORRECT:
+        if entry.name == name:
+            return entry
+    raise KeyError(name)

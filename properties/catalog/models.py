@@ -1,0 +1,183 @@
+"""Broken models, one realistic bug each: factories for ``--model`` (no arguments, returning a zoo model).
+
+    pytest properties/ -m model --model properties.catalog.models:causal_mask_dropped_with_padding
+
+Every factory is the tiny zoo model (d_model 32, 2 heads, 2 layers, vocabulary 64, max_len 16) with one part
+replaced by a subclass that changes one line. ``properties.catalog.CATALOG`` lists them with the clauses
+expected to catch them.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from zoo.attention import MultiHeadAttention
+from zoo.ffn import FeedForward
+from zoo.layers import DecoderLayer
+from zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly
+from zoo.norm import LayerNorm
+from zoo.positional import SinusoidalPositions
+
+__all__ = ["D", "HEADS", "VOCAB", "MAX_LEN", "parts", "NoCausalMask", "CausalDroppedWithPadding",
+           "QueryPaddingMask", "PaddingMaskInverted", "SelfInsteadOfCross", "DropoutInEval", "BatchStatisticsNorm",
+           "PositionsNotAdded", "CacheOffsetIgnored",
+           "no_causal_mask", "causal_mask_dropped_with_padding", "query_padding_mask", "padding_mask_inverted",
+           "cross_attends_to_decoder", "memory_padding_mask_dropped", "dropout_in_eval", "batch_statistics_norm",
+           "cache_offset_ignored", "positions_not_added"]
+
+D, HEADS, VOCAB, MAX_LEN = 32, 2, 64, 16
+
+
+def parts(attention=MultiHeadAttention, ffn=FeedForward, pos=SinusoidalPositions, norm=LayerNorm) -> dict:
+    """The keyword arguments of a tiny zoo model, with any part replaced."""
+    return dict(vocab_size=VOCAB, d_model=D, layers=2, max_len=MAX_LEN,
+                attention=partial(attention, d_model=D, heads=HEADS), ffn=partial(ffn, d_model=D, d_ff=64),
+                norm=partial(norm, d_model=D), pos=partial(pos, d_model=D, max_len=MAX_LEN))
+
+
+# ------------------------------------------------------------------------------------------ the broken parts
+class NoCausalMask(MultiHeadAttention):
+    """Drops the causal mask: every position sees the whole sequence (is_causal never forwarded)."""
+
+    def forward(self, x, memory=None, *, is_causal=False, **kwargs):
+        return super().forward(x, memory, is_causal=False, **kwargs)
+
+
+class CausalDroppedWithPadding(MultiHeadAttention):
+    """The zoo's attention with one condition lost: the explicit causal mask is built only when a cache
+    offset is present (``if is_causal and offset:``), and with a padding mask the kernel gets
+    ``is_causal=False`` — so the mask is causal without padding and bidirectional with it."""
+
+    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
+        source = x if memory is None else memory
+        q = rearrange(self.q_proj(x), "b l (h e) -> b h l e", h=self.heads)
+        k = rearrange(self.k_proj(source), "b s (k e) -> b k s e", k=self.kv_heads)
+        v = rearrange(self.v_proj(source), "b s (k e) -> b k s e", k=self.kv_heads)
+        offset = cache.length if cache is not None else 0
+        if rotate is not None:
+            q, k = rotate(q, offset), rotate(k, offset)
+        if cache is not None:
+            k, v = cache.extend(self.layer_index, k, v)
+        l, s = q.shape[-2], k.shape[-2]
+        mask = None
+        if is_causal and offset:  # the bug: "or key_padding_mask is not None" missing
+            mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l)
+        if key_padding_mask is not None:
+            padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
+            mask = padding if mask is None else mask & padding
+        out = self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                          is_causal=is_causal and mask is None, enable_gqa=self.kv_heads != self.heads)
+        return self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+
+
+class QueryPaddingMask(MultiHeadAttention):
+    """Applies the padding mask to the queries (zeroing padded rows of the output) instead of the keys."""
+
+    def forward(self, x, memory=None, *, key_padding_mask=None, **kwargs):
+        out = super().forward(x, memory, **kwargs)
+        return out if key_padding_mask is None else out * key_padding_mask[..., None].to(out.dtype)
+
+
+class PaddingMaskInverted(MultiHeadAttention):
+    """Passes the padding mask in torch.nn's polarity (True = ignore) to code that expects True = real key:
+    ``key_padding_mask=~mask``, or a mask of ones for real tokens fed to nn.MultiheadAttention."""
+
+    def forward(self, x, memory=None, *, key_padding_mask=None, **kwargs):
+        if key_padding_mask is not None:
+            key_padding_mask = ~key_padding_mask.to(torch.bool)
+        return super().forward(x, memory, key_padding_mask=key_padding_mask, **kwargs)
+
+
+class SelfInsteadOfCross(MultiHeadAttention):
+    """Cross-attention that attends (causally) over the decoder's own states instead of the encoder's."""
+
+    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, **kwargs):
+        if memory is not None:
+            return super().forward(x, None, is_causal=True, **kwargs)
+        return super().forward(x, None, key_padding_mask=key_padding_mask, is_causal=is_causal, **kwargs)
+
+
+class DropoutInEval(FeedForward):
+    """Dropout with training=True hard-coded (``F.dropout(h, p)`` without ``training=self.training``)."""
+
+    def forward(self, x):
+        return F.dropout(super().forward(x), p=0.1, training=True)
+
+
+class BatchStatisticsNorm(LayerNorm):
+    """BatchNorm-style statistics: mean and variance of each feature over the batch and positions
+    (``x.mean(dim=(0, 1))``) instead of over each token's features."""
+
+    def forward(self, x):
+        mean = x.mean(dim=(0, 1), keepdim=True)
+        var = x.var(dim=(0, 1), keepdim=True, unbiased=False)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class PositionsNotAdded(SinusoidalPositions):
+    """Computes the position codes and forgets to add them."""
+
+    def forward(self, x, offset=0):
+        codes = self.table[offset: offset + x.shape[1]]  # noqa: F841  (the defect)
+        return x
+
+
+class CacheOffsetIgnored(SinusoidalPositions):
+    """Numbers positions from 0 in every call, so cached decoding restarts the positions at each step."""
+
+    def forward(self, x, offset=0):
+        return super().forward(x, 0)
+
+
+class _MemoryMaskDropped(DecoderLayer):
+    """Cross-attention called without the source padding mask (memory_key_padding_mask not passed on)."""
+
+    def forward(self, x, memory=None, mask=None, memory_mask=None, rotate=None, cache=None):
+        return super().forward(x, memory, mask, None, rotate, cache)
+
+
+# ------------------------------------------------------------------------------------------------ factories
+def no_causal_mask():
+    return DecoderOnly(**parts(attention=NoCausalMask))
+
+
+def causal_mask_dropped_with_padding():
+    return DecoderOnly(**parts(attention=CausalDroppedWithPadding))
+
+
+def query_padding_mask():
+    return EncoderOnly(**parts(attention=QueryPaddingMask))
+
+
+def padding_mask_inverted():
+    return EncoderOnly(**parts(attention=PaddingMaskInverted))
+
+
+def cross_attends_to_decoder():
+    return EncoderDecoder(**parts(attention=SelfInsteadOfCross))
+
+
+def memory_padding_mask_dropped():
+    model = EncoderDecoder(**parts())
+    for layer in model.decoder.layers:
+        layer.__class__ = _MemoryMaskDropped
+    return model
+
+
+def dropout_in_eval():
+    return DecoderOnly(**parts(ffn=DropoutInEval))
+
+
+def batch_statistics_norm():
+    return EncoderOnly(**parts(norm=BatchStatisticsNorm))
+
+
+def positions_not_added():
+    return EncoderOnly(**parts(pos=PositionsNotAdded))
+
+
+def cache_offset_ignored():
+    return DecoderOnly(**parts(pos=CacheOffsetIgnored))

@@ -1,0 +1,211 @@
+"""Broken zoo parts, one realistic bug each, plugged in through ``_target_`` as a user's replacement part:
+
+    pytest properties/ --zoo "attention._target_=properties.catalog.modules.SplitHeadsWithoutTranspose"
+
+Each class subclasses the zoo's part and changes the one line the docstring names. The layer bugs live in
+the residual block of the zoo's layers; the models that use them (``*EncoderDecoder``) are named with
+``model._target_``. ``properties.catalog.CATALOG`` lists them with the clauses expected to catch them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+
+from zoo.attention import MultiHeadAttention
+from zoo.ffn import FeedForward
+from zoo.layers import _Residual
+from zoo.models import EncoderDecoder
+from zoo.norm import LayerNorm
+from zoo.positional import SinusoidalPositions
+
+__all__ = ["SplitHeadsWithoutTranspose", "MergeHeadsTransposed", "GqaHeadsInterleaved", "ScaleByModelWidth",
+           "LayerNormOverPositions", "FeedForwardWithoutActivation", "GeluTanhForExact", "SinCosSwapped",
+           "FrequencyExponentDoubled", "NoResidualEncoderDecoder", "NormedResidualEncoderDecoder"]
+
+
+class _Attention(MultiHeadAttention):
+    """The zoo's MultiHeadAttention.forward written out in steps (split, expand, attend, merge), so that a
+    subclass can get one step wrong. Identical to the zoo's computation."""
+
+    def split(self, t, heads):
+        return rearrange(t, "b l (h e) -> b h l e", h=heads)
+
+    def merge(self, out):
+        return rearrange(out, "b h l e -> b l (h e)")
+
+    def expand(self, k, v):
+        return k, v, self.kv_heads != self.heads  # the kernel repeats the heads (enable_gqa)
+
+    def scale(self):
+        return None
+
+    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
+        source = x if memory is None else memory
+        q = self.split(self.q_proj(x), self.heads)
+        k = self.split(self.k_proj(source), self.kv_heads)
+        v = self.split(self.v_proj(source), self.kv_heads)
+        offset = cache.length if cache is not None else 0
+        if rotate is not None:
+            q, k = rotate(q, offset), rotate(k, offset)
+        if cache is not None:
+            k, v = cache.extend(self.layer_index, k, v)
+        k, v, gqa = self.expand(k, v)
+        l, s = q.shape[-2], k.shape[-2]
+        mask = None
+        if is_causal and (offset or key_padding_mask is not None):
+            mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l)
+        if key_padding_mask is not None:
+            padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
+            mask = padding if mask is None else mask & padding
+        kwargs = {} if self.scale() is None else {"scale": self.scale()}
+        out = self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                          is_causal=is_causal and mask is None, enable_gqa=gqa, **kwargs)
+        return self.out_proj(self.merge(out))
+
+
+class SplitHeadsWithoutTranspose(_Attention):
+    """Splits heads with ``view(b, h, l, e)`` on the (b, l, h·e) projection instead of
+    ``view(b, l, h, e).transpose(1, 2)``: each "head" holds a block of positions and features of several
+    positions are mixed."""
+
+    def split(self, t, heads):
+        b, l, _ = t.shape
+        return t.reshape(b, heads, l, -1)
+
+
+class MergeHeadsTransposed(_Attention):
+    """Merges the heads as (e h) — ``out.transpose(1, 3).reshape(b, l, -1)`` — while the split was (h e):
+    the output projection reads every head's features in the wrong columns."""
+
+    def merge(self, out):
+        return rearrange(out, "b h l e -> b l (e h)")
+
+
+class GqaHeadsInterleaved(_Attention):
+    """Repeats grouped key/value heads by tiling (``k.repeat(1, g, 1, 1)``: query head i reads kv head
+    i mod k) instead of ``repeat_interleave`` (kv head i // g), the order of the pretrained checkpoints."""
+
+    def expand(self, k, v):
+        g = self.heads // self.kv_heads
+        return repeat(k, "b k s e -> b (g k) s e", g=g), repeat(v, "b k s e -> b (g k) s e", g=g), False
+
+
+class ScaleByModelWidth(_Attention):
+    """Passes scale = 1/√d_model to the kernel instead of the default 1/√d_k (d_k = d_model/h)."""
+
+    def scale(self):
+        return 1.0 / math.sqrt(self.heads * self.head_dim)
+
+
+class LayerNormOverPositions(LayerNorm):
+    """Normalizes each feature over the positions of a sequence (mean and variance over dim 1, as an
+    ``nn.LayerNorm``/``InstanceNorm`` applied to a (B, D, L) layout) instead of each token over its features."""
+
+    def forward(self, x):
+        mean = x.mean(dim=-2, keepdim=True)
+        var = x.var(dim=-2, keepdim=True, unbiased=False)
+        y = (x - mean) / torch.sqrt(var + self.eps)
+        y = y * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+class FeedForwardWithoutActivation(FeedForward):
+    """The activation between the two linear maps forgotten: the FFN collapses to one linear map."""
+
+    def forward(self, x):
+        hidden = self.up(x) if self.gate is None else self.gate(x) * self.up(x)
+        return self.down(self.dropout(hidden))
+
+
+class GeluTanhForExact(FeedForward):
+    """Uses GELU's tanh approximation where the node says exact GELU (BERT's ``gelu`` vs GPT-2's
+    ``gelu_new``): a pretrained BERT's outputs drift by ~1e-3 per layer."""
+
+    def forward(self, x):
+        if self.activation_name == "gelu":
+            return self.down(self.dropout(F.gelu(self.up(x), approximate="tanh")))
+        return super().forward(x)
+
+
+def _table(length, d_model, exponent_factor=2.0, swap=False, *, device=None, dtype=None):
+    position = torch.arange(length, dtype=torch.float64, device=device)
+    index = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)  # 2i
+    angle = position[:, None] / torch.pow(10000.0, exponent_factor * index / (2 * d_model))[None, :]
+    first, second = (torch.cos, torch.sin) if swap else (torch.sin, torch.cos)
+    table = torch.empty(length, d_model, dtype=torch.float64, device=device)
+    table[:, 0::2] = first(angle)
+    table[:, 1::2] = second(angle[:, : d_model // 2])
+    return table.to(dtype or torch.get_default_dtype())
+
+
+class _Sinusoid(SinusoidalPositions):
+    swap, exponent_factor = False, 2.0
+
+    def __init__(self, d_model, max_len, *, device=None, dtype=None):
+        super().__init__(d_model, max_len, device=device, dtype=dtype)
+        self._rebuild()
+
+    def _rebuild(self):
+        if self.table.device.type != "meta":
+            self.table = _table(*self.table.shape, self.exponent_factor, self.swap, device=self.table.device,
+                                dtype=self.table.dtype)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._rebuild()
+        return self
+
+
+class SinCosSwapped(_Sinusoid):
+    """cos on the even features and sin on the odd ones (``pe[:, 0::2] = cos``): the paper's order swapped."""
+    swap = True
+
+
+class FrequencyExponentDoubled(_Sinusoid):
+    """Exponent 2·(2i)/d: the even feature index 2i (``arange(0, d, 2)``) multiplied by 2 again, so the
+    wavelengths run from 2π to 10000²·2π over the first half and the slowest sinusoids are nearly constant."""
+    exponent_factor = 4.0
+
+
+# ---------------------------------------------------------------------------------------------- layers
+class _NoResidual(_Residual):
+    """Post-norm sub-layer without its residual connection: Norm(Sublayer(x))."""
+
+    def forward(self, x, sublayer):
+        if self.placement == "pre":
+            return self.dropout(sublayer(self.norm(x)))
+        return self.norm(self.dropout(sublayer(x)))
+
+
+class _NormedResidual(_Residual):
+    """Pre-norm sub-layer whose residual carries the normalized input: h = Norm(x); h + Sublayer(h), the
+    ``x = self.ln(x); x = x + self.attn(x)`` rewrite of ``x = x + self.attn(self.ln(x))``."""
+
+    def forward(self, x, sublayer):
+        if self.placement == "pre":
+            h = self.norm(x)
+            return h + self.dropout(sublayer(h))
+        return super().forward(x, sublayer)
+
+
+class _WithResidual(EncoderDecoder):
+    residual: type = _Residual
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for module in self.modules():
+            if type(module) is _Residual:
+                module.__class__ = self.residual  # the layers' residual blocks are of the broken kind
+
+
+class NoResidualEncoderDecoder(_WithResidual):
+    """The zoo's encoder-decoder whose layers drop the residual connection (x → Norm(Sublayer(x)))."""
+    residual = _NoResidual
+
+
+class NormedResidualEncoderDecoder(_WithResidual):
+    """The zoo's encoder-decoder whose pre-norm layers add the sub-layer to the normalized input."""
+    residual = _NormedResidual

@@ -1,0 +1,149 @@
+"""Running the suite on a catalog entry the way a user does: ``pytest properties/ OPTION ARGUMENT`` in a
+subprocess with ``--report-json``, and reading the report.
+
+Each run starts in a fresh temporary directory, so Hypothesis' example database (``.hypothesis/`` in the
+working directory) is empty: no run replays a failure another run found. The suite itself is the
+installed ``properties`` package's directory, so this works from a wheel as from a checkout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import properties
+from properties.catalog import Entry
+
+__all__ = ["SUITE", "SOURCE_ROOT", "Run", "command", "run_entry", "run_all"]
+
+SUITE = Path(properties.__file__).resolve().parent
+# A checkout holds examples/ next to properties/; an installed package does not.
+SOURCE_ROOT = SUITE.parent if (SUITE.parent / "examples").is_dir() else None
+FAILED = ("failed", "error")
+
+
+@dataclass
+class Run:
+    entry: Entry
+    command: list[str]
+    returncode: int | None = None
+    rows: list[dict] = field(default_factory=list)
+    wall_s: float = 0.0
+    output: str = ""
+    unavailable: str = ""   # why the entry could not be run (e.g. examples/ missing from an install)
+
+    @property
+    def tests(self) -> list[dict]:
+        """One record per test (the report has one per (test, clause)), in execution order."""
+        seen: dict[str, dict] = {}
+        for row in self.rows:
+            record = seen.setdefault(row["nodeid"], {"nodeid": row["nodeid"], "status": row["status"],
+                                                     "duration_s": row["duration_s"], "message": row["message"],
+                                                     "clauses": []})
+            record["clauses"].append(row["clause"])
+        return list(seen.values())
+
+    @property
+    def failed_clauses(self) -> list[str]:
+        out: list[str] = []
+        for test in self.tests:
+            if test["status"] in FAILED:
+                out += [c for c in test["clauses"] if c not in out]
+        return out
+
+    @property
+    def passed_clauses(self) -> set[str]:
+        return {row["clause"] for row in self.rows if row["status"] == "passed"}
+
+    @property
+    def first_failure(self) -> dict | None:
+        """{clauses, nodeid, message, time_s}: the first failing test in execution order, with the sum of the
+        test durations up to and including it (process start-up excluded)."""
+        elapsed = 0.0
+        for test in self.tests:
+            elapsed += test["duration_s"]
+            if test["status"] in FAILED:
+                return {"clauses": test["clauses"], "nodeid": test["nodeid"], "message": test["message"],
+                        "time_s": elapsed}
+        return None
+
+    @property
+    def tests_s(self) -> float:
+        return sum(t["duration_s"] for t in self.tests)
+
+    @property
+    def startup_s(self) -> float:
+        """Wall time not spent in tests: interpreter and torch start-up, collection, building the subject."""
+        return max(0.0, self.wall_s - self.tests_s)
+
+    @property
+    def caught(self) -> bool:
+        return bool(self.failed_clauses)
+
+    @property
+    def caught_expected(self) -> bool:
+        return bool(set(self.failed_clauses) & set(self.entry.expected))
+
+    @property
+    def usage_error(self) -> bool:
+        return self.returncode not in (0, 1) or (self.returncode == 1 and not self.rows)
+
+
+def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence[str] = (), stop_first: bool = False,
+            seed: int | None = None, extra: Sequence[str] = ()) -> list[str] | None:
+    """The pytest command line for ``entry`` (None when its argument is unavailable here)."""
+    argument = entry.resolved_argument(SOURCE_ROOT)
+    if argument is None:
+        return None
+    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider", "-p", "properties.catalog.select",
+           entry.option, argument, "--report-json", str(report)]
+    if level:
+        cmd += ["--catalog-level", entry.level]
+    for clause in clauses:
+        cmd += ["--catalog-clause", clause]
+    if stop_first:
+        cmd.append("-x")
+    if seed is not None:
+        cmd.append(f"--hypothesis-seed={seed}")
+    return cmd + list(extra)
+
+
+def run_entry(entry: Entry, *, timeout: float = 900, **options) -> Run:
+    """Run the suite on ``entry`` in a subprocess (one intra-op thread, a fresh working directory)."""
+    with tempfile.TemporaryDirectory(prefix="catalog-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = command(entry, report, **options)
+        if cmd is None:
+            return Run(entry, [], unavailable=f"{entry.argument.split(':')[0]} is not here (a source checkout has it)")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+            returncode, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            returncode, output = None, f"{partial}\ntimed out after {timeout:.0f} s"
+        wall = time.perf_counter() - start
+        rows = json.loads(report.read_text()) if report.exists() else []
+    return Run(entry, cmd, returncode, rows, wall, output[-6000:])
+
+
+def run_all(entries: Iterable[Entry], *, jobs: int = 2, progress=None, **options) -> list[Run]:
+    """``run_entry`` for every entry, ``jobs`` at a time; results in the entries' order."""
+    entries = list(entries)
+
+    def one(entry):
+        result = run_entry(entry, **options)
+        if progress is not None:
+            progress(result)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, entries))

@@ -1,0 +1,116 @@
+"""`task=verify` from the command line: the table, the reports, the pictures, interrupts and sweeps."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BROKEN_KERNEL = '''
+import torch
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Scales by 1/E instead of 1/sqrt(E): the classic d_k vs sqrt(d_k) slip."""
+    scores = query @ key.transpose(-1, -2) / query.shape[-1]
+    l, s = query.shape[-2], key.shape[-2]
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(l, s, dtype=torch.bool, device=query.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return (torch.softmax(scores.float(), -1).nan_to_num() @ value.float()).to(query.dtype)
+'''
+
+
+def zoo(*arguments: str, cwd, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_verify_prints_the_table_and_writes_every_report(tmp_path):
+    out = tmp_path / "out"
+    result = zoo("model=decoder_only", "heads=8", "task=verify", "task.profile=quick", f"hydra.run.dir={out}",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert "MODEL-CAUSAL" in result.stdout and "ATTN-ROWSUM" in result.stdout and "0 failed" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "passed" and report["totals"]["failed"] == 0
+    assert report["versions"]["torch"] and report["config"]["heads"] == 8
+    statuses = {row["clause"]: row["status"] for row in report["clauses"]}
+    assert statuses["MODEL-CAUSAL"] == "passed" and statuses["MODEL-PERMUTATION"] == "skipped"
+    assert "<testsuite" in (out / "junit.xml").read_text()
+    markdown = (out / "report.md").read_text()
+    assert "| MODEL-CAUSAL | passed |" in markdown
+    for picture in ("attention.png", "positional.png", "score_variance.png"):
+        assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({picture})" in markdown
+
+
+def test_a_failing_clause_gives_status_1_and_its_counterexample(tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN_KERNEL)
+    out = tmp_path / "out"
+    result = zoo("model=encoder_only", f"attention.kernel={tmp_path / 'broken.py'}:attention", "task=verify",
+                 "task.profile=quick", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    failed = {row["clause"]: row for row in report["clauses"] if row["status"] == "failed"}
+    assert "SCALE-DEFAULT" in failed
+    assert "Case(" in failed["SCALE-DEFAULT"]["counterexample"]
+    assert "SCALE-DEFAULT" in result.stdout and "failed" in result.stdout
+
+
+def test_without_matplotlib_the_report_says_how_to_get_pictures(tmp_path):
+    hidden = tmp_path / "hidden"
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    out = tmp_path / "out"
+    result = zoo("model=encoder_only", "task=verify", "task.profile=quick", f"hydra.run.dir={out}", cwd=tmp_path,
+                 env={"PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    assert "pip install" in (out / "report.md").read_text()
+    assert not list(out.glob("*.png"))
+
+
+def test_an_interrupted_run_leaves_no_report(tmp_path):
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "zoo", "task=verify", f"hydra.run.dir={out}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    # Wait until the suite is running (its command line is echoed first), then interrupt it like Ctrl-C.
+    deadline = time.monotonic() + 120
+    for line in process.stdout:
+        if line.startswith("verifying:") or time.monotonic() > deadline:
+            break
+    time.sleep(3)
+    os.killpg(process.pid, signal.SIGINT)
+    process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert not [p.name for p in out.glob("report*")] + [p.name for p in out.glob(".report*")]
+    assert not (out / "junit.xml").exists()
+
+
+def test_default_command_shows_the_card_then_a_quick_verification(tmp_path):
+    result = zoo("model=decoder_only", "heads=8", f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    card, _, verification = result.stdout.partition("verifying:")
+    assert "total" in card and "forward" in card
+    assert "MODEL-CAUSAL" in verification and "0 failed" in verification
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_a_sweep_ends_with_one_summary_matrix(tmp_path, launcher):
+    if launcher == "joblib":
+        pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep = tmp_path / "sweep"
+    result = zoo("-m", "model=encoder_only,decoder_only", "heads=2", "task=verify", "task.profile=quick",
+                 f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    summary = (sweep / "summary.md").read_text()
+    assert "2 configurations" in summary and "0 with a failing clause" in summary
+    assert "`model=encoder_only`" in summary and "`model=decoder_only`" in summary
+    assert "| MODEL |" in summary.splitlines()[4] or "MODEL" in summary
+    assert json.loads((sweep / "summary.json").read_text())[0]["verdict"] == "passed"
