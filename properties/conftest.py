@@ -11,6 +11,9 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --fully-masked P        zeros (default) or nan: what a query with no admissible key must output
   --report-json PATH      write one record per (test, clause) for every test run
 
+Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
+clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
+
 Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``): ``default`` (few examples, so
 the whole suite stays fast), ``ci`` (the same, derandomized: reproducible runs), ``thorough`` (many
 examples).  All disable the deadline: kernel timings vary with the device, its warm-up and other load.
@@ -139,12 +142,37 @@ def _clause_ids(item) -> list[str]:
     return [cid for mark in item.iter_markers("clause") for cid in mark.args]
 
 
+# The level of a property test, by its file: what a user's plug-in option selects.
+_MODULE_FILES = {"test_multihead.py", "test_ffn.py", "test_norms.py", "test_positional.py", "test_layers.py"}
+_MODEL_FILES = {"test_models.py"}
+
+
+def level_of(item) -> str:
+    name = Path(str(item.path)).name
+    return "model" if name in _MODEL_FILES else "module" if name in _MODULE_FILES else "kernel"
+
+
+def _levels_selected(config) -> set[str]:
+    """--kernel alone checks kernels; --model alone checks the model (plus kernels if --kernel is also
+    given); --zoo checks the assembled model at every level; no plug-in option checks the zoo at every level."""
+    kernel, model, zoo = (config.getoption(o, None) for o in ("--kernel", "--model", "--zoo"))
+    if zoo or not (kernel or model):
+        return {"kernel", "module", "model"}
+    return ({"kernel"} if kernel else set()) | ({"model"} if model else set())
+
+
 def pytest_collection_modifyitems(config, items):
     unbound = [item.nodeid for item in items
                if _HERE in Path(str(item.path)).parents and not _clause_ids(item)]
     if unbound:
         raise pytest.UsageError(f"property tests must name their spec clause with @properties.clause(...): "
                                 f"{', '.join(unbound[:5])}{' ...' if len(unbound) > 5 else ''}")
+    levels = _levels_selected(config)
+    mine = [item for item in items if _HERE in Path(str(item.path)).parents]
+    deselected = [item for item in mine if level_of(item) not in levels]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in set(deselected)]
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,33 @@
+"""The README's worked examples of `--kernel` and `--zoo` pass, run as a user types them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def suite(tmp_path, *arguments: str) -> dict[str, set[str]]:
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
+                             "--report-json", str(report), *arguments], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    outcome: dict[str, set[str]] = {}
+    for row in json.loads(report.read_text()):
+        outcome.setdefault(row["status"], set()).add(row["clause"])
+    return outcome
+
+
+def test_my_kernel_passes_every_kernel_clause(tmp_path):
+    outcome = suite(tmp_path, "--kernel", "examples/my_kernel.py:attention")
+    assert {"ATTN-ORACLE", "SCALE-DEFAULT", "CAUSAL-NO-FUTURE", "MASK-FULLY-MASKED", "GQA-HEADS"} <= outcome["passed"]
+    assert not any(clause.startswith(("MODEL-", "MHA-")) for clause in outcome["passed"])  # kernel level only
+
+
+def test_my_attention_module_passes_the_module_and_model_clauses(tmp_path):
+    outcome = suite(tmp_path, "--zoo", "attention._target_=examples.my_attention.MyAttention")
+    assert {"MHA-ORACLE", "MHA-GQA", "MHA-HEAD-COUNT", "MODEL-CAUSAL", "MODEL-KV-CACHE"} <= outcome["passed"]
