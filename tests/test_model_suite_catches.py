@@ -1,9 +1,10 @@
-"""The model clauses catch deliberately broken models, each with the clause its defect violates.
+"""The model clauses, run the way a user runs them, on broken models and unusable factories.
 
-Every broken factory below is the tiny zoo model with one part replaced. Each runs through the same
-``pytest properties/ --model file.py:factory`` (or ``--zoo``) path a user takes, in a subprocess,
-and the JSON report must list the expected clause as failed. Unusable factories must stop the run
-at startup with a one-line usage error.
+The deliberately broken models live in the bug catalog (``properties/catalog/models.py``, registry
+``properties.catalog.CATALOG``); ``tests/test_catalog.py`` runs every one of them through
+``pytest properties/ --model ...`` and checks that its expected clause fails. Here: the ``--zoo`` plug-in
+path with a catalog part, the message of a wrong output shape, and unusable factories, which must stop the
+run at startup with a one-line usage error.
 """
 from __future__ import annotations
 
@@ -11,105 +12,20 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from properties import Subject
-from zoo.attention import MultiHeadAttention
-from zoo.ffn import FeedForward
-from zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly
-from zoo.norm import LayerNorm
-from zoo.positional import SinusoidalPositions
+from properties.catalog.models import MAX_LEN, VOCAB, parts
+from zoo.models import DecoderOnly
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().relative_to(ROOT).as_posix()
-D, HEADS, VOCAB, MAX_LEN = 32, 2, 64, 16
-
-
-def _parts(attention=MultiHeadAttention, ffn=FeedForward, pos=SinusoidalPositions) -> dict:
-    return dict(vocab_size=VOCAB, d_model=D, layers=2, max_len=MAX_LEN,
-                attention=partial(attention, d_model=D, heads=HEADS), ffn=partial(ffn, d_model=D, d_ff=64),
-                norm=partial(LayerNorm, d_model=D), pos=partial(pos, d_model=D, max_len=MAX_LEN))
-
-
-# ------------------------------------------------------------------------------- the broken parts
-class NoCausalMask(MultiHeadAttention):
-    """Drops the causal mask: every position sees the whole sequence."""
-
-    def forward(self, x, memory=None, *, is_causal=False, **kwargs):
-        return super().forward(x, memory, is_causal=False, **kwargs)
-
-
-class QueryPaddingMask(MultiHeadAttention):
-    """Applies the padding mask to the queries (zeroing padded rows) instead of to the keys."""
-
-    def forward(self, x, memory=None, *, key_padding_mask=None, **kwargs):
-        out = super().forward(x, memory, **kwargs)
-        return out if key_padding_mask is None else out * key_padding_mask[..., None].to(out.dtype)
-
-
-class SelfInsteadOfCross(MultiHeadAttention):
-    """Cross-attention that attends (causally) over the decoder's own states instead of the encoder's."""
-
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, **kwargs):
-        if memory is not None:
-            return super().forward(x, None, is_causal=True, **kwargs)
-        return super().forward(x, None, key_padding_mask=key_padding_mask, is_causal=is_causal, **kwargs)
-
-
-class DropoutInEval(FeedForward):
-    """Dropout with training=True hard-coded: active in eval mode too."""
-
-    def forward(self, x):
-        return F.dropout(super().forward(x), p=0.1, training=True)
-
-
-class PositionsNotAdded(SinusoidalPositions):
-    """Computes the position codes and forgets to add them."""
-
-    def forward(self, x, offset=0):
-        codes = self.table[offset: offset + x.shape[1]]  # noqa: F841  (the defect)
-        return x
-
-
-class CacheOffsetIgnored(SinusoidalPositions):
-    """Numbers positions from 0 in every call, so cached decoding restarts the positions at each step."""
-
-    def forward(self, x, offset=0):
-        return super().forward(x, 0)
-
-
-# ------------------------------------------------------------------------------ broken factories
-def no_causal_mask():
-    return DecoderOnly(**_parts(attention=NoCausalMask))
-
-
-def query_padding_mask():
-    return EncoderOnly(**_parts(attention=QueryPaddingMask))
-
-
-def cross_attends_to_decoder():
-    return EncoderDecoder(**_parts(attention=SelfInsteadOfCross))
-
-
-def dropout_in_eval():
-    return DecoderOnly(**_parts(ffn=DropoutInEval))
-
-
-def positions_not_added():
-    return EncoderOnly(**_parts(pos=PositionsNotAdded))
-
-
-def cache_offset_ignored():
-    return DecoderOnly(**_parts(pos=CacheOffsetIgnored))
 
 
 def wrong_vocabulary():
-    model = DecoderOnly(**_parts()).eval()
+    model = DecoderOnly(**parts()).eval()
     return Subject("decoder_only", model, vocab_size=VOCAB + 1, max_len=MAX_LEN, module=model)  # V off by one
 
 
@@ -118,7 +34,7 @@ def not_a_model():
 
 
 def unknown_kind():
-    model = DecoderOnly(**_parts()).eval()
+    model = DecoderOnly(**parts()).eval()
     return Subject("decoder", model, vocab_size=VOCAB, max_len=MAX_LEN)
 
 
@@ -137,31 +53,10 @@ def run_suite(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dic
     return proc, statuses
 
 
-BROKEN = [
-    # factory, the clause its defect violates, -k selecting that clause's tests (a short run: the
-    # other clauses a defect breaks would each spend time shrinking their counterexample)
-    ("no_causal_mask", "MODEL-CAUSAL", "causal"),
-    ("query_padding_mask", "MODEL-PADDING", "padding"),
-    ("cross_attends_to_decoder", "MODEL-DEPENDENCE", "depends"),
-    ("dropout_in_eval", "MODEL-DETERMINISM", "determinism"),
-    ("positions_not_added", "MODEL-PERMUTATION", "permutation"),
-    ("cache_offset_ignored", "MODEL-KV-CACHE", "cached_decoding"),
-    ("wrong_vocabulary", "MODEL-SHAPE", "output_shape"),
-]
-
-
-@pytest.mark.parametrize("factory,clause_id,tests", BROKEN)
-def test_broken_model_fails_its_clause(tmp_path, factory, clause_id, tests):
-    proc, statuses = run_suite(tmp_path, "--model", f"{HERE}:{factory}", "-k", tests)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert clause_id in statuses.get("failed", set()), (statuses, proc.stdout[-3000:])
-
-
 def test_broken_model_fails_its_clause_through_zoo_overrides(tmp_path):
     # The module-level plug-in path: a replacement attention named by its import path.
-    module = HERE.removesuffix(".py").replace("/", ".")
-    overrides = (f"model=decoder_only attention._target_={module}.NoCausalMask d_model=32 heads=2 layers=2 "
-                 f"d_ff=64 vocab_size=64 max_len=16")
+    overrides = ("model=decoder_only attention._target_=properties.catalog.models.NoCausalMask d_model=32 heads=2 "
+                 "layers=2 d_ff=64 vocab_size=64 max_len=16")
     proc, statuses = run_suite(tmp_path, "--zoo", overrides, "-k", "causal or distribution")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MODEL-CAUSAL" in statuses["failed"], statuses

@@ -62,17 +62,14 @@ class _Stack(nn.Module):
 
 def _init_weights(model: nn.Module, embed_scale: bool, d_model: int) -> None:
     # GPT-2/BERT: N(0, 0.02) for matrices and embeddings. With sqrt(d) embedding scaling
-    # (Vaswani) token embeddings start at N(0, 1/d) so the scaled input has unit variance,
-    # level with sinusoidal positions in [-1, 1].
-    token_tables = {m.embedding for m in model.modules() if isinstance(m, TokenEmbedding)}
+    # (Vaswani) embeddings start at N(0, 1/d) so the scaled token input has unit variance.
     for module in model.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            scaled = embed_scale and module in token_tables
-            nn.init.normal_(module.weight, std=d_model ** -0.5 if scaled else 0.02)
+            nn.init.normal_(module.weight, std=d_model ** -0.5 if embed_scale else 0.02)
 
 
 class EncoderOnly(nn.Module):

@@ -31,19 +31,24 @@ class Entry:
     level: str
     mechanism: str
     expected: tuple[str, ...]
-    option: str       # --kernel | --zoo | --model
+    option: str       # --kernel | --zoo | --model ("" for the plain run on the zoo's own parts)
     argument: str
 
     def __post_init__(self):
         if self.level not in LEVELS:
             raise ValueError(f"Entry {self.name}: level {self.level!r} not in {LEVELS}")
-        if self.option not in ("--kernel", "--zoo", "--model"):
+        if self.option not in ("--kernel", "--zoo", "--model", ""):  # "": no plug-in option (the zoo itself)
             raise ValueError(f"Entry {self.name}: option {self.option!r}")
 
     @property
     def needs_source_tree(self) -> bool:
         """An ``examples/file.py:factory`` path: only available in a checkout of the repository."""
-        return self.argument.split(":")[0].endswith(".py")
+        return self.option == "--model" and self.argument.split(":")[0].endswith(".py")
+
+    @property
+    def plug_in(self) -> list[str]:
+        """The command-line words that plug the implementation in."""
+        return [self.option, self.argument] if self.option else []
 
     def resolved_argument(self, root: Path | None) -> str | None:
         """The argument with a relative ``.py`` path made absolute against ``root`` (None if absent)."""
@@ -105,10 +110,14 @@ CATALOG: list[Entry] = [
             "MASK-FULLY-MASKED"),
     _kernel("finite_mask_fill", "-1e4 added to masked scores (BERT's extended mask) instead of -inf: masked keys keep weight",
             "MASK-NO-INFLUENCE", "CAUSAL-NO-FUTURE", "MASK-FULLY-MASKED"),
+    _kernel("masked_fill_minus_1e9", "masked_fill(mask == 0, -1e9) (The Annotated Transformer): fully masked rows average the values",
+            "MASK-FULLY-MASKED", "MASK-NO-INFLUENCE"),
     _kernel("dropout_always_on", "dropout with a fixed p = 0.1 whatever dropout_p says (also at inference)",
             "DROPOUT-OFF", "DROPOUT-RATE", "ATTN-ORACLE"),
     _kernel("dropout_not_rescaled", "kept weights not rescaled by 1/(1 - p): the expected output shrinks",
             "DROPOUT-EXPECTATION"),
+    _kernel("dropout_mask_shared", "one (L, S) dropout mask broadcast over batch and heads: drops not independent",
+            "DROPOUT-EXPECTATION", "DROPOUT-RATE"),
     _kernel("batch_and_heads_mixed", "k, v flattened head-major, q batch-major: slices attend to other slices' keys",
             "ATTN-SLICE-INDEPENDENT", "ATTN-ORACLE"),
     _kernel("flash_attention_tiles_dropped", "tiled online softmax with S // block key tiles: the last partial tile is lost",
@@ -148,13 +157,13 @@ CATALOG: list[Entry] = [
     _model("causal_mask_dropped_with_padding", "the causal mask is built only without a padding mask (one condition lost)",
            "MODEL-CAUSAL", "MODEL-PADDING", "MODEL-KV-CACHE"),
     _model("query_padding_mask", "the padding mask applied to the queries (output rows) instead of the keys",
-           "MODEL-PADDING", "MODEL-BATCH"),
+           "MODEL-PADDING"),
     _model("padding_mask_inverted", "padding mask passed in torch.nn's polarity (True = ignore): real keys masked",
-           "MODEL-PADDING", "MODEL-BATCH"),
+           "MODEL-PADDING"),
     _model("cross_attends_to_decoder", "cross-attention attends over the decoder's own states, not the encoder's",
            "MODEL-DEPENDENCE"),
     _model("memory_padding_mask_dropped", "cross-attention called without the source padding mask",
-           "MODEL-PADDING", "MODEL-BATCH"),
+           "MODEL-PADDING"),
     _model("dropout_in_eval", "F.dropout(..., training=True) hard-coded: dropout active in eval mode",
            "MODEL-DETERMINISM"),
     _model("batch_statistics_norm", "BatchNorm-style statistics over the batch and positions instead of per token",
@@ -178,9 +187,9 @@ CORRECT: list[Entry] = [
     Entry("flash in the zoo", "module", "the zoo's attention on the flash kernel", (), "--zoo",
           "attention.kernel=properties.catalog.correct:flash_attention"),
     Entry("nn.MultiheadAttention", "module", "torch.nn.MultiheadAttention as the zoo's attention", (), "--zoo",
-          f"attention._target_={_MHA} ~attention.kernel ~attention.kv_heads"),
+          f"attention._target_={_MHA} ~attention.kernel attention.kv_heads=1 ~attention.kv_heads"),
     Entry("nn.MultiheadAttention (enc-dec)", "module", "torch.nn.MultiheadAttention in an encoder-decoder", (),
-          "--zoo", f"model=encoder_decoder attention._target_={_MHA} ~attention.kernel ~attention.kv_heads"),
+          "--zoo", f"model=encoder_decoder attention._target_={_MHA} ~attention.kernel attention.kv_heads=1 ~attention.kv_heads"),
     Entry("nn.TransformerEncoder", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:encoder"),
     Entry("nn.Transformer", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:transformer"),
     Entry("HF GPT-2", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:gpt2"),

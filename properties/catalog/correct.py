@@ -14,7 +14,7 @@
 
     pytest properties/ --kernel properties.catalog.correct:flash_attention
     pytest properties/ --zoo "attention.kernel=properties.catalog.correct:flash_attention"
-    pytest properties/ --zoo "attention._target_=properties.catalog.correct.TorchMultiheadAttention ~attention.kernel ~attention.kv_heads"
+    pytest properties/ --zoo "attention._target_=properties.catalog.correct.TorchMultiheadAttention ~attention.kernel attention.kv_heads=1 ~attention.kv_heads"
 """
 from __future__ import annotations
 
@@ -183,7 +183,8 @@ class TorchMultiheadAttention(nn.Module):
     The masks are translated (the zoo's key padding mask says True = real key, torch.nn's True = ignore);
     cached decoding keeps the layer's inputs in the cache (nn.MultiheadAttention projects its keys and
     values itself) and attends over all of them. It has no grouped-query heads and no rotary hook: remove
-    ``kv_heads`` and ``kernel`` from the node (``~attention.kv_heads ~attention.kernel``); rotary positions
+    ``kernel`` and ``kv_heads`` from the node (``~attention.kernel attention.kv_heads=1 ~attention.kv_heads``:
+    Hydra refuses to delete a key whose value is null, so kv_heads gets a value first); rotary positions
     raise. ``q_proj``, ``k_proj``, ``v_proj`` expose the rows of the packed ``in_proj_weight`` so the oracle
     clauses read the module's own weights.
     """

@@ -20,8 +20,8 @@ __all__ = [
     "softmax_over_queries", "scale_missing", "scale_inverted", "scale_applied_twice", "scale_by_model_width",
     "scale_by_value_width", "scale_by_head_count", "scale_argument_ignored", "causal_off_by_one",
     "causal_ignored", "causal_bottom_right", "bool_mask_inverted", "float_mask_ignored", "mask_after_softmax",
-    "fully_masked_rows_nan", "finite_mask_fill", "softmax_without_max", "scores_in_input_dtype",
-    "dropout_always_on", "dropout_not_rescaled", "batch_and_heads_mixed", "flash_attention_tiles_dropped",
+    "fully_masked_rows_nan", "finite_mask_fill", "masked_fill_minus_1e9", "softmax_without_max", "scores_in_input_dtype",
+    "dropout_always_on", "dropout_not_rescaled", "dropout_mask_shared", "batch_and_heads_mixed", "flash_attention_tiles_dropped",
     "gqa_heads_tiled", "output_in_compute_dtype",
 ]
 
@@ -182,6 +182,16 @@ class _FiniteMaskFill(StepwiseAttention):
         return scores + (~allowed).to(scores.dtype) * -1e4, allowed
 
 
+class _MaskedFillMinus1e9(StepwiseAttention):
+    """``scores.masked_fill(mask == 0, -1e9)`` (The Annotated Transformer): masked scores replaced by a finite
+    constant instead of −inf, so a query whose keys are all masked averages every value instead of giving
+    zeros (and admissible scores below −1e9 would lose to masked keys)."""
+
+    def mask(self, scores, attn_mask, is_causal):
+        scores, allowed = self.admissible(scores, attn_mask, is_causal)
+        return scores.masked_fill(~allowed, -1e9), allowed
+
+
 # ---------------------------------------------------------------------------------------------- dropout
 class _DropoutAlwaysOn(StepwiseAttention):
     """Applies dropout with a fixed p = 0.1 (a module default baked into the kernel) whatever dropout_p
@@ -199,6 +209,18 @@ class _DropoutNotRescaled(StepwiseAttention):
         if p == 0.0:
             return weights
         return weights * (torch.rand(weights.shape, device=weights.device) >= p)
+
+
+class _DropoutMaskShared(StepwiseAttention):
+    """Draws one (L, S) dropout mask and broadcasts it over batch and heads (random numbers generated per
+    attention-matrix position only, as a kernel that seeds its RNG by (row, column) without the batch and head
+    offsets): every slice drops the same weights, so the drops are not independent."""
+
+    def dropout(self, weights, p):
+        if p == 0.0:
+            return weights
+        keep = torch.rand(weights.shape[-2:], device=weights.device) >= p
+        return weights * keep / (1.0 - p)
 
 
 # ------------------------------------------------------------------------------------- layout and heads
@@ -262,8 +284,10 @@ bool_mask_inverted = _BoolMaskInverted()
 float_mask_ignored = _FloatMaskIgnored()
 mask_after_softmax = _MaskAfterSoftmax()
 finite_mask_fill = _FiniteMaskFill()
+masked_fill_minus_1e9 = _MaskedFillMinus1e9()
 dropout_always_on = _DropoutAlwaysOn()
 dropout_not_rescaled = _DropoutNotRescaled()
+dropout_mask_shared = _DropoutMaskShared()
 batch_and_heads_mixed = _BatchAndHeadsMixed()
 gqa_heads_tiled = _GqaHeadsTiled()
 output_in_compute_dtype = _OutputInComputeDtype()

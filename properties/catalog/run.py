@@ -27,6 +27,10 @@ SUITE = Path(properties.__file__).resolve().parent
 # A checkout holds examples/ next to properties/; an installed package does not.
 SOURCE_ROOT = SUITE.parent if (SUITE.parent / "examples").is_dir() else None
 FAILED = ("failed", "error")
+# Start-up only: plug-ins the suite does not use (each costs ~0.3 s of imports and assertion rewriting per
+# run when bytecode is not cached); blocking one that is not installed is allowed.
+QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:anyio", "-p", "no:hydra_pytest", "-p", "no:xdist",
+                 "-p", "no:xdist.looponfail")
 
 
 @dataclass
@@ -98,13 +102,15 @@ class Run:
 
 def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence[str] = (), stop_first: bool = False,
             seed: int | None = None, extra: Sequence[str] = ()) -> list[str] | None:
-    """The pytest command line for ``entry`` (None when its argument is unavailable here)."""
+    """The pytest command line for ``entry`` (None when its argument is unavailable here): the user's
+    ``pytest properties/ OPTION ARGUMENT --report-json PATH``; ``level`` drops the kernel tests of the default
+    kernels from a ``--zoo`` run, ``clauses`` keeps only those clauses' tests, ``stop_first`` adds ``-x``."""
     argument = entry.resolved_argument(SOURCE_ROOT)
     if argument is None:
         return None
-    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider", "-p", "properties.catalog.select",
-           entry.option, argument, "--report-json", str(report)]
-    if level:
+    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
+           *([entry.option, argument] if entry.option else []), "--report-json", str(report)]
+    if level and entry.option == "--zoo":  # --zoo runs every level; the kernel tests then check the default kernels
         cmd += ["--catalog-level", entry.level]
     for clause in clauses:
         cmd += ["--catalog-clause", clause]

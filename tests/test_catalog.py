@@ -1,0 +1,86 @@
+"""The suite's power, checked the way a user runs it: every broken implementation of the bug catalog
+(``properties.catalog.CATALOG``) fails one of its expected clauses, and the correct implementations
+(``properties.catalog.CORRECT``) pass with zero failures.
+
+Each run is ``pytest properties/ --kernel/--zoo/--model ARGUMENT --report-json PATH`` in a subprocess
+(``properties.catalog.run``). To keep CI short, a broken entry runs only the tests of its expected clauses
+(``--catalog-clause``) and stops at the first failure (``-x``), with a fixed Hypothesis seed; a correct one
+runs every test of its level, unrestricted, with a fresh seed. The Hugging Face and torch.nn examples, also
+correct implementations, are run by tests/test_examples.py. ``python -m properties.mutation_report`` runs every
+entry on its whole level and reports the first failing clause and the time to it.
+
+Runs are started two at a time (``CATALOG_JOBS``) when the first test here needs one; under pytest-xdist each
+test runs its own.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from properties.catalog import CATALOG, CORRECT, LEVELS, Entry
+from properties.catalog.run import Run, run_entry
+from properties.spec import load_clauses
+
+SEED = 0
+CORRECT_HERE = [e for e in CORRECT if not e.needs_source_tree]  # the examples: tests/test_examples.py
+
+
+def _options(entry: Entry) -> dict:
+    if entry.expected:
+        return dict(clauses=entry.expected, stop_first=True, seed=SEED)
+    return {}
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """name -> Future[Run], all started at once (two at a time) unless under pytest-xdist."""
+    if hasattr(request.config, "workerinput"):
+        yield None
+        return
+    selected = {item.callspec.params["entry"].name for item in request.session.items
+                if item.module.__name__ == __name__ and hasattr(item, "callspec") and "entry" in item.callspec.params}
+    entries = [e for e in CATALOG + CORRECT_HERE if e.name in selected]
+    with ThreadPoolExecutor(max_workers=int(os.environ.get("CATALOG_JOBS", "2"))) as pool:
+        yield {e.name: pool.submit(run_entry, e, **_options(e)) for e in entries}
+
+
+def _run(runs, entry: Entry) -> Run:
+    future: Future | None = None if runs is None else runs.get(entry.name)
+    return future.result() if future is not None else run_entry(entry, **_options(entry))
+
+
+def _explain(run: Run) -> str:
+    return f"{' '.join(run.command[2:])}\nexit status {run.returncode}\n{run.output[-3000:]}"
+
+
+def test_catalog_is_well_formed():
+    clauses = load_clauses()
+    names = [e.name for e in CATALOG + CORRECT]
+    assert len(names) == len(set(names)), "entry names must be unique"
+    assert len(CATALOG) >= 30
+    assert {e.level for e in CATALOG} == set(LEVELS)
+    for entry in CATALOG:
+        assert entry.expected, f"{entry.name}: no expected clause"
+        unknown = [c for c in entry.expected if c not in clauses]
+        assert not unknown, f"{entry.name}: clauses not in SPEC.md: {unknown}"
+        assert entry.mechanism and "\n" not in entry.mechanism
+    assert all(not e.expected for e in CORRECT)
+
+
+@pytest.mark.parametrize("entry", CATALOG, ids=[e.name for e in CATALOG])
+def test_broken_implementation_fails_an_expected_clause(runs, entry):
+    run = _run(runs, entry)
+    assert run.returncode == 1 and run.rows, f"the suite did not run to a failure:\n{_explain(run)}"
+    failed = run.failed_clauses
+    assert set(failed) & set(entry.expected), (f"{entry.name} ({entry.mechanism}): expected one of "
+                                               f"{entry.expected} to fail, failed: {failed}\n{_explain(run)}")
+
+
+@pytest.mark.parametrize("entry", CORRECT_HERE, ids=[e.name for e in CORRECT_HERE])
+def test_correct_implementation_passes(runs, entry):
+    run = _run(runs, entry)
+    failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
+    assert run.returncode == 0 and not failures, f"false alarm on {entry.name}: {failures}\n{_explain(run)}"
+    assert sum(t["status"] == "passed" for t in run.tests) >= 10, f"too few tests ran:\n{_explain(run)}"
