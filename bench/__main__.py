@@ -1,3 +1,5 @@
+import sys
+
 from bench.run import main
 
-main()
+sys.exit(1 if main().get("errors") else 0)

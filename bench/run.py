@@ -17,12 +17,15 @@ import argparse
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -61,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers per stack (default 2; quick 1)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens to decode (default 256; quick 32)")
     p.add_argument("--prompt", type=int, default=8, help="prompt length for decoding")
+    p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded at once (default 1)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul size (default 4096; quick 1024)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -235,7 +239,7 @@ def bench_decode(args, device) -> list[dict]:
         model = build_model(overrides("decoder_only", args, "attention=torch"), device=device, dtype=dtype).eval()
         if model.max_len < args.prompt + args.new_tokens:
             raise ValueError(f"max_len={model.max_len} < prompt {args.prompt} + {args.new_tokens} new tokens")
-        prompt = torch.randint(1, model.vocab_size, (1, args.prompt), device=device)
+        prompt = torch.randint(1, model.vocab_size, (args.decode_batch, args.prompt), device=device)
         results = {}
 
         def fn(name, generate, n):
@@ -251,9 +255,9 @@ def bench_decode(args, device) -> list[dict]:
                           budget_s=args.timing["budget_s"], clock=args.clock)
         s = out["seconds"]
         cell = {"model": "decoder_only (gpt2_small geometry)", "layers": args.layers, "backend": "torch",
-                "dtype": str(dtype).removeprefix("torch."), "batch": 1, "prompt": args.prompt,
+                "dtype": str(dtype).removeprefix("torch."), "batch": args.decode_batch, "prompt": args.prompt,
                 "new_tokens": args.new_tokens, "repeats": out["repeats"], "seconds": s,
-                "tokens_per_s": {k: args.new_tokens / v for k, v in s.items()},
+                "tokens_per_s": {k: args.decode_batch * args.new_tokens / v for k, v in s.items()},
                 "speedup": s["recompute"] / s["cached"],
                 "same_tokens": bool(torch.equal(results["cached"], results["recompute"])),
                 "samples": out["samples"]}
@@ -301,33 +305,49 @@ def bench_suite() -> dict:
     return result
 
 
-def catalog_first_failure_times() -> dict[str, float | None]:
-    """The fallback hook while no mutation_report module exists: the runner of properties/catalog, each
-    broken implementation run with -x (stop at the first failure). Seconds are the test durations up to
-    and including the first failing test (interpreter start-up and collection excluded); None: survived."""
-    from properties.catalog import CATALOG
-    from properties.catalog.run import run_all
-    runs = run_all(CATALOG, stop_first=True)
-    return {run.entry.name: (run.first_failure or {}).get("time_s") for run in runs if not run.unavailable}
+def mutation_report_first_failure_times(timeout: float = 1800) -> dict[str, float | None]:
+    """Adapter for ``python -m properties.mutation_report`` (which has no MUTATION_HOOK): run its CLI in a
+    subprocess on the broken entries of properties.catalog.CATALOG and read its JSON rows. Its time to
+    the first failure is the sum of the test durations up to and including the first failing test
+    (process start-up excluded); None when the entry was not caught."""
+    names = subprocess.run([sys.executable, "-c", "from properties.catalog import CATALOG\n"
+                            "print('\\n'.join(e.name for e in CATALOG))"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "mutation.json"
+        only = [arg for name in names if name.strip() for arg in ("--only", name.strip())]
+        done = subprocess.run([sys.executable, "-m", "properties.mutation_report", "--json", str(report), *only],
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if not report.exists():
+            raise RuntimeError(f"properties.mutation_report exited {done.returncode} without a report: "
+                               f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        rows = json.loads(report.read_text())["rows"]
+    return {row["name"]: row["time_to_first_failure_s"] for row in rows if row["broken"]}
 
 
 def bench_mutation(modules=MUTATION_MODULES, fallback: bool = True) -> dict:
-    """Median time to the first failure over the mutation catalog, through MUTATION_HOOK."""
+    """Median time to the first failure over the mutation catalog: MUTATION_HOOK of the first module of
+    ``modules`` that has it, else (fallback) the properties.mutation_report CLI, else not available."""
     source, hook, missing = None, None, []
     for name in modules:
         try:
             found = importlib.util.find_spec(name) is not None
         except ModuleNotFoundError:
             found = False
-        if found:
-            source, hook = name, getattr(importlib.import_module(name), MUTATION_HOOK, None)
-            if hook is None:
-                missing.append(f"{name} has no {MUTATION_HOOK}()")
-                continue
+        if not found:
+            continue
+        try:
+            hook = getattr(importlib.import_module(name), MUTATION_HOOK, None)
+        except Exception as exc:  # a catalog still being built must not cost the other results
+            missing.append(f"{name} does not import ({type(exc).__name__}: {exc})")
+            continue
+        if hook is not None:
+            source = name
             break
-    if hook is None and fallback and importlib.util.find_spec("properties.catalog") is not None:
-        source, hook = "properties.catalog.run (bench fallback: catalog_first_failure_times)", \
-            catalog_first_failure_times
+        missing.append(f"{name} has no {MUTATION_HOOK}()")
+    if hook is None and fallback and "properties.mutation_report" in modules and \
+            importlib.util.find_spec("properties.mutation_report") is not None:
+        source, hook = "python -m properties.mutation_report (subprocess)", mutation_report_first_failure_times
     if hook is None:
         return {"available": False, "module": None,
                 "reason": "; ".join(missing) or f"no mutation catalog yet: none of {', '.join(modules)} exists; "
@@ -335,7 +355,7 @@ def bench_mutation(modules=MUTATION_MODULES, fallback: bool = True) -> dict:
     start = time.perf_counter()
     try:
         times = hook()
-    except Exception as exc:  # a catalog still being built: report, do not lose the other results
+    except Exception as exc:
         return {"available": False, "module": source, "reason": f"{type(exc).__name__}: {exc}"}
     caught = [t for t in times.values() if t is not None]
     return {"available": True, "module": source, "mutants": len(times), "caught": len(caught),
@@ -410,14 +430,16 @@ def main(argv=None) -> dict:
                      "settings": {"quick": args.quick, "toy": args.toy, "device": str(device),
                                   "dtypes": [str(d).removeprefix("torch.") for d in args.dtypes],
                                   "lengths": args.lengths, "batch": args.batch, "layers_per_stack": args.layers,
-                                  "new_tokens": args.new_tokens, "prompt": args.prompt, "threads": args.threads,
+                                  "new_tokens": args.new_tokens, "prompt": args.prompt,
+                                  "decode_batch": args.decode_batch, "threads": args.threads,
                                   "timing": {**args.timing, "method": f"{args.clock} clock, device synchronised, "
                                              "alternating rounds (ABC, CBA, ...), median per callable"},
                                   "parts": args.parts, "families": args.families}}
     print(f"device {device} ({results['machine']['device_name']}), torch {torch.__version__}, "
           f"{args.threads} threads, {args.clock} clock, "
           f"load average {results['machine'].get('load_average_at_start')}", flush=True)
-    if "models" in args.parts:
+
+    def models():
         results["matmul"] = {}
         for dtype in args.dtypes:
             name = str(dtype).removeprefix("torch.")
@@ -426,19 +448,26 @@ def main(argv=None) -> dict:
             print(f"matmul {args.matmul_n}x{args.matmul_n} {name}: "
                   f"{results['matmul'][name]['flops_per_s'] / 1e9:,.1f} GFLOP/s", flush=True)
         print(MODEL_HEADER, flush=True)
-        results["models"] = bench_models(args, device, results["matmul"])
-    if "kernel" in args.parts:
-        results["kernel"] = bench_kernel(args, device)
-    if "decode" in args.parts:
-        results["decode"] = bench_decode(args, device)
-    if "suite" in args.parts:
-        results["suite"] = bench_suite()
-    if "mutation" in args.parts:
-        results["mutation"] = bench_mutation()
-        mutation = results["mutation"]
-        print(f"mutation median time to first failure: {mutation.get('median_first_failure_seconds', 'n/a')} "
-              f"({mutation.get('caught', 0)}/{mutation.get('mutants', 0)} caught) "
-              f"{mutation.get('reason', '')} [{mutation['module']}]", flush=True)
+        return bench_models(args, device, results["matmul"])
+
+    def mutation():
+        out = bench_mutation()
+        print(f"mutation median time to first failure: {out.get('median_first_failure_seconds', 'n/a')} "
+              f"({out.get('caught', 0)}/{out.get('mutants', 0)} caught) {out.get('reason', '')} "
+              f"[{out['module']}]", flush=True)
+        return out
+
+    sections = {"models": models, "kernel": lambda: bench_kernel(args, device),
+                "decode": lambda: bench_decode(args, device), "suite": bench_suite, "mutation": mutation}
+    for name in args.parts:
+        try:
+            results[name] = sections[name]()
+        except Exception as exc:  # keep what the other sections measured
+            traceback.print_exc()
+            results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            gc.collect()
+        if args.out:
+            write_json_atomic(args.out, results)
     results["targets"] = evaluate_targets(results)
     results["wall_seconds"] = time.perf_counter() - start
     if hasattr(os, "getloadavg"):
@@ -449,6 +478,8 @@ def main(argv=None) -> dict:
         print(f"  [{verdict:^6}] {t['target']}: {t['value']}" + (f"  ({t['note']})" if t.get("note") else ""))
         for line in t.get("missed", []):
             print(f"           {line}")
+    for name, error in results.get("errors", {}).items():
+        print(f"  [ERROR ] {name}: {error}")
     print(f"wall time {results['wall_seconds']:.0f} s")
     if args.out:
         write_json_atomic(args.out, results)

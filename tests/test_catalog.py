@@ -14,12 +14,15 @@ test runs its own.
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from properties.catalog import CATALOG, CORRECT, LEVELS, Entry
+from properties.catalog import CATALOG, CORRECT, LEVELS, Entry, example_based
 from properties.catalog.run import Run, run_entry
 from properties.spec import load_clauses
 
@@ -84,3 +87,30 @@ def test_correct_implementation_passes(runs, entry):
     failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
     assert run.returncode == 0 and not failures, f"false alarm on {entry.name}: {failures}\n{_explain(run)}"
     assert sum(t["status"] == "passed" for t in run.tests) >= 10, f"too few tests ran:\n{_explain(run)}"
+
+
+# ------------------------------------------------------------------ the baseline and the report command
+@pytest.mark.parametrize("spec", ["torch.nn.functional:scaled_dot_product_attention", "math",
+                                  "properties.catalog.correct:stepwise_attention",
+                                  "properties.catalog.correct:flash_attention"])
+def test_example_based_baseline_passes_correct_kernels(spec):
+    result = example_based.run(spec)
+    assert result.cases == len(example_based.GRID) and not result.failures, result.failures[:3]
+
+
+def test_example_based_baseline_fails_a_wrong_scale():
+    result = example_based.run("properties.catalog.kernels:scale_missing", stop_first=True)
+    assert result.caught and "max |out - out_ref|" in result.failures[0]
+
+
+def test_mutation_report_command(tmp_path):
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "properties.mutation_report", "--only", "gqa_heads_tiled",
+                           "--only", "nn.MultiheadAttention", "--json", str(report)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| gqa_heads_tiled | kernel | GQA-HEADS | caught | GQA-HEADS |" in proc.stdout, proc.stdout
+    assert "Caught: 1/1 broken implementations" in proc.stdout and "False alarms: 0/1" in proc.stdout, proc.stdout
+    rows = {r["name"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["gqa_heads_tiled"]["time_to_first_failure_s"] > 0 and rows["gqa_heads_tiled"]["startup_s"] > 0
+    assert rows["nn.MultiheadAttention"]["status"] == "passed"
