@@ -199,7 +199,8 @@ def _message(report) -> str:
 def _counterexample(report) -> str:
     """Hypothesis' minimal failing input ("Falsifying example: test(case=..., ...)"), as one line."""
     text = str(report.longrepr)
-    starts = [i for i in (text.find("Falsifying example:"), text.find("Failing explicit example:")) if i >= 0]
+    markers = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # Hypothesis' wordings
+    starts = [i for i in (text.find(marker) for marker in markers) if i >= 0]
     if not starts:
         return ""
     parts = []

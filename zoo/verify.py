@@ -91,13 +91,20 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(handle.name, path)
 
 
+def _detail(row: dict) -> str:
+    """What a person reads first: the observed-vs-expected line, then the minimal counterexample."""
+    message = " ".join(row["message"].split("Failing test case:")[0].split("Falsifying example:")[0].split())
+    if row["counterexample"]:
+        return f"{message[:240]}{'...' if len(message) > 240 else ''} | {row['counterexample']}"
+    return message
+
+
 def _table(rows) -> str:
     lines = [f"{'clause':<26} {'status':<8} {'time':>7}  counterexample / reason"]
     for row in rows.values():
-        detail = row["counterexample"] or row["message"]
-        detail = detail.replace("\n", " ")
+        detail = _detail(row)
         lines.append(f"{row['clause']:<26} {row['status']:<8} {row['time_s']:>6.2f}s  "
-                     f"{detail[:150] if row['status'] != 'passed' else ''}")
+                     f"{detail[:400] if row['status'] != 'passed' else ''}")
     return "\n".join(lines)
 
 
@@ -108,7 +115,7 @@ def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overri
            f"in {totals['seconds']:.1f} s (torch {torch.__version__}).", "",
            "| clause | status | time (s) | counterexample / reason |", "| --- | --- | ---: | --- |"]
     for row in rows.values():
-        detail = (row["counterexample"] or row["message"]).replace("|", "\\|").replace("\n", " ")
+        detail = _detail(row).replace("|", "\\|")
         out.append(f"| {row['clause']} | {row['status']} | {row['time_s']:.2f} | "
                    f"{detail if row['status'] != 'passed' else ''} |")
     out += ["", "## Pictures", ""]
