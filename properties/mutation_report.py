@@ -50,7 +50,8 @@ def rows_for(runs: list[Run], examples: dict[str, example_based.Result]) -> list
             "first_failing_test": first and first["nodeid"],
             "first_failure_message": first and first["message"][:300],
             "time_to_first_failure_s": first and round(first["time_s"], 3),
-            "tests_s": round(run.tests_s, 3), "startup_s": round(run.startup_s, 3), "wall_s": round(run.wall_s, 3),
+            "tests_s": round(run.tests_s, 3), "startup_s": None if run.unavailable else round(run.startup_s, 3),
+            "wall_s": round(run.wall_s, 3),
             "tests_run": len(run.tests), "returncode": run.returncode, "unavailable": run.unavailable,
             "example_based": None if ex is None else {
                 "caught": ex.caught, "failed_cases": len(ex.failures), "cases": ex.cases,
