@@ -14,12 +14,13 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from zoo.atomic import write_text
 
 __all__ = ["CLOCKS", "synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
            "write_json_atomic", "default_device"]
@@ -164,14 +165,4 @@ def machine_info(device: torch.device) -> dict:
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write to a temporary file in the same directory, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text(path, json.dumps(data, indent=2) + "\n")

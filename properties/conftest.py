@@ -21,8 +21,6 @@ examples).  All disable the deadline: kernel timings vary with the device, its w
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ from properties.harness import GuardedKernel
 from properties.oracle import ALIGNMENTS
 from properties.spec import SpecError, load_clauses
 from properties.strategies import DTYPES, select_dtypes
+from zoo.atomic import write_text
 from zoo.kernel import KERNELS, resolve_kernel
 from zoo.plugins import PluginError
 
@@ -237,14 +236,4 @@ def pytest_sessionfinish(session):
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", suffix=".tmp",
-                                     delete=False, encoding="utf-8") as tmp:
-        json.dump(rows, tmp, indent=1)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp.name, 0o666 & ~umask)  # a temp file is private (0600); the report is not
-    os.replace(tmp.name, target)
+    write_text(path, json.dumps(rows, indent=1))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +27,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from zoo.atomic import replacing
 from zoo.attention import MultiHeadAttention
 from zoo.ffn import ACTIVATIONS, FeedForward
 from zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly
@@ -666,16 +666,8 @@ def save_checkpoint(model: nn.Module | State, path: str | os.PathLike,
     if aliases:
         meta[_ALIASES] = json.dumps(aliases, sort_keys=True)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as temporary:
+        save_file(tensors, str(temporary), metadata=meta)
     return path
 
 

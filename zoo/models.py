@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.attention import KVCache, MultiHeadAttention
+from zoo.attention import KVCache
 from zoo.embedding import TokenEmbedding
 from zoo.layers import DecoderLayer, EncoderLayer
 

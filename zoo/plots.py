@@ -6,14 +6,12 @@ Each figure is written atomically (a temporary file renamed into place).
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from zoo.atomic import replacing
 from zoo.attention import MultiHeadAttention
 from zoo.kernel import torch_attention
 from zoo.positional import sinusoidal_table
@@ -100,16 +98,8 @@ def score_variance(kernel, d_ks=(4, 8, 16, 32, 64, 128, 256, 512), queries: int 
 
 
 def _save(figure, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(handle)
-    try:
-        figure.savefig(temporary, dpi=110, bbox_inches="tight")
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; a report's picture is not
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    with replacing(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
 
 
 def write_figures(model: nn.Module, d_model: int, out_dir: Path) -> dict[str, Path]:

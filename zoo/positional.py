@@ -8,8 +8,6 @@ Every class offers the same two hooks, and the model calls both:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from einops import rearrange, repeat
 from torch import nn

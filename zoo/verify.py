@@ -24,9 +24,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import properties
+from zoo.atomic import write_text
 from zoo.plots import PLOTS_HINT, plots_available, write_figures
 
-__all__ = ["run_suite", "summarize", "write_reports", "verify_task", "PROPERTIES_DIR", "GROUP_OF"]
+__all__ = ["run_suite", "summarize", "write_reports", "verify", "SweepSummary", "PROPERTIES_DIR"]
 
 PROPERTIES_DIR = Path(properties.__file__).parent
 PART_GROUPS = ("model", "attention", "ffn", "norm", "pos")
@@ -81,16 +82,6 @@ def group_of(clause_id: str) -> str:
     return clause_id.split("-")[0]
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False, encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(handle.name, 0o644)
-    os.replace(handle.name, path)
-
-
 def _detail(row: dict) -> str:
     """What a person reads first: the observed-vs-expected line, then the minimal counterexample."""
     message = " ".join(row["message"].split("Failing test case:")[0].split("Falsifying example:")[0].split())
@@ -141,10 +132,10 @@ def write_reports(out_dir: Path, *, cfg: DictConfig, overrides: list[str], recor
                      "suite": _suite_version()},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "report.json", json.dumps(report, indent=1, default=str))
-    _atomic_write(out_dir / "report.md", _markdown(cfg_yaml, rows, totals, figures, overrides))
+    write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
+    write_text(out_dir / "report.md", _markdown(cfg_yaml, rows, totals, figures, overrides))
     if junit.exists():
-        _atomic_write(out_dir / "junit.xml", junit.read_text(encoding="utf-8"))
+        write_text(out_dir / "junit.xml", junit.read_text(encoding="utf-8"))
     return report
 
 
@@ -222,7 +213,7 @@ class SweepSummary(Callback):
         text = (f"# Sweep summary\n\n{len(jobs)} configurations ({' '.join(sorted(common))} in all), "
                 f"{failed} with a failing clause.\n\n"
                 + "\n".join(lines) + "\n")
-        _atomic_write(sweep_dir / "summary.md", text)
-        _atomic_write(sweep_dir / "summary.json", json.dumps(
+        write_text(sweep_dir / "summary.md", text)
+        write_text(sweep_dir / "summary.json", json.dumps(
             [{"config": name, "verdict": verdict, "groups": cells} for name, verdict, cells in jobs], indent=1))
         print(f"\n{text}\nsummary written to {sweep_dir / 'summary.md'}")

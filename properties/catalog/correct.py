@@ -22,7 +22,6 @@ import math
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "TorchMultiheadAttention",
@@ -217,9 +216,7 @@ class TorchMultiheadAttention(nn.Module):
         if not _is_identity_rotation(rotate):
             raise NotImplementedError("nn.MultiheadAttention has no hook for rotary positions")
         source = x if memory is None else memory
-        offset = 0
         if cache is not None:
-            offset = cache.length
             source, _ = cache.extend(self.layer_index, source, source)
         l, s = x.shape[1], source.shape[1]
         attn_mask = None
