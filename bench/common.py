@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from zoo.atomic import write_text
+from zoo.io.atomic import write_text
 
 __all__ = ["CLOCKS", "synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
            "write_json_atomic", "default_device"]
@@ -166,3 +166,14 @@ def machine_info(device: torch.device) -> dict:
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write to a temporary file in the same directory, then rename: readers never see half a file."""
     write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = {"encoder_decoder": "vaswani_base", "decoder_only": "gpt2_small", "encoder_only": "bert_base"}
+BACKENDS = ("torch", "math")
+# Tiny geometry for smoke tests (--toy): the same code paths in seconds.
+TOY = ["d_model=64", "heads=4", "d_ff=128", "vocab_size=512", "max_len=128"]
+
+
+def fmt_seconds(seconds) -> str:
+    return "n/a" if seconds is None else f"{seconds:.1f} s"

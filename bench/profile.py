@@ -13,7 +13,7 @@ from bench.common import default_device
 from bench.references import build_reference
 from bench.run import (FAMILIES, forward_fn, model_inputs, overrides, reference_call, training_fn,
                        zoo_call)
-from zoo.build import build_model, compose_config
+from zoo.config.builder import build_model, compose_config
 
 
 def main(argv=None) -> None:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from zoo.positional import sinusoidal_table
+from zoo.nn.positional import sinusoidal_table
 
 __all__ = ["TorchTransformerLM", "build_reference", "REFERENCE_NAMES"]
 

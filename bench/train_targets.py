@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from zoo.build import compose_config
-from zoo.train import train
+from zoo.config.builder import compose_config
+from zoo.tasks.train import train
 
 GOAL, BUDGET_S = 0.99, 180.0
 

@@ -8,7 +8,6 @@ HF masks are attention_mask with 1 = real token, as the suite's (True = real): o
 """
 from __future__ import annotations
 
-import torch
 from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, BertModel, GPT2Config,
                           GPT2LMHeadModel)
 

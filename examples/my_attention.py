@@ -4,8 +4,9 @@
     PYTHONPATH=. python -m zoo attention._target_=examples.my_attention.MyAttention task=verify
 
 Constructor: the keys of the attention config node (d_model, heads, kv_heads, bias, dropout, kernel) plus
-device= and dtype=. Forward: (x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None,
-cache=None). The attribute names q_proj, k_proj, v_proj, out_proj let the suite's float64 oracle read
+device= and dtype=. Forward: (x, memory=None, *, key_padding_mask=None, is_causal=False, positions=None,
+cache=None); ``positions`` is the model's position module, asked to rotate queries and keys and for a score
+bias (zoo/nn/positional.py). The attribute names q_proj, k_proj, v_proj, out_proj let the suite's float64 oracle read
 the weights (MHA-ORACLE); without them that clause is skipped and the black-box clauses still run.
 """
 from __future__ import annotations
@@ -35,22 +36,24 @@ class MyAttention(nn.Module):
     def _split(self, t, heads):  # (b, l, heads * e) -> (b, heads, l, e)
         return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
+    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, positions=None, cache=None):
         source = x if memory is None else memory
         q = self._split(self.q_proj(x), self.heads)
         k, v = self._split(self.k_proj(source), self.kv_heads), self._split(self.v_proj(source), self.kv_heads)
         offset = cache.length if cache is not None else 0
-        if rotate is not None:
-            q, k = rotate(q, offset), rotate(k, offset)
+        if positions is not None:
+            q, k = positions.rotate(q, offset), positions.rotate(k, offset)
         if cache is not None:
             k, v = cache.extend(self.layer_index, k, v)
         l, s = q.shape[-2], k.shape[-2]
-        mask = None
-        if is_causal:
-            mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l)
+        mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l) if is_causal else None
         if key_padding_mask is not None:
             keys = key_padding_mask[:, None, None, :]
             mask = keys if mask is None else mask & keys
+        bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
+        if bias is not None:
+            bias = bias.to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).flatten(-2))

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from properties.spec import load_clauses
-from properties.subject import Subject  # the model contract: a --model factory may return one
+from properties.core.spec import load_clauses
+from properties.core.subject import Subject  # the model contract: a --model factory may return one
 
 __all__ = ["clause", "Subject"]
 

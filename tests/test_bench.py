@@ -1,11 +1,9 @@
 """The benchmark machinery at toy sizes: it runs, and its JSON has the promised structure. No timing asserts."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,9 @@ sys.path.insert(0, str(ROOT))  # bench/ is a directory of the repository, not an
 
 from bench.common import forward_flops, interleaved  # noqa: E402
 from bench.report import markdown  # noqa: E402
-from bench.run import FAMILIES, TOY, bench_mutation  # noqa: E402
-from zoo.build import build_model, compose_config  # noqa: E402
+import bench.suite  # noqa: E402
+from bench.common import FAMILIES, TOY  # noqa: E402
+from zoo.config.builder import build_model, compose_config  # noqa: E402
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -88,13 +87,15 @@ def test_bench_command_writes_json(tmp_path):
     assert "| family |" in table and "| greedy decoding |" in table
 
 
-def test_mutation_hook(monkeypatch):
-    absent = bench_mutation(modules=("no_such_module_here",), fallback=False)
-    assert absent["available"] is False and "first_failure_times" in absent["reason"]
-    fake = types.ModuleType("fake_mutation_report")
-    fake.first_failure_times = lambda: {"a": 0.5, "b": 1.5, "c": None, "d": 3.0}
-    monkeypatch.setitem(sys.modules, "fake_mutation_report", fake)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "fake_mutation_report" else None)
-    found = bench_mutation(modules=("fake_mutation_report",), fallback=False)
+def test_mutation_summary(monkeypatch):
+    monkeypatch.setattr(bench.suite, "mutation_report_first_failure_times",
+                        lambda: {"a": 0.5, "b": 1.5, "c": None, "d": 3.0})
+    found = bench.suite.bench_mutation()
     assert found["available"] and found["mutants"] == 4 and found["caught"] == 3
     assert found["median_first_failure_seconds"] == 1.5
+
+    def broken():
+        raise RuntimeError("no catalog entry ran")
+    monkeypatch.setattr(bench.suite, "mutation_report_first_failure_times", broken)
+    absent = bench.suite.bench_mutation()
+    assert absent["available"] is False and "no catalog entry ran" in absent["reason"]

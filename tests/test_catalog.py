@@ -6,7 +6,7 @@ Each run is ``pytest properties/ --kernel/--zoo/--model ARGUMENT --report-json P
 (``properties.catalog.run``). To keep CI short, a broken entry runs only the tests of its expected clauses
 (``--catalog-clause``) and stops at the first failure (``-x``), with a fixed Hypothesis seed; a correct one
 runs every test of its level, unrestricted, with a fresh seed. The Hugging Face and torch.nn examples, also
-correct implementations, are run by tests/test_examples.py. ``python -m properties.mutation_report`` runs every
+correct implementations, are run by tests/test_examples.py. ``python -m properties.catalog.mutation_report`` runs every
 entry on its whole level and reports the first failing clause and the time to it.
 
 Runs are started two at a time (``CATALOG_JOBS``) when the first test here needs one; under pytest-xdist each
@@ -24,7 +24,7 @@ import pytest
 
 from properties.catalog import CATALOG, CORRECT, LEVELS, Entry, example_based
 from properties.catalog.run import Run, run_entry
-from properties.spec import load_clauses
+from properties.core.spec import load_clauses
 
 SEED = 0
 CORRECT_HERE = [e for e in CORRECT if not e.needs_source_tree]  # the examples: tests/test_examples.py
@@ -105,7 +105,7 @@ def test_example_based_baseline_fails_a_wrong_scale():
 
 def test_mutation_report_command(tmp_path):
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "properties.mutation_report", "--only", "gqa_heads_tiled",
+    proc = subprocess.run([sys.executable, "-m", "properties.catalog.mutation_report", "--only", "gqa_heads_tiled",
                            "--only", "nn.MultiheadAttention", "--json", str(report)],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import zoo.conf
-from zoo.build import build_model, compose_config
-from zoo.summary import random_inputs
+from zoo.config.builder import build_model, compose_config
+from zoo.config.options import FAMILIES
+from zoo.tasks.summary import random_inputs
 
 CONF = Path(zoo.conf.__path__[0])
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in CONF.iterdir() if group.is_dir()
           and not group.name.startswith("__")}
-FAMILIES = ["encoder_only", "decoder_only", "encoder_decoder"]
 
 
 def test_tree_has_the_groups_the_issue_names():

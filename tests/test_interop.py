@@ -1,8 +1,8 @@
 """Differential checks of the converters (zoo.interop) against Hugging Face and torch.nn, and checkpoints.
 
-Every reference gets random values in all its parameters (zoo.compare.randomize_), drawn once in
+Every reference gets random values in all its parameters (zoo.tasks.compare.randomize_), drawn once in
 float64, so the float32 run uses the same numbers rounded. Outputs are compared in eval mode at the
-real positions only; the bound is zoo.compare.error_bound (rounding model: eps/2 * magnitude *
+real positions only; the bound is zoo.tasks.compare.error_bound (rounding model: eps/2 * magnitude *
 depth * sqrt(width)), and float64 must in addition agree to 1e-12.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from zoo import interop  # noqa: E402
-from zoo.build import build_model  # noqa: E402
-from zoo.compare import compare, error_bound, randomize_, run_compare  # noqa: E402
+from zoo.config.builder import build_model  # noqa: E402
+from zoo.tasks.compare import compare, error_bound, randomize_, run_compare  # noqa: E402
 from zoo.interop import ConversionError, StateDictMismatch  # noqa: E402
 
 LAYERS, D, HEADS, D_FF, VOCAB, MAX_LEN = 2, 32, 4, 128, 97, 24

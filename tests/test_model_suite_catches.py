@@ -18,7 +18,7 @@ import pytest
 
 from properties import Subject
 from properties.catalog.models import MAX_LEN, VOCAB, parts
-from zoo.models import DecoderOnly
+from zoo.nn.models import DecoderOnly
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().relative_to(ROOT).as_posix()
@@ -72,7 +72,7 @@ def test_wrong_shape_message_names_the_expected_shape(tmp_path):
     ("tests/no_such_file.py:factory", "does not exist"),
     (f"{HERE}:no_such_factory", "has no attribute 'no_such_factory'"),
     (f"{HERE}:not_a_model", "returned builtins.str; expected a zoo model"),
-    (f"{HERE}:unknown_kind", "Subject.kind='decoder': expected 'encoder_only' | 'decoder_only' | 'encoder_decoder'"),
+    (f"{HERE}:unknown_kind", "Subject.kind='decoder': expected 'decoder_only' | 'encoder_decoder' | 'encoder_only'"),
 ])
 def test_unusable_factory_is_a_one_line_usage_error(tmp_path, spec, expected):
     proc, _ = run_suite(tmp_path, "--model", spec)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from zoo.build import build_model
-from zoo.summary import parameters_by_part
+from zoo.config.builder import build_model
+from zoo.tasks.summary import parameters_by_part
 
 
 def count(module: nn.Module) -> int:

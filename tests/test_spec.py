@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 import pytest
 
 import properties
-from properties.spec import SPEC_PATH, load_clauses
+from properties.core.levels import LEVELS, SUITE_DIR
+from properties.core.spec import SPEC_PATH, load_clauses
 
-PROPERTY_MODULES = sorted(p.stem for p in Path(properties.__file__).parent.glob("test_*.py"))
+PROPERTY_MODULES = sorted(f"{p.parent.name}.{p.stem}" for level in LEVELS for p in (SUITE_DIR / level).glob("test_*.py"))
 
 
 def property_tests() -> dict[str, list[str]]:

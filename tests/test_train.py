@@ -1,52 +1,26 @@
-"""task=train and task=generate at a size that runs in seconds: data, schedule, learning, checkpoints,
-exact resume, damaged checkpoints, cached decoding and the command line end to end."""
+"""task=train at a size that runs in seconds: data, schedule, learning, checkpoints, exact resume, damaged
+checkpoints, torch.compile (decoding and task=generate: test_generate.py)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-import zoo.checkpoint
-import zoo.train
-from zoo.build import compose_config, model_from_config
-from zoo.checkpoint import CheckpointError, checkpoints_in, load_weights, read_state
-from zoo.data import BOS, DATA_TASKS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
-from zoo.generate import generate, generate_task, pick_next
-from zoo.schema import ConfigError, DataOptions, GenerateTask, TrainTask
-from zoo.train import evaluate, fit_config_to_data, forward_batch, learning_rate, train
+import zoo.io.checkpoint
+import zoo.tasks.train
+from zoo.config.builder import compose_config, model_from_config
+from zoo.io.checkpoint import CheckpointError, checkpoints_in, load_weights, read_state
+from zoo.tasks.data import BOS, DATA_TASKS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
+from zoo.config.schema import ConfigError, DataOptions, GenerateTask, TrainTask
+from zoo.tasks.train import evaluate, fit_config_to_data, forward_batch, learning_rate, train
 
-TINY = ["d_model=32", "heads=2", "layers=1", "d_ff=64", "norm_placement=pre", "pos=learned",
-        "data.vocab=6", "data.min_len=2", "data.max_len=5"]
-DATA_FOR = {"decoder_only": "reverse", "encoder_decoder": "sort", "encoder_only": "running_max"}
+from training import DATA_FOR, TINY, flip_byte, train_config, tree_digest
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Models this small gain nothing from intra-op threads, and on a busy machine OpenMP threads that
-    # wait on each other make every step many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def train_config(out_dir, *extra, family="decoder_only", data=None):
-    return compose_config([f"model={family}", "task=train", f"data={data or DATA_FOR[family]}", *TINY,
-                           f"task.out_dir='{out_dir}'", "task.batch=16", "task.eval_batches=2",
-                           "task.warmup=5", "task.lr=3e-3", *extra])
-
-
-def tree_digest(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -188,7 +162,7 @@ def test_resume_after_an_interruption_is_bitwise_identical(tmp_path, monkeypatch
     extra = ["task.steps=10", "task.checkpoint_every=4", "task.eval_every=3", "task.keep=10", "dropout=0.2"]
     straight = train(train_config(tmp_path / "straight", *extra), quiet=True)["model"].state_dict()
 
-    save = zoo.train.save_training_checkpoint
+    save = zoo.tasks.train.save_training_checkpoint
 
     def save_then_interrupt(*args, **kwargs):
         path = save(*args, **kwargs)
@@ -196,10 +170,10 @@ def test_resume_after_an_interruption_is_bitwise_identical(tmp_path, monkeypatch
             raise KeyboardInterrupt  # as if stopped right after the first checkpoint
         return path
 
-    monkeypatch.setattr(zoo.train, "save_training_checkpoint", save_then_interrupt)
+    monkeypatch.setattr(zoo.tasks.train, "save_training_checkpoint", save_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(train_config(tmp_path / "split", *extra), quiet=True)
-    monkeypatch.setattr(zoo.train, "save_training_checkpoint", save)
+    monkeypatch.setattr(zoo.tasks.train, "save_training_checkpoint", save)
     torch.manual_seed(12345)  # whatever the process's RNG holds now must not matter
     resumed = train(train_config(tmp_path / "split", *extra, "task.resume=true"), quiet=True)["model"].state_dict()
     assert straight.keys() == resumed.keys()
@@ -209,7 +183,7 @@ def test_resume_after_an_interruption_is_bitwise_identical(tmp_path, monkeypatch
     assert first["step"] == 4
 
     # ... while a run that resumes without the RNG state would not be identical: the test has teeth.
-    monkeypatch.setattr(zoo.checkpoint, "_set_rng_states", lambda *a: None)
+    monkeypatch.setattr(zoo.io.checkpoint, "_set_rng_states", lambda *a: None)
     for p in checkpoints_in(tmp_path / "split")[1:]:
         shutil.rmtree(p)
     torch.manual_seed(12345)
@@ -217,15 +191,9 @@ def test_resume_after_an_interruption_is_bitwise_identical(tmp_path, monkeypatch
     assert any(not torch.equal(straight[k], v) for k, v in unrestored.state_dict().items())
 
 
-@pytest.fixture
-def finished_run(tmp_path):
-    train(train_config(tmp_path, "task.steps=4", "task.checkpoint_every=2"), quiet=True)
-    return tmp_path
-
-
 @pytest.mark.parametrize("damage,words", [
-    (lambda c: _flip_byte(c / "model.safetensors"), ["model.safetensors is damaged", "sha256"]),
-    (lambda c: _flip_byte(c / "train_state.safetensors"), ["train_state.safetensors is damaged"]),
+    (lambda c: flip_byte(c / "model.safetensors"), ["model.safetensors is damaged", "sha256"]),
+    (lambda c: flip_byte(c / "train_state.safetensors"), ["train_state.safetensors is damaged"]),
     (lambda c: (c / "state.json").write_text('{"format": "zoo-train'), ["state.json is damaged"]),
     (lambda c: (c / "model.safetensors").unlink(), ["model.safetensors is missing"]),
     (lambda c: (c / "state.json").unlink(), ["state.json is missing"]),
@@ -238,12 +206,6 @@ def test_damaged_checkpoint_is_a_clear_error_and_nothing_is_overwritten(finished
     message = str(error.value)
     assert "\n" not in message and all(w in message for w in words), message
     assert tree_digest(finished_run) == before
-
-
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x55
-    path.write_bytes(bytes(data))
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(finished_run):
@@ -270,59 +232,6 @@ def test_fresh_run_refuses_an_out_dir_with_checkpoints(finished_run):
 def test_resume_without_a_checkpoint_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="task.resume=true: no checkpoint in"):
         train(train_config(tmp_path, "task.resume=true"), quiet=True)
-
-
-# -------------------------------------------------------------------------------------------- generation
-
-@pytest.mark.parametrize("pos", ["learned", "rotary", "sinusoidal"])
-@pytest.mark.parametrize("family", ["decoder_only", "encoder_decoder"])
-def test_cached_decoding_equals_recomputing_the_prefix(family, pos):
-    # float64: a random model's logits are close together, and in float32 the two summation orders could
-    # flip an argmax; the claim is that both paths compute one function, which float64 shows sharply.
-    cfg, data = fit_config_to_data(compose_config([f"model={family}", "task=train", *TINY, f"pos={pos}",
-                                                   "layers=2", "kv_heads=1", "dtype=float64"]))
-    torch.manual_seed(0)
-    model = model_from_config(cfg)
-    x, lengths = data.sample(6, "heldout")
-    if family == "encoder_decoder":
-        kw = dict(src=x, src_mask=torch.arange(x.shape[1]) < lengths[:, None])
-        prompt = torch.full((6, 1), BOS)
-    else:
-        kw, prompt = {}, torch.cat([torch.full((6, 1), BOS), x[:, :3]], dim=1)
-    max_new = model.max_len - prompt.shape[1] + 1
-    cached = generate(model, prompt, max_new, eos_id=None, **kw)
-    uncached = generate(model, prompt, max_new, eos_id=None, use_cache=False, **kw)
-    assert cached.shape == (6, max_new) and torch.equal(cached, uncached)
-    sampled = [generate(model, prompt, max_new, temperature=1.5, top_k=4, use_cache=c,
-                        generator=torch.Generator().manual_seed(7), eos_id=None, **kw) for c in (True, False)]
-    assert torch.equal(*sampled)
-    with pytest.raises(ValueError, match="exceeds the model's max_len"):
-        generate(model, prompt, max_new + 1, **kw)
-
-
-def test_greedy_generation_of_a_trained_model_matches_teacher_forced_exact_match(tmp_path):
-    result = train(train_config(tmp_path, "task.steps=150", "dropout=0", "task.eval_every=150",
-                                family="encoder_decoder", data="copy"), quiet=True)
-    model, data = result["model"], SyntheticTask("copy", vocab=6, min_len=2, max_len=5)
-    batch = data.batch("encoder_decoder", 64, "heldout", 0)
-    with torch.no_grad():
-        right = (forward_batch(model.eval(), batch).argmax(-1) == batch["targets"]) | (batch["targets"] == IGNORE)
-    forced = right.all(dim=1)
-    out = generate(model, torch.full((64, 1), BOS), 6, src=batch["src"], src_mask=batch["src_mask"])
-    out_cached_off = generate(model, torch.full((64, 1), BOS), 6, src=batch["src"], src_mask=batch["src_mask"],
-                              use_cache=False)
-    assert torch.equal(out, out_cached_off)
-    targets = batch["targets"].masked_fill(batch["targets"] == IGNORE, PAD)
-    greedy = (out == targets[:, : out.shape[1]]).all(dim=1)
-    assert torch.equal(greedy, forced)
-    assert 0 < int(forced.sum())  # some right and the comparison is not vacuous
-
-
-def test_pick_next_top_k_and_temperature():
-    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
-    assert pick_next(logits).tolist() == [1]
-    draws = {int(pick_next(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s))) for s in range(50)}
-    assert draws == {1, 2}
 
 
 # ------------------------------------------------------------------------------------------ torch.compile
@@ -358,75 +267,3 @@ def test_torch_compile_matches_eager(family, backend):
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
-
-
-# -------------------------------------------------------------------------------------------- task=generate
-
-def generate_config(checkpoint, *extra):
-    return compose_config(["task=generate", f"task.checkpoint='{checkpoint}'", *extra])
-
-
-def test_generate_task_prints_prompts_answers_and_exact_match(finished_run, capsys):
-    generate_task(generate_config(finished_run, "task.samples=5"))
-    out = capsys.readouterr().out
-    assert "(step 4)" in out and "greedy, with KV cache" in out and "exact match" in out
-    assert len([line for line in out.splitlines() if "->" in line]) == 5
-    generate_task(generate_config(finished_run / "step-0000002", "task.prompt='5 0 3'", "task.temperature=0.7",
-                                  "task.top_k=3", "task.cache=false"))
-    out = capsys.readouterr().out
-    assert "(step 2)" in out and "without KV cache" in out and "5 0 3  ->" in out
-
-
-@pytest.mark.parametrize("extra,words", [
-    (("task.prompt='1 2 x'",), ["task.prompt", "symbols 0..5"]),
-    (("task.prompt='1 2 6'",), ["task.prompt", "symbols in 0..5"]),
-    (("task.prompt='1 2 3 4 5 0'",), ["6 symbols", "at most 5"]),
-    (("task.max_new=50",), ["task.max_new=50", "max_len"]),
-])
-def test_generate_task_bad_options_are_config_errors(finished_run, extra, words):
-    with pytest.raises(ConfigError) as error:
-        generate_task(generate_config(finished_run, *extra))
-    assert all(w in str(error.value) for w in words), str(error.value)
-
-
-def test_generate_task_needs_a_checkpoint_of_a_generating_model(tmp_path):
-    with pytest.raises(ConfigError, match="task.checkpoint: required"):
-        generate_task(compose_config(["task=generate"]))
-    with pytest.raises(CheckpointError, match="no checkpoint there"):
-        generate_task(generate_config(tmp_path))
-    train(train_config(tmp_path, "task.steps=2", family="encoder_only"), quiet=True)
-    with pytest.raises(ConfigError, match="encoder_only model, which labels tokens"):
-        generate_task(generate_config(tmp_path))
-
-
-# -------------------------------------------------------------------------------------------- command line
-
-def run_zoo(*arguments: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as one_thread above: threads only slow a tiny model down
-    return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env)
-
-
-def test_cli_trains_then_generates_from_the_checkpoint(tmp_path):
-    result = run_zoo("model=decoder_only", "task=train", "data=reverse", *TINY, "task.steps=20", "task.batch=16",
-                     "task.eval_every=10", "task.checkpoint_every=10", "task.eval_batches=1", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "held-out exact match:" in result.stdout and "step     10" in result.stdout
-    # The default out_dir is Hydra's output directory of the run.
-    [run_dir] = {p.parent for p in tmp_path.glob("outputs/*/*/step-0000020")}
-    assert (run_dir / "step-0000010").is_dir()
-
-    result = run_zoo("task=generate", f"task.checkpoint='{run_dir}'", "task.samples=3", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "(step 20)" in result.stdout and "exact match" in result.stdout and "->" in result.stdout
-
-    # Errors a task finds only once it runs still come out as one line and status 2.
-    _flip_byte(run_dir / "step-0000020" / "model.safetensors")
-    for arguments, words in [
-        (("model=encoder_only", "task=train", "data=reverse"), ["data=reverse", "does not fit", "running_max"]),
-        (("task=generate", f"task.checkpoint='{run_dir}'"), ["bad checkpoint", "damaged"]),
-    ]:
-        result = run_zoo(*arguments, cwd=tmp_path)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-        assert all(w in lines[0] for w in words), lines[0]

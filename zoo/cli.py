@@ -8,12 +8,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from zoo.build import compose_config, model_from_config
-from zoo.schema import ConfigError, validate
-from zoo.summary import model_card, random_inputs, timed_forward
-from zoo.checkpoint import CheckpointError
-from zoo.generate import generate_task
-from zoo.train import train_task
+from zoo.config.builder import compose_config, model_from_config
+from zoo.config.schema import ConfigError, validate
+from zoo.tasks.summary import model_card, random_inputs, timed_forward
+from zoo.io.checkpoint import CheckpointError
+from zoo.tasks.generate import generate_task
+from zoo.tasks.train import train_task
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def _exit_with(error: Exception) -> None:
 
 def _verify(cfg: DictConfig, model, profile: str) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from zoo.verify import verify
+    from zoo.tasks.verify import verify
 
     runtime = HydraConfig.get()
     status = verify(cfg, list(runtime.overrides.task), dict(runtime.runtime.choices),
@@ -66,7 +66,7 @@ def summary(cfg: DictConfig) -> None:
 
 def compare(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from zoo.compare import REFERENCES, run_compare
+    from zoo.tasks.compare import REFERENCES, run_compare
 
     preset = HydraConfig.get().runtime.choices.get("preset")
     if preset not in REFERENCES:

@@ -4,7 +4,7 @@
 plugged in with ``--kernel``), modules (``modules.py``, zoo parts replaced through ``_target_`` with
 ``--zoo``) and models (``models.py``, factories for ``--model``) — with its mechanism and the spec clauses
 (``properties/SPEC.md``) whose statements it violates. ``CORRECT`` lists implementations that must pass
-with zero failures. ``python -m properties.mutation_report`` runs the suite on all of them;
+with zero failures. ``python -m properties.catalog.mutation_report`` runs the suite on all of them;
 ``tests/test_catalog.py`` checks the same in CI.
 
     pytest properties/ --kernel properties.catalog.kernels:causal_off_by_one
@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from properties.core.levels import LEVELS
+
 __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "by_name"]
 
-LEVELS = ("kernel", "module", "model")
 _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "properties.catalog.models"
 
 

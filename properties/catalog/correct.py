@@ -171,9 +171,11 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 # ------------------------------------------------------------------------- nn.MultiheadAttention adapter
-def _is_identity_rotation(rotate) -> bool:
-    from zoo.positional import _Positions
-    return rotate is None or getattr(rotate, "__func__", None) is _Positions.rotate
+def _is_plain_order(positions) -> bool:
+    """Whether a position module leaves queries, keys and scores alone (nn.MultiheadAttention has no hook)."""
+    from zoo.nn.positional import _Positions
+    return positions is None or (type(positions).rotate is _Positions.rotate
+                                 and type(positions).score_bias is _Positions.score_bias)
 
 
 class TorchMultiheadAttention(nn.Module):
@@ -181,7 +183,7 @@ class TorchMultiheadAttention(nn.Module):
 
     The masks are translated (the zoo's key padding mask says True = real key, torch.nn's True = ignore);
     cached decoding keeps the layer's inputs in the cache (nn.MultiheadAttention projects its keys and
-    values itself) and attends over all of them. It has no grouped-query heads and no rotary hook: remove
+    values itself) and attends over all of them. It has no grouped-query heads and no hook for relative positions: remove
     ``kernel`` and ``kv_heads`` from the node (``~attention.kernel attention.kv_heads=1 ~attention.kv_heads``:
     Hydra refuses to delete a key whose value is null, so kv_heads gets a value first); rotary positions
     raise. ``q_proj``, ``k_proj``, ``v_proj`` expose the rows of the packed ``in_proj_weight`` so the oracle
@@ -212,9 +214,9 @@ class TorchMultiheadAttention(nn.Module):
     def out_proj(self):
         return self.mha.out_proj
 
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
-        if not _is_identity_rotation(rotate):
-            raise NotImplementedError("nn.MultiheadAttention has no hook for rotary positions")
+    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, positions=None, cache=None):
+        if not _is_plain_order(positions):
+            raise NotImplementedError("nn.MultiheadAttention has no hook for relative positions")
         source = x if memory is None else memory
         if cache is not None:
             source, _ = cache.extend(self.layer_index, source, source)

@@ -115,9 +115,9 @@ class Result:
 
 
 def run(kernel, name: str = "", *, stop_first: bool = False) -> Result:
-    """Every case of the grid on ``kernel`` (a callable or a spec for ``zoo.kernel.resolve_kernel``)."""
+    """Every case of the grid on ``kernel`` (a callable or a spec for ``zoo.nn.kernel.resolve_kernel``)."""
     if isinstance(kernel, str):
-        from zoo.kernel import resolve_kernel
+        from zoo.nn.kernel import resolve_kernel
         name, kernel = name or kernel, resolve_kernel(kernel)
     result = Result(name)
     start = time.perf_counter()

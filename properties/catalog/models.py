@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from zoo.attention import MultiHeadAttention
-from zoo.ffn import FeedForward
-from zoo.layers import DecoderLayer
-from zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly
-from zoo.norm import LayerNorm
-from zoo.positional import SinusoidalPositions
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.ffn import FeedForward
+from zoo.nn.blocks import DecoderLayer
+from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
+from zoo.nn.norm import LayerNorm
+from zoo.nn.positional import SinusoidalPositions
 
 __all__ = ["D", "HEADS", "VOCAB", "MAX_LEN", "parts", "NoCausalMask", "CausalDroppedWithPadding",
            "QueryPaddingMask", "PaddingMaskInverted", "SelfInsteadOfCross", "DropoutInEval", "BatchStatisticsNorm",
@@ -51,26 +51,14 @@ class CausalDroppedWithPadding(MultiHeadAttention):
     offset is present (``if is_causal and offset:``), and with a padding mask the kernel gets
     ``is_causal=False`` — so the mask is causal without padding and bidirectional with it."""
 
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
-        source = x if memory is None else memory
-        q = rearrange(self.q_proj(x), "b l (h e) -> b h l e", h=self.heads)
-        k = rearrange(self.k_proj(source), "b s (k e) -> b k s e", k=self.kv_heads)
-        v = rearrange(self.v_proj(source), "b s (k e) -> b k s e", k=self.kv_heads)
-        offset = cache.length if cache is not None else 0
-        if rotate is not None:
-            q, k = rotate(q, offset), rotate(k, offset)
-        if cache is not None:
-            k, v = cache.extend(self.layer_index, k, v)
-        l, s = q.shape[-2], k.shape[-2]
+    def mask(self, l, s, offset, key_padding_mask, is_causal, bias, device):
         mask = None
         if is_causal and offset:  # the bug: "or key_padding_mask is not None" missing
-            mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l)
+            mask = torch.ones(l, s, dtype=torch.bool, device=device).tril(diagonal=s - l)
         if key_padding_mask is not None:
             padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
             mask = padding if mask is None else mask & padding
-        out = self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                          is_causal=is_causal and mask is None, enable_gqa=self.kv_heads != self.heads)
-        return self.out_proj(rearrange(out, "b h l e -> b l (h e)"))
+        return mask
 
 
 class QueryPaddingMask(MultiHeadAttention):
@@ -135,8 +123,8 @@ class CacheOffsetIgnored(SinusoidalPositions):
 class _MemoryMaskDropped(DecoderLayer):
     """Cross-attention called without the source padding mask (memory_key_padding_mask not passed on)."""
 
-    def forward(self, x, memory=None, mask=None, memory_mask=None, rotate=None, cache=None):
-        return super().forward(x, memory, mask, None, rotate, cache)
+    def forward(self, x, memory=None, mask=None, memory_mask=None, positions=None, cache=None):
+        return super().forward(x, memory, mask, None, positions, cache)
 
 
 # ------------------------------------------------------------------------------------------------ factories

@@ -14,90 +14,54 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from zoo.attention import MultiHeadAttention
-from zoo.ffn import FeedForward
-from zoo.layers import _Residual
-from zoo.models import EncoderDecoder
-from zoo.norm import LayerNorm
-from zoo.positional import SinusoidalPositions
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.ffn import FeedForward
+from zoo.nn.blocks import _Residual
+from zoo.nn.models import EncoderDecoder
+from zoo.nn.norm import LayerNorm
+from zoo.nn.positional import SinusoidalPositions
 
 __all__ = ["SplitHeadsWithoutTranspose", "MergeHeadsTransposed", "GqaHeadsInterleaved", "ScaleByModelWidth",
            "LayerNormOverPositions", "FeedForwardWithoutActivation", "GeluTanhForExact", "SinCosSwapped",
            "FrequencyExponentDoubled", "NoResidualEncoderDecoder", "NormedResidualEncoderDecoder"]
 
 
-class _Attention(MultiHeadAttention):
-    """The zoo's MultiHeadAttention.forward written out in steps (split, expand, attend, merge), so that a
-    subclass can get one step wrong. Identical to the zoo's computation."""
-
-    def split(self, t, heads):
-        return rearrange(t, "b l (h e) -> b h l e", h=heads)
-
-    def merge(self, out):
-        return rearrange(out, "b h l e -> b l (h e)")
-
-    def expand(self, k, v):
-        return k, v, self.kv_heads != self.heads  # the kernel repeats the heads (enable_gqa)
-
-    def scale(self):
-        return None
-
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, rotate=None, cache=None):
-        source = x if memory is None else memory
-        q = self.split(self.q_proj(x), self.heads)
-        k = self.split(self.k_proj(source), self.kv_heads)
-        v = self.split(self.v_proj(source), self.kv_heads)
-        offset = cache.length if cache is not None else 0
-        if rotate is not None:
-            q, k = rotate(q, offset), rotate(k, offset)
-        if cache is not None:
-            k, v = cache.extend(self.layer_index, k, v)
-        k, v, gqa = self.expand(k, v)
-        l, s = q.shape[-2], k.shape[-2]
-        mask = None
-        if is_causal and (offset or key_padding_mask is not None):
-            mask = torch.ones(l, s, dtype=torch.bool, device=x.device).tril(diagonal=s - l)
-        if key_padding_mask is not None:
-            padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
-            mask = padding if mask is None else mask & padding
-        kwargs = {} if self.scale() is None else {"scale": self.scale()}
-        out = self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                          is_causal=is_causal and mask is None, enable_gqa=gqa, **kwargs)
-        return self.out_proj(self.merge(out))
-
-
-class SplitHeadsWithoutTranspose(_Attention):
+class SplitHeadsWithoutTranspose(MultiHeadAttention):
     """Splits heads with ``view(b, h, l, e)`` on the (b, l, h·e) projection instead of
     ``view(b, l, h, e).transpose(1, 2)``: each "head" holds a block of positions and features of several
     positions are mixed."""
 
-    def split(self, t, heads):
+    def split_heads(self, t, heads):
         b, l, _ = t.shape
         return t.reshape(b, heads, l, -1)
 
 
-class MergeHeadsTransposed(_Attention):
+class MergeHeadsTransposed(MultiHeadAttention):
     """Merges the heads as (e h) — ``out.transpose(1, 3).reshape(b, l, -1)`` — while the split was (h e):
     the output projection reads every head's features in the wrong columns."""
 
-    def merge(self, out):
+    def merge_heads(self, out):
         return rearrange(out, "b h l e -> b l (e h)")
 
 
-class GqaHeadsInterleaved(_Attention):
+class GqaHeadsInterleaved(MultiHeadAttention):
     """Repeats grouped key/value heads by tiling (``k.repeat(1, g, 1, 1)``: query head i reads kv head
     i mod k) instead of ``repeat_interleave`` (kv head i // g), the order of the pretrained checkpoints."""
 
-    def expand(self, k, v):
+    def attend(self, q, k, v, mask, is_causal):
         g = self.heads // self.kv_heads
-        return repeat(k, "b k s e -> b (g k) s e", g=g), repeat(v, "b k s e -> b (g k) s e", g=g), False
+        k, v = repeat(k, "b k s e -> b (g k) s e", g=g), repeat(v, "b k s e -> b (g k) s e", g=g)
+        return self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                           is_causal=is_causal)
 
 
-class ScaleByModelWidth(_Attention):
+class ScaleByModelWidth(MultiHeadAttention):
     """Passes scale = 1/√d_model to the kernel instead of the default 1/√d_k (d_k = d_model/h)."""
 
-    def scale(self):
-        return 1.0 / math.sqrt(self.heads * self.head_dim)
+    def attend(self, q, k, v, mask, is_causal):
+        return self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                           is_causal=is_causal, enable_gqa=self.kv_heads != self.heads,
+                           scale=1.0 / math.sqrt(self.heads * self.head_dim))
 
 
 class LayerNormOverPositions(LayerNorm):

@@ -3,31 +3,15 @@
     pytest properties/ -p properties.catalog.select --catalog-level kernel --kernel mypkg.mod:attn
     pytest properties/ -p properties.catalog.select --catalog-clause MASK-BOOL --kernel mypkg.mod:attn
 
-Levels: ``kernel`` — the tests that call the kernel under test (they take the ``kernel`` fixture);
-``module`` — every other test: the module clauses and the model clauses, which is what a ``--zoo`` override
-changes; ``model`` — the model clauses (the ``model`` marker, as ``-m model``). Deselects only: the tests that
+Levels are the suite's folders (properties/core/levels.py): ``kernel``, ``model``, and ``module``, which here
+keeps the model clauses too, since they are what a ``--zoo`` override of a part also changes. Deselects only: the tests that
 remain run exactly as in a full run.
 """
 from __future__ import annotations
 
 import pytest
 
-LEVELS = ("kernel", "module", "model")
-
-
-def pytest_addoption(parser):
-    group = parser.getgroup("catalog", "select a level or clauses of the spec suite (properties.catalog.select)")
-    group.addoption("--catalog-level", choices=LEVELS, default=None,
-                    help="run only the kernel, module (module and model) or model clauses")
-    group.addoption("--catalog-clause", action="append", default=None, metavar="ID",
-                    help="run only tests bound to this clause (repeatable)")
-
-
-def level_of(item) -> str:
-    if "kernel" in getattr(item, "fixturenames", ()):
-        return "kernel"
-    return "model" if item.get_closest_marker("model") is not None else "module"
-
+from properties.core.levels import level_of
 
 def _keep(item, level: str | None, clauses: set[str] | None) -> bool:
     if level is not None:

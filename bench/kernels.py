@@ -1,0 +1,37 @@
+"""The zoo's kernels against F.scaled_dot_product_attention called directly."""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import (interleaved)
+from zoo.nn.kernel import math_attention, torch_attention
+
+
+
+def bench_kernel(args, device) -> list[dict]:
+    cells = []
+    heads, head_dim = (4, 16) if args.toy else (12, 64)
+    for dtype in args.dtypes:
+        for length in args.lengths:
+            q, k, v = (torch.randn(args.batch, heads, length, head_dim, device=device).to(dtype) for _ in range(3))
+            for causal in (False, True):
+                def fn(kernel):
+                    def run():
+                        with torch.inference_mode():
+                            kernel(q, k, v, is_causal=causal)
+                    return run
+                fns = {"sdpa": fn(F.scaled_dot_product_attention), "zoo_torch": fn(torch_attention),
+                       "zoo_math": fn(math_attention)}
+                timing = {**args.timing, "max_repeats": 4 * args.timing["max_repeats"]}  # cheap: more rounds
+                out = interleaved(fns, device, warmup=2, **timing)
+                s = out["seconds"]
+                cell = {"shape": list(q.shape), "dtype": str(dtype).removeprefix("torch."), "is_causal": causal,
+                        "repeats": out["repeats"], "calls_per_sample": out["calls_per_sample"], "seconds": s,
+                        "ratio": {name: s["sdpa"] / s[name] for name in ("zoo_torch", "zoo_math")}}
+                cells.append(cell)
+                print(f"kernel {tuple(cell['shape'])} {cell['dtype']:<8} causal={causal!s:<5} "
+                      f"sdpa {s['sdpa'] * 1e3:8.2f} ms  torch x{cell['ratio']['zoo_torch']:.2f}  "
+                      f"math x{cell['ratio']['zoo_math']:.2f}", flush=True)
+    return cells

@@ -1,0 +1,91 @@
+"""The cost of the spec suite (pytest properties/) and its time to the first failure over the catalog."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+from bench.common import (fmt_seconds, ROOT)
+
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_pytest(*extra: str, timeout: float = 1800) -> dict:
+    """Wall time of the suite in a subprocess, and its CPU time (all its processes, summed)."""
+    command = [sys.executable, "-m", "pytest", "properties/", "-q", *extra]
+    cpu_start, start = _children_cpu_seconds(), time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(command[2:]), "seconds": None, "cpu_seconds": None, "returncode": None,
+                "summary": f"timed out after {timeout} s", "tests_ran": False}
+    seconds, cpu_seconds = time.perf_counter() - start, _children_cpu_seconds() - cpu_start
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return {"command": " ".join(command[2:]), "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "returncode": done.returncode, "summary": lines[-1] if lines else done.stderr.strip()[-200:],
+            "tests_ran": done.returncode in (0, 1)}
+
+
+def bench_suite() -> dict:
+    result = {"default": run_pytest()}
+    print(f"suite  pytest properties/: {fmt_seconds(result['default']['seconds'])} wall, "
+          f"{fmt_seconds(result['default']['cpu_seconds'])} CPU  ({result['default']['summary']})", flush=True)
+    if importlib.util.find_spec("xdist") is None:
+        result["xdist"] = {"command": "pytest properties/ -n auto", "seconds": None, "returncode": None,
+                           "summary": "pytest-xdist is not installed"}
+    else:
+        result["xdist"] = run_pytest("-n", "auto")
+    print(f"suite  pytest properties/ -n auto: {fmt_seconds(result['xdist']['seconds'])} wall, "
+          f"{fmt_seconds(result['xdist'].get('cpu_seconds'))} CPU  ({result['xdist']['summary']})", flush=True)
+    return result
+
+
+def mutation_report_first_failure_times(timeout: float = 1800) -> dict[str, float | None]:
+    """Adapter for ``python -m properties.catalog.mutation_report`` (which has no MUTATION_HOOK): run its CLI in a
+    subprocess on the broken entries of properties.catalog.CATALOG and read its JSON rows. Its time to
+    the first failure is the sum of the test durations up to and including the first failing test
+    (process start-up excluded); None when the entry was not caught."""
+    names = subprocess.run([sys.executable, "-c", "from properties.catalog import CATALOG\n"
+                            "print('\\n'.join(e.name for e in CATALOG))"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "mutation.json"
+        only = [arg for name in names if name.strip() for arg in ("--only", name.strip())]
+        done = subprocess.run([sys.executable, "-m", "properties.catalog.mutation_report", "--json", str(report), *only],
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if not report.exists():
+            raise RuntimeError(f"properties.catalog.mutation_report exited {done.returncode} without a report: "
+                               f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        rows = [row for row in json.loads(report.read_text())["rows"] if row["broken"]]
+    ran = [row for row in rows if row["status"] not in ("unavailable", "usage error")]
+    if not ran:
+        raise RuntimeError(f"no catalog entry ran: statuses {sorted({row['status'] for row in rows})}")
+    return {row["name"]: row["time_to_first_failure_s"] for row in ran}
+
+
+def bench_mutation() -> dict:
+    """Median time to the first failure over the mutation catalog, from its report's JSON rows."""
+    start = time.perf_counter()
+    try:
+        times = mutation_report_first_failure_times()
+    except Exception as exc:  # a broken catalog run must not cost the other results
+        return {"available": False, "module": "properties.catalog.mutation_report",
+                "reason": f"{type(exc).__name__}: {exc}"}
+    caught = [t for t in times.values() if t is not None]
+    return {"available": True, "module": "properties.catalog.mutation_report", "mutants": len(times),
+            "caught": len(caught),
+            "median_first_failure_seconds": statistics.median(caught) if caught else None,
+            "max_first_failure_seconds": max(caught) if caught else None, "first_failure_seconds": times,
+            "wall_seconds": time.perf_counter() - start}

@@ -1,0 +1,192 @@
+"""What Hypothesis draws, and the tensors a drawn case seeds.
+
+Hypothesis draws only structure: shapes, the dtype, flags, magnitudes and one integer seed.  Bulk
+tensors come from a ``torch.Generator`` seeded with that integer, always on the CPU in float64 and then
+rounded to the case's dtype and moved to the device, so a counterexample is a short, readable line such
+as ``Case(lead=(), l=1, s=2, e=1, ev=1, dtype=torch.float32, seed=0)`` and replays identically on every
+device.  The dtypes drawn are the ones selected on the command line (``--dtype``); ``conftest.py`` sets
+them with :func:`select_dtypes` before any test module is imported.
+"""
+from __future__ import annotations
+
+import functools
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import assume, example, strategies as st
+
+from zoo.config.options import DTYPES
+
+__all__ = ["DTYPES", "derived_generator", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
+           "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
+           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values"]
+
+# DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
+# float32 unless the failure needs another dtype.
+
+
+def derived_generator(seed: int, stream: int = 0) -> torch.Generator:
+    """The CPU generator of an example's ``stream``-th independent draw: the one seed formula of the suite."""
+    return torch.Generator().manual_seed(seed * 1009 + stream)
+
+_selected: list[torch.dtype] = list(DTYPES.values())
+
+
+def select_dtypes(dtypes) -> None:
+    """Restrict every dtype strategy to ``dtypes`` (called once by conftest from ``--dtype``)."""
+    _selected[:] = [d for d in DTYPES.values() if d in set(dtypes)]
+
+
+def selected_dtypes() -> tuple[torch.dtype, ...]:
+    return tuple(_selected)
+
+
+def dtypes() -> st.SearchStrategy[torch.dtype]:
+    """The selected dtypes, float32 first.  Deferred: conftest selects them after this module loads."""
+    return st.deferred(lambda: st.sampled_from(_selected))
+
+
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: leading (batch, head) dims, query/key lengths, head sizes, dtype, seed."""
+
+    lead: tuple[int, ...]
+    l: int
+    s: int
+    e: int
+    ev: int
+    dtype: torch.dtype
+    seed: int
+
+    def __repr__(self) -> str:
+        return (f"Case(lead={self.lead}, l={self.l}, s={self.s}, e={self.e}, ev={self.ev}, "
+                f"dtype={self.dtype}, seed={self.seed})")
+
+    def generator(self, stream: int = 0) -> torch.Generator:
+        """A CPU generator for this case; ``stream`` gives independent draws for the same case."""
+        return derived_generator(self.seed, stream)
+
+    def qkv64(self, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Standard-normal query, key and value in float64 (CPU), before rounding to the dtype."""
+        g = self.generator(stream)
+        return (gaussian(g, *self.lead, self.l, self.e), gaussian(g, *self.lead, self.s, self.e),
+                gaussian(g, *self.lead, self.s, self.ev))
+
+    def qkv(self, device, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The case's query, key and value in its dtype on ``device`` (an example whose dtype the device cannot
+        compute in is discarded)."""
+        require_dtype(str(device), self.dtype)
+        return tuple(on(t, self.dtype, device) for t in self.qkv64(stream))
+
+
+@st.composite
+def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=8, min_s=1, max_s=8,
+          max_e=16, max_ev=8, dtype=None) -> Case:
+    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads)."""
+    n_lead = lead if lead is not None else draw(st.integers(min_lead, max_lead))
+    dims = tuple(draw(st.integers(1, max_dim)) for _ in range(n_lead))
+    return Case(lead=dims, l=draw(st.integers(min_l, max_l)), s=draw(st.integers(min_s, max_s)),
+                e=draw(st.integers(1, max_e)), ev=draw(st.integers(1, max_ev)),
+                dtype=draw(dtype if dtype is not None else dtypes()), seed=draw(seeds))
+
+
+def pinned_cases(n_lead: int = 2) -> list[Case]:
+    """Shapes every property also runs on, in the first selected dtype: L = 1, S = 1, odd head sizes, and
+    B == L (a kernel that swaps the batch and query axes raises no shape error there, so the values are
+    what catch it).  ``n_lead`` keeps that many leading dims."""
+    dtype = _selected[0]
+    shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
+              ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
+    return [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
+            for lead, l, s, e, ev in shapes]
+
+
+def with_pinned_cases(argname: str = "case", n_lead: int = 2, **other_args):
+    """Decorator: run the test on :func:`pinned_cases` as explicit examples; ``other_args`` give the
+    test's other drawn arguments."""
+    def decorate(test):
+        for case in pinned_cases(n_lead):
+            test = example(**{argname: case}, **other_args)(test)
+        return test
+    return decorate
+
+
+def gaussian(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+def on(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """Round to ``dtype`` on the CPU (the same rounding on every device), then move."""
+    return t.to(dtype).to(device)
+
+
+def identity_values(lead: tuple[int, ...], s: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """V = I_S for every leading index: attention is linear in V, so the output is the weight matrix."""
+    return torch.eye(s, dtype=dtype, device=device).expand(*lead, s, s).contiguous()
+
+
+def random_bool_mask(generator: torch.Generator, shape, density: float, *, keep_one: bool = True):
+    """Bernoulli(density) bool mask (True = may attend); ``keep_one`` gives every query a random key."""
+    mask = torch.rand(*shape, generator=generator, dtype=torch.float64) < density
+    if keep_one:
+        pick = torch.randint(shape[-1], (*shape[:-1], 1), generator=generator)
+        mask = mask | torch.zeros(shape, dtype=torch.bool).scatter(-1, pick, True)
+    return mask
+
+
+def _largest_partial_sum(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
+    return (abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))).max().item()
+
+
+def scale_partial_sums(q: torch.Tensor, k: torch.Tensor, scale: float, target: float):
+    """Rescale q and k (float64) by one factor so that max_ij scale * sum_e |q_ie k_je| == target.
+
+    Every partial sum of every scaled score is then at most ``target`` in magnitude, whatever order a
+    kernel adds in: the precondition of ATTN-LARGE-SCORES.  (Square roots taken apart: target/current
+    itself may overflow.)"""
+    current = _largest_partial_sum(q, k, scale)
+    if current == 0:
+        return q, k
+    factor = math.sqrt(target) / math.sqrt(current)
+    return q * factor, k * factor
+
+
+def rescale_keys(q: torch.Tensor, k: torch.Tensor, scale: float, target: float, limit: float) -> torch.Tensor:
+    """k (float64) rescaled so that max_ij scale * sum_e |q_ie k_je| reaches ``target`` against these
+    queries (keys as large as the dtype allows, ATTN-LARGE-SCORES' precondition), with no entry above
+    ``limit`` (small queries would otherwise need keys beyond the dtype's range)."""
+    current, largest = _largest_partial_sum(q, k, scale), k.abs().max().item()
+    if current == 0 or largest == 0:
+        return k
+    log_factor = min(math.log2(target) - math.log2(current), math.log2(limit) - math.log2(largest))
+    half = log_factor / 2  # tiny keys may need a factor beyond float64's range; its square root is not
+    return k * 2.0**half * 2.0**half
+
+
+def huge_values(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of magnitude finfo(dtype).max / 4 with v's signs: as large as a convex combination can
+    carry without rounding up to Inf."""
+    return torch.where(v < 0, -1.0, 1.0).to(torch.float64) * (torch.finfo(dtype).max / 4)
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_supported(device: str, dtype: torch.dtype) -> bool:
+    """Whether ``device`` computes in ``dtype`` (bf16 needs compute capability 8 on CUDA)."""
+    if device.startswith("cuda") and dtype == torch.bfloat16:
+        return torch.cuda.is_bf16_supported()
+    try:
+        x = torch.ones(2, 2, dtype=dtype, device=device)
+        (x @ x).exp().sum().item()
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def require_dtype(device: str, dtype: torch.dtype) -> None:
+    """Discard a drawn example whose dtype the device cannot compute in."""
+    assume(dtype_supported(device, dtype))

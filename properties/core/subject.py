@@ -1,0 +1,176 @@
+"""The model under test: the ``Subject`` contract, and how ``--model`` / ``--zoo`` produce one.
+
+A factory named by ``--model pkg.module:factory`` (or ``path/to/file.py:factory``) returns either a
+zoo model, adapted here, or a ``Subject``. ``--zoo "model=decoder_only pos=rotary"`` builds a zoo
+model from Hydra overrides. Everything a user can get wrong here is a one-line ``SubjectError``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from zoo.nn.attention import KVCache
+from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
+from zoo.config.options import FAMILIES
+from zoo.config.plugins import PluginError, load_object
+from zoo.nn.positional import NoPositions
+
+__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject"]
+
+KINDS = FAMILIES  # a subject's kind is one of the zoo's model families
+ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
+
+
+class SubjectError(ValueError):
+    """A model the suite cannot use; str() is one line for the user."""
+
+
+@dataclass
+class Subject:
+    """A model as the model clauses see it (properties/SPEC.md, section Models).
+
+    kind: "encoder_only" | "decoder_only" | "encoder_decoder".
+    forward: encoder_only  forward(tokens, mask) -> hidden (B, L, D)
+             decoder_only  forward(tokens, mask) -> logits (B, L, V)
+             encoder_decoder forward(src, tgt, src_mask, tgt_mask) -> logits (B, Lt, V)
+        tokens int64 (B, L); masks (B, L) bool or None, True = real token, None = all real.
+    vocab_size, max_len: token ids lie in [0, vocab_size); inputs have at most max_len positions.
+    positional: False when the model injects no order information (MODEL-PERMUTATION).
+    pad_id: the token placed at padded positions.
+
+    Optional, each enabling (part of) one clause; a clause whose field is missing is skipped
+    with the reason:
+    module: the nn.Module holding the parameters. Enables MODEL-GRADIENT, and lets the
+        comparison clauses run in float64 (a fresh copy from the factory is cast with .to()).
+    embedding: the module mapping token ids to token embeddings (for encoder_decoder the
+        decoder's; it may be shared with the encoder: the suite uses the call whose input equals
+        the target tokens). Enables the gradient half of MODEL-CAUSAL.
+    decode_step: cached incremental decoding, enabling MODEL-KV-CACHE.
+        decoder_only:    decode_step(tokens, mask, state) -> (logits, state)
+        encoder_decoder: decode_step(src, tgt, src_mask, tgt_mask, state) -> (logits, state)
+        tokens/tgt (B, n) are the next n positions, mask/tgt_mask (B, positions so far) cover all
+        positions decoded so far, state is None on the first call and then whatever the
+        previous call returned (a KV cache, the encoder output, ...); logits are (B, n, V).
+    left_padding: True when prepending padded positions must leave the real positions'
+        outputs unchanged (relative or no positions, or positions counted from the mask).
+    extrapolates: True when inputs longer than max_len are valid (no length limit); False when
+        they must raise an exception (learned or tabulated positions).
+    """
+    kind: str
+    forward: Callable
+    vocab_size: int
+    max_len: int
+    positional: bool = True
+    pad_id: int = 0
+    module: nn.Module | None = None
+    embedding: nn.Module | None = None
+    decode_step: Callable | None = None
+    left_padding: bool = False
+    extrapolates: bool = False
+
+    def __post_init__(self):
+        check_subject(self)
+
+
+def check_subject(s: Subject) -> None:
+    def fail(field: str, value, expected: str):
+        raise SubjectError(f"Subject.{field}={value!r}: expected {expected}")
+
+    if s.kind not in KINDS:
+        fail("kind", s.kind, " | ".join(repr(k) for k in KINDS))
+    if not callable(s.forward):
+        fail("forward", s.forward, "a callable")
+    # MODEL-CAUSAL and MODEL-DEPENDENCE swap a real token for another real one: two non-pad ids.
+    if not isinstance(s.vocab_size, int) or s.vocab_size < 3:
+        fail("vocab_size", s.vocab_size, "an int >= 3")
+    if not isinstance(s.max_len, int) or s.max_len < 2:
+        fail("max_len", s.max_len, "an int >= 2")
+    if not isinstance(s.pad_id, int) or not 0 <= s.pad_id < s.vocab_size:
+        fail("pad_id", s.pad_id, f"an int in [0, vocab_size={s.vocab_size})")
+    for name in ("positional", "left_padding", "extrapolates"):
+        if not isinstance(getattr(s, name), bool):
+            fail(name, getattr(s, name), "a bool")
+    for name in ("module", "embedding"):
+        if getattr(s, name) is not None and not isinstance(getattr(s, name), nn.Module):
+            fail(name, getattr(s, name), "a torch.nn.Module or None")
+    if s.decode_step is not None and not callable(s.decode_step):
+        fail("decode_step", s.decode_step, "a callable or None")
+
+
+def _adds_absolute_positions(pos: nn.Module) -> bool:
+    # The zoo's position modules add codes in forward() (absolute) and/or rotate q, k (relative).
+    # Only absolute codes move when padding is prepended; a foreign module is assumed absolute.
+    from zoo.nn.positional import _Positions
+    return not isinstance(pos, _Positions) or type(pos).forward is not _Positions.forward
+
+
+def _zoo_subject(model: nn.Module) -> Subject:
+    """A zoo model as a Subject. The clauses are about inference, so the model is put in eval mode."""
+    model.eval()
+    stacks = [model.encoder, model.decoder] if isinstance(model, EncoderDecoder) else \
+        [model.encoder if isinstance(model, EncoderOnly) else model.decoder]
+    common = dict(kind=model.kind, forward=model, vocab_size=model.vocab_size, max_len=model.max_len,
+                  pad_id=model.pad_id, module=model,
+                  positional=any(getattr(s.pos, "injects_order", True) for s in stacks),
+                  left_padding=not any(_adds_absolute_positions(s.pos) for s in stacks),
+                  # NoPositions never checks a length; every other zoo scheme refuses > max_len.
+                  extrapolates=all(isinstance(s.pos, NoPositions) for s in stacks))
+    if isinstance(model, EncoderOnly):
+        return Subject(**common, embedding=model.encoder.embedding)
+    if isinstance(model, DecoderOnly):
+        def decode_step(tokens, mask, state):
+            cache = KVCache() if state is None else state
+            return model(tokens, mask, cache=cache), cache
+        return Subject(**common, embedding=model.decoder.embedding, decode_step=decode_step)
+
+    def decode_step(src, tgt, src_mask, tgt_mask, state):
+        if state is None:
+            state = (model.encode(src, src_mask), KVCache())
+        memory, cache = state
+        return model.decode(tgt, memory, src_mask, tgt_mask, cache=cache), state
+    return Subject(**common, embedding=model.decoder.embedding, decode_step=decode_step)
+
+
+def as_subject(obj: object, origin: str = "the factory") -> Subject:
+    if isinstance(obj, Subject):
+        return obj
+    if isinstance(obj, ZOO_MODELS):
+        return _zoo_subject(obj)
+    raise SubjectError(f"{origin} returned {type(obj).__module__}.{type(obj).__qualname__}; expected a zoo model "
+                       f"(zoo.nn.models.EncoderOnly, DecoderOnly or EncoderDecoder) or a properties.Subject")
+
+
+def load_subject(spec: str) -> Subject:
+    """``--model pkg.module:factory`` or ``path/to/file.py:factory`` -> a validated Subject."""
+    try:
+        factory = load_object(spec)
+    except PluginError as exc:
+        raise SubjectError(f"--model {exc}") from exc
+    if not callable(factory):
+        raise SubjectError(f"--model {spec!r}: {type(factory).__name__} is not callable; expected a factory "
+                           f"returning a zoo model or a properties.Subject")
+    try:
+        obj = factory()
+    except SubjectError as exc:
+        raise SubjectError(f"--model {spec!r}: {exc}") from exc
+    except Exception as exc:  # the user's code may fail in any way
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SubjectError(f"--model {spec!r}: the factory raised {type(exc).__name__}: {first}") from exc
+    return as_subject(obj, origin=f"--model {spec!r}")
+
+
+def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subject:
+    """The zoo model a validated config builds (``properties.core.zoo_config``), as a Subject."""
+    from zoo.config.builder import model_from_config  # Hydra is imported only when a zoo model is wanted
+    from zoo.config.schema import ConfigError
+    try:
+        model = model_from_config(cfg, device=device, dtype=dtype)
+    except (ConfigError, PluginError) as exc:
+        raise SubjectError(f"{origin}: {exc}") from exc
+    except Exception as exc:  # a user's replacement part may fail in any way while constructed
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SubjectError(f"{origin}: building the model raised {type(exc).__name__}: {first}") from exc
+    return as_subject(model, origin="--zoo")
+

@@ -1,0 +1,194 @@
+"""Rounding-error bounds for attention, derived from the standard model of floating-point arithmetic.
+
+Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them):
+
+1. Model.  The kernel's inputs are exact in the tested dtype; every operation it performs is rounded
+   with unit roundoff at most u = eps(dtype) / 2 (a kernel that accumulates in a wider type only does
+   better); ``exp`` is accurate to 2 ulps (4u; libm, SLEEF and GPU ``ex2.approx`` all are).  gamma(n) =
+   n u / (1 - n u) bounds n successive roundings (Higham, *Accuracy and Stability of Numerical
+   Algorithms*, 3.1).
+2. Scores.  A dot product of length E, the scale (rounded, applied once or as sqrt(scale) to both sides)
+   and the float mask cost at most E + 5 roundings: |s_hat - s| <= gamma(E + 5) * (scale * sum_e |q_e k_e|
+   + |mask|).  Subtracting a running maximum (or multiplying by log2 e) before ``exp`` moves the argument
+   by at most 2u * (|s - max s| + the score errors).  Call the sum of both ``score_error`` (delta).
+3. Softmax of perturbed scores.  Softmax is increasing in its own score and decreasing in the others, so
+   every weight computed from scores within +-delta lies in
+       [exp(s_j - d_j) / (exp(s_j - d_j) + sum_{l != j} exp(s_l + d_l)),
+        exp(s_j + d_j) / (exp(s_j + d_j) + sum_{l != j} exp(s_l - d_l))]
+   (evaluated in log space, so huge scores stay informative: a large gap keeps the interval one-hot).
+4. Evaluation.  ``exp`` (4u), the row sum and the rescaling of an online (flash) softmax (2S roundings in
+   numerator and denominator together), the division and the rounding to the dtype change a weight by a
+   factor within 1 +- gamma(2S + 6).  A weight may also underflow: +- finfo.tiny absolute.
+5. Output.  sum_j w_j v_j costs gamma(S + 2) * sum_j w_j |v_j| (S products, S - 1 sums, the final
+   rounding to the dtype).
+
+The oracle itself runs in float64, so the same model with u = 2^-53 is added on top: for float64 inputs
+the oracle is no more exact than the kernel, and both errors count.  The bounds are worst cases: never
+exceeded by a correct kernel (no flaky failures), loose by roughly sqrt(n) for typical roundings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from properties.core.oracle import Reference, expand_kv_heads, reference_attention, to_float64
+
+__all__ = ["unit_roundoff", "gamma", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
+           "output_bound"]
+
+_F64 = torch.float64
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2: the largest relative error of rounding to ``dtype``."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error of n successive roundings."""
+    return n * u / (1 - n * u) if n * u < 1 else math.inf
+
+
+def evaluation_error(s: int, dtype: torch.dtype) -> float:
+    """Step 4: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
+    return gamma(2 * s + 6, unit_roundoff(dtype)) + gamma(2 * s + 6, unit_roundoff(_F64))
+
+
+def rowsum_error(s: int, dtype: torch.dtype) -> float:
+    """Bound on |sum_j w_hat_ij - 1|: the normalization divides the exponentials it sums, so score errors
+    cancel and only the evaluation error and underflow of s weights remain."""
+    return evaluation_error(s, dtype) + s * torch.finfo(dtype).tiny
+
+
+@dataclass(frozen=True)
+class SoftmaxBounds:
+    """Oracle and error intervals for the weights of one attention call (all float64, CPU)."""
+
+    reference: Reference        # the oracle (scores, weights, output)
+    score_error: torch.Tensor   # (..., l, s) delta of step 2, tested dtype plus the oracle's float64
+    lower: torch.Tensor         # (..., l, s) every correctly computed weight is >= lower ...
+    upper: torch.Tensor         # ... and <= upper; both are exactly 0 where a key is not admissible
+    eval_error: float           # step 4: relative error of evaluating the softmax (both precisions)
+    rowsum_error: float         # bound on |sum_j w_hat_ij - 1| for a row with an admissible key
+    dtype: torch.dtype
+    tiny: float                 # underflow slack per weight
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.reference.weights
+
+    @property
+    def admissible(self) -> torch.Tensor:
+        return self.reference.scores > float("-inf")
+
+    def log_ratio_error(self) -> torch.Tensor:
+        """(..., l, s, s): bound on |log(w_hat_j / w_hat_k) - (s_j - s_k)| (denominators cancel)."""
+        d = self.score_error
+        slack = 2 * math.atanh(min(self.eval_error, 1.0)) if self.eval_error < 1 else math.inf
+        # Underflow: a weight w >= lower carries absolute error <= tiny, i.e. log error <= log1p(tiny/lower).
+        under = torch.log1p(self.tiny / self.lower.clamp_min(1e-300))
+        return (d + under)[..., :, None] + (d + under)[..., None, :] + slack
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) without overflow or the threshold approximation of F.softplus."""
+    return torch.where(x > 0, x + torch.log1p(torch.exp(-x.abs())), torch.log1p(torch.exp(-x.abs())))
+
+
+def _score_magnitude(q, k, attn_mask, scale, enable_gqa):
+    """scale * sum_e |q_e k_e| + |float mask|: what the rounding error of a score is proportional to."""
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = expand_kv_heads(k, q.shape[-3])
+    magnitude = abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        finite = to_float64(attn_mask).abs()
+        magnitude = magnitude + torch.where(torch.isfinite(finite), finite, torch.zeros_like(finite))
+    return magnitude
+
+
+def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                   causal_alignment="top-left", dtype=None) -> SoftmaxBounds:
+    """The oracle plus the interval every correctly rounded weight lies in (see module docstring).
+
+    ``dtype`` is the precision the kernel is held to (default: the query's).  ``value`` defaults to the
+    identity, whose output is the weight matrix.
+    """
+    dtype = dtype or query.dtype
+    q, k = to_float64(query), to_float64(key)
+    e, s = q.shape[-1], k.shape[-2]
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+    if value is None:
+        value = torch.eye(s, dtype=_F64).expand(*k.shape[:-2], s, s)
+    reference = reference_attention(q, k, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    scores, admissible = reference.scores, reference.scores > float("-inf")
+    u, u64 = unit_roundoff(dtype), unit_roundoff(_F64)
+
+    # Scores may approach the dtype's largest value (ATTN-LARGE-SCORES, MASK-LOW-PRECISION): every sum
+    # below is formed so that it cannot overflow where the quantity it bounds is finite (halved gaps);
+    # an infinite exponent means a weight below exp(-finfo(float64).max), i.e. exactly 0.
+    dot_error = (gamma(e + 5, u) + gamma(e + 5, u64)) * _score_magnitude(q, k, attn_mask, scale, enable_gqa)
+    dot_error = torch.where(admissible, dot_error, torch.zeros_like(dot_error))
+    finite_scores = torch.where(admissible, scores, torch.zeros_like(scores))
+    row_max = torch.where(admissible, scores, torch.full_like(scores, -math.inf)).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    half_gap = (finite_scores / 2 - row_max / 2).abs()
+    argument_error = 4 * (u + u64) * (half_gap + dot_error / 2 + dot_error.amax(-1, keepdim=True) / 2)
+    delta = torch.where(admissible, dot_error + argument_error, torch.zeros_like(dot_error))
+
+    # log w_j = -log(1 + sum_{l != j} exp(s_l - s_j)): written with score differences so that the
+    # interval stays accurate when scores are huge and one weight is within ulps of 1.
+    own = torch.eye(s, dtype=torch.bool)
+    others = admissible[..., None, :] & ~own
+    minus_inf = torch.full(others.shape, -math.inf, dtype=_F64)
+    difference = torch.where(others, scores[..., None, :] - finite_scores[..., :, None], minus_inf)
+    spread = delta[..., :, None] + delta[..., None, :]
+    # NaN (inf - inf) is replaced on the safe side: a term dropped from the sum only raises the upper
+    # bound, an infinite term only lowers the lower bound.
+    lse_upper = torch.logsumexp(torch.nan_to_num(difference - spread, nan=-math.inf), dim=-1)
+    lse_lower = torch.logsumexp(torch.nan_to_num(difference + spread, nan=math.inf), dim=-1)
+    log_upper, log_lower = -_softplus(lse_upper), -_softplus(lse_lower)
+    # The interval is itself evaluated in float64.  d log w_j / d(s_l - s_j) = -w_l, so rounding an
+    # exponent s_l - s_j +- spread (3 operations) moves log w_j by at most 4 u64 |exponent| w_l; the
+    # log-sum-exp's final addition and the softplus add 4 u64 |lse| (1 - w_j) and 4 u64 (1 + |log w_j|).
+    weight_cap = log_upper.exp().clamp_max(1.0)
+    others_cap = torch.where(others, weight_cap[..., None, :], torch.zeros_like(spread))
+    half_exponent = torch.where(others, difference.abs() / 2 + spread / 2, torch.zeros_like(spread))
+    lse = torch.maximum(lse_upper.abs(), lse_lower.abs())
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weighted = torch.where(others_cap > 0, others_cap * (half_exponent + lse[..., None] / 2),
+                           torch.zeros_like(spread))
+    own_size = torch.where(torch.isfinite(log_lower), log_lower.abs(), torch.zeros_like(lse))
+    evaluation = 8 * u64 * weighted.sum(-1) + 4 * u64 * (1 + own_size)
+    # A weight whose upper bound is exp(-inf) is exactly 0 whatever the evaluation error.
+    log_upper = torch.where(log_upper == -math.inf, log_upper, log_upper + evaluation)
+    log_lower = log_lower - evaluation
+    eval_error = evaluation_error(s, dtype)
+    tiny = torch.finfo(dtype).tiny
+    zero = torch.zeros_like(scores)
+    upper = torch.where(admissible, (log_upper.exp() * (1 + eval_error)).clamp_max(1 + eval_error) + tiny, zero)
+    lower = torch.where(admissible, (log_lower.exp() * (1 - eval_error) - tiny).clamp_min(0.0), zero)
+    return SoftmaxBounds(reference=reference, score_error=delta, lower=lower, upper=upper,
+                         eval_error=eval_error, rowsum_error=rowsum_error(s, dtype), dtype=dtype, tiny=tiny)
+
+
+def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
+                 weight_factor: float = 1.0) -> torch.Tensor:
+    """Elementwise bound on |kernel output - oracle output| (step 5 of the module docstring).
+
+    ``weight_factor`` scales every weight (dropout's 1/(1-p)); ``extra_roundings`` counts further
+    roundings per weight (dropout's rescale).
+    """
+    v = to_float64(value).abs()
+    w = bounds.weights
+    if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
+        v = expand_kv_heads(v, w.shape[-3])
+    s = w.shape[-1]
+    u, u64 = unit_roundoff(bounds.dtype), unit_roundoff(_F64)
+    deviation = torch.maximum(bounds.upper - w, w - bounds.lower)
+    has_key = bounds.admissible.any(dim=-1, keepdim=True)
+    bound = weight_factor * (deviation @ v
+                             + gamma(s + 2 + extra_roundings, u) * (bounds.upper @ v)
+                             + gamma(s + 1, u64) * (w @ v))
+    return bound + torch.where(has_key, bounds.tiny, 0.0)

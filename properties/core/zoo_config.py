@@ -1,0 +1,132 @@
+"""The zoo config a run names — ``--zoo "OVERRIDES"`` or ``--zoo-config FILE`` — obtained once per session.
+
+``--zoo`` composes the packaged Hydra tree with the overrides; ``--zoo-config`` loads a config that was
+composed elsewhere (``python -m zoo task=verify`` writes the one it composed, so the suite never composes it
+again; any run's ``outputs/DATE/TIME/.hydra/config.yaml`` works too, its options read from the
+``hydra.yaml`` beside it). Either way the model clauses run on the model that config builds, the module clauses on the part
+nodes it names, and the layer clauses on the layers of a model built from it in float64.
+"""
+from __future__ import annotations
+
+import functools
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig
+
+from zoo.config.options import PARTS
+
+__all__ = ["ZooRun", "PARTS", "compose", "zoo_run"]
+
+# Sizes of the models whose layers the layer clauses check under --zoo (overrides that set a key win).
+LAYER_SIZES = ("d_model=16", "heads=2", "d_ff=32", "layers=2", "vocab_size=16", "max_len=16")
+
+_RUN = pytest.StashKey[object]()
+
+
+@dataclass(frozen=True)
+class ZooRun:
+    cfg: DictConfig              # the validated config of the model under test
+    layer_cfg: DictConfig        # the config the layer and module clauses build from (tiny sizes under --zoo)
+    choices: dict                # group -> option chosen ("config" for a loaded file)
+    named: frozenset             # the part groups the user named: their module clauses run
+    origin: str                  # "--zoo '...'" or "--zoo-config PATH", for reports and errors
+
+    def __repr__(self) -> str:  # Hypothesis prints it in counterexamples
+        return f"<{self.origin}>"
+
+
+@functools.lru_cache(maxsize=None)
+def compose(words: tuple[str, ...]) -> tuple[DictConfig, dict]:
+    """(validated config, the option chosen for each group) for Hydra overrides; ConfigError if unusable."""
+    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from zoo.config.builder import explain_composition_error
+    from zoo.config.schema import ConfigError, validate
+    try:
+        if GlobalHydra.instance().is_initialized():
+            cfg = hydra_compose("config", overrides=list(words), return_hydra_config=True)
+        else:
+            with initialize_config_module("zoo.conf", version_base="1.3"):
+                cfg = hydra_compose("config", overrides=list(words), return_hydra_config=True)
+    except HydraException as exc:
+        raise ConfigError(explain_composition_error(exc)) from exc
+    choices = {k: str(v) for k, v in cfg.hydra.runtime.choices.items()}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    validate(cfg)
+    return cfg, choices
+
+
+def group_of(word: str) -> str | None:
+    """The part group (or 'model') an override word names, e.g. 'attention' for 'attention._target_=...'."""
+    key = word.split("=", 1)[0].lstrip("+~")
+    head = key.split(".", 1)[0].split("@", 1)[0]
+    return head if head in PARTS or head == "model" else None
+
+
+def _with_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
+    given = {w.split("=", 1)[0].lstrip("+~") for w in words}
+    return tuple(s for s in LAYER_SIZES if s.split("=", 1)[0] not in given) + tuple(words)
+
+
+def _load(path: str) -> DictConfig:
+    from omegaconf import OmegaConf
+    from zoo.config.schema import ConfigError, validate
+    if not Path(path).is_file():
+        raise pytest.UsageError(f"--zoo-config {path!r}: no such file")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as exc:  # a YAML error spans lines: say its first
+        raise pytest.UsageError(f"--zoo-config {path!r}: not a YAML config: {str(exc).splitlines()[0]}") from None
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--zoo-config {path!r}: {exc}") from None
+    except Exception as exc:  # a key missing altogether
+        raise pytest.UsageError(f"--zoo-config {path!r}: not a zoo config ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0]})") from None
+    return cfg
+
+
+def _choices_beside(path: Path) -> dict:
+    """The option chosen in each group, from the hydra.yaml that Hydra (and task=verify) writes beside a
+    run's config.yaml; the clauses about one option (norm=rmsnorm, pos=rotary, ...) need it."""
+    from omegaconf import OmegaConf
+    beside = path.parent / "hydra.yaml"
+    if not beside.is_file():
+        return {}
+    try:
+        return {str(k): str(v) for k, v in OmegaConf.load(beside).hydra.runtime.choices.items()}
+    except Exception:  # not Hydra's layout: the clauses about one option skip with their reason
+        return {}
+
+
+def zoo_run(config) -> ZooRun | None:
+    """The run's zoo config, or None when neither --zoo nor --zoo-config is given (cached per session)."""
+    if _RUN in config.stash:
+        return config.stash[_RUN]
+    text, path = config.getoption("zoo", None), config.getoption("zoo_config", None)
+    if text and path:
+        raise pytest.UsageError("--zoo and --zoo-config both name a zoo model: give one")
+    run = None
+    if path:
+        cfg = _load(path)
+        run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
+    elif text:
+        from zoo.config.plugins import PluginError
+        from zoo.config.schema import ConfigError
+        words = tuple(shlex.split(text))
+        try:
+            cfg, choices = compose(words)
+            layer_cfg, _ = compose(_with_sizes(words))
+        except (ConfigError, PluginError) as exc:
+            raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
+        named = frozenset(g for g in map(group_of, words) if g is not None)
+        run = ZooRun(cfg, layer_cfg, choices, named, f"--zoo {' '.join(words)}")
+    config.stash[_RUN] = run
+    return run

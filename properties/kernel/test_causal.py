@@ -1,0 +1,74 @@
+"""Causal masking (paper 3.2.3): no information from later positions, exact zeros, and the alignment of
+the diagonal when L != S (--causal-alignment)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import assume, given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_identical
+from properties.core.strategies import require_dtype
+from properties.kernel.guard import check_against_oracle
+from properties.core.oracle import causal_allowed, to_float64
+from properties.core.strategies import cases, huge_values, on, rescale_keys, with_pinned_cases
+
+
+def _offset(l: int, s: int, alignment: str) -> int:
+    return 0 if alignment == "top-left" else s - l
+
+
+def _no_key_rows(case, alignment):
+    return ~causal_allowed(case.l, case.s, alignment).any(dim=-1)
+
+
+@clause("CAUSAL-NO-FUTURE")
+@with_pinned_cases(adversarial=True)
+@given(case=cases(min_s=2), adversarial=st.booleans())
+def test_outputs_ignore_later_keys_and_values(kernel, device, case, adversarial, causal_alignment,
+                                              fully_masked):
+    require_dtype(device, case.dtype)
+    offset = _offset(case.l, case.s, causal_alignment)
+    first_cut = max(1, offset + 1)  # keys from `cut` on are replaced; row 0 must not see any of them
+    assume(first_cut <= case.s - 1)
+    cut = int(torch.randint(first_cut, case.s, (1,), generator=case.generator(1)))
+    q64, k64, v64 = case.qkv64()
+    k_new, v_new = (t.clone() for t in (k64, v64))
+    _, fresh_k, fresh_v = case.qkv64(stream=2)
+    k_new[..., cut:, :], v_new[..., cut:, :] = fresh_k[..., cut:, :], fresh_v[..., cut:, :]
+    if adversarial:  # huge but finite: scaled partial sums up to finfo.max/4, values finfo.max/4
+        big = torch.finfo(case.dtype).max / 4
+        k_new[..., cut:, :] = rescale_keys(q64, k_new[..., cut:, :], 1 / math.sqrt(case.e), big, big)
+        v_new[..., cut:, :] = huge_values(v_new[..., cut:, :], case.dtype)
+    q, k, v, k2, v2 = (on(t, case.dtype, device) for t in (q64, k64, v64, k_new, v_new))
+    no_key = _no_key_rows(case, causal_alignment).expand(*case.lead, case.l) if fully_masked == "nan" else None
+    before = to_float64(kernel(q, k, v, is_causal=True, nan_rows=no_key))
+    after = to_float64(kernel(q, k2, v2, is_causal=True, nan_rows=no_key))
+    blind = torch.arange(case.l) + offset < cut  # rows whose admissible keys all precede the cut
+    assert_identical(after[..., blind, :], before[..., blind, :], what="out after changing keys/values "
+                     f"at positions >= {cut}", reference="out before",
+                     note=f"; rows {torch.nonzero(blind).flatten().tolist()} admit only keys < {cut}")
+
+
+@clause("CAUSAL-ZERO-ABOVE")
+@with_pinned_cases()
+@given(case=cases())
+def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, causal_alignment, fully_masked):
+    q, k, _ = case.qkv(device)
+    allowed = causal_allowed(case.l, case.s, causal_alignment)
+    no_key = ~allowed.any(dim=-1)
+    w = to_float64(kernel.weights(q, k, is_causal=True,
+                                  nan_rows=no_key.expand(*case.lead, case.l) if fully_masked == "nan" else None))
+    above = ~allowed & ~no_key[:, None] if fully_masked == "nan" else ~allowed
+    assert_all(~above | (w == 0), w, what=f"weight is exactly 0 for keys j > i + offset "
+                                          f"({causal_alignment} alignment)")
+
+
+@clause("CAUSAL-ALIGNMENT")
+@with_pinned_cases()
+@given(case=cases())
+def test_causal_diagonal_alignment(kernel, device, case, causal_alignment, fully_masked):
+    q, k, v = case.qkv(device)
+    check_against_oracle(kernel, q, k, v, is_causal=True, causal_alignment=causal_alignment,
+                         fully_masked=fully_masked)

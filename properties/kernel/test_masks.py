@@ -1,0 +1,135 @@
+"""attn_mask: bool (True = may attend) and additive float masks, their broadcasting, fully masked queries
+and extreme mask values."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_identical, assert_within
+from properties.core.strategies import require_dtype
+from properties.kernel.guard import check_against_oracle
+from properties.core.oracle import to_float64
+from properties.core.strategies import (cases, huge_values, on, random_bool_mask, rescale_keys,
+                                   with_pinned_cases)
+from properties.core.tolerance import output_bound
+
+densities = st.floats(0.0, 1.0)
+mask_kinds = st.sampled_from(["bool", "float"])
+
+
+def _mask_shape(case):
+    return (*case.lead, case.l, case.s)
+
+
+def as_float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask equivalent to a bool mask: 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask.cpu(), float("-inf")).to(mask.device)
+
+
+def _as_kind(mask: torch.Tensor, kind: str, dtype) -> torch.Tensor:
+    return mask if kind == "bool" else as_float_mask(mask, dtype)
+
+
+@clause("MASK-BOOL")
+@with_pinned_cases(density=0.5)
+@given(case=cases(), density=densities)
+def test_bool_mask_true_means_attend(kernel, device, case, density):
+    q, k, v = case.qkv(device)
+    mask = random_bool_mask(case.generator(1), _mask_shape(case), density).to(device)
+    w = to_float64(kernel.weights(q, k, attn_mask=mask))
+    assert_all(mask.cpu() | (w == 0), w, what="weight is exactly 0 where the bool mask is False")
+    check_against_oracle(kernel, q, k, v, attn_mask=mask)
+
+
+@clause("MASK-FLOAT-ADDITIVE")
+@with_pinned_cases(spread=0)
+@given(case=cases(), spread=st.integers(-2, 4))
+def test_float_mask_is_added_to_scores(kernel, device, case, spread):
+    q, k, v = case.qkv(device)
+    mask64 = torch.randn(_mask_shape(case), generator=case.generator(1), dtype=torch.float64) * 2.0**spread
+    check_against_oracle(kernel, q, k, v, attn_mask=on(mask64, case.dtype, device))
+
+
+@clause("MASK-BOOL-FLOAT")
+@with_pinned_cases(density=0.5)
+@given(case=cases(), density=densities)
+def test_bool_mask_equals_its_additive_float_mask(kernel, device, case, density):
+    q, k, v = case.qkv(device)
+    mask = random_bool_mask(case.generator(1), _mask_shape(case), density).to(device)
+    with_bool, bounds = check_against_oracle(kernel, q, k, v, attn_mask=mask, what="out (bool mask)")
+    with_float, _ = check_against_oracle(kernel, q, k, v, attn_mask=as_float_mask(mask, case.dtype),
+                                         what="out (float mask)")
+    assert_within(with_bool, with_float, 2 * output_bound(bounds, v), what="out with bool mask",
+                  reference="out with the equivalent -inf float mask")
+
+
+@clause("MASK-NO-INFLUENCE")
+@with_pinned_cases(density=0.5, kind="bool")
+@given(case=cases(), density=densities, kind=mask_kinds)
+def test_masked_keys_and_values_have_no_influence(kernel, device, case, density, kind):
+    require_dtype(device, case.dtype)
+    mask = random_bool_mask(case.generator(1), _mask_shape(case), density)
+    q64, k64, v64 = case.qkv64()
+    # Replace the keys and values that query 0 may not see (in every slice) by huge finite ones; every
+    # query that admits none of them must give a bitwise identical output.
+    hidden = ~mask[..., :1, :].transpose(-1, -2)  # (..., s, 1): masked for query 0
+    big = torch.finfo(case.dtype).max / 4
+    big_k = rescale_keys(q64, k64, 1 / math.sqrt(case.e), big, big)
+    k_new = torch.where(hidden, big_k, k64)
+    v_new = torch.where(hidden, huge_values(v64, case.dtype), v64)
+    q, k, v, k2, v2 = (on(t, case.dtype, device) for t in (q64, k64, v64, k_new, v_new))
+    attn_mask = _as_kind(mask.to(device), kind, case.dtype)
+    before = to_float64(kernel(q, k, v, attn_mask=attn_mask))
+    after = to_float64(kernel(q, k2, v2, attn_mask=attn_mask))
+    blind = ~(mask & hidden.transpose(-1, -2)).any(dim=-1)  # (..., l): admits no replaced key
+    assert_identical(after[blind], before[blind],
+                     what=f"out of queries that admit none of the replaced keys ({kind} mask)",
+                     reference="out before the masked keys/values were replaced by huge values")
+
+
+@clause("MASK-FULLY-MASKED")
+@with_pinned_cases(density=0.5, kind="bool")
+@given(case=cases(), density=densities, kind=mask_kinds)
+def test_query_without_admissible_key_outputs_zeros(kernel, device, case, density, kind, fully_masked):
+    q, k, v = case.qkv(device)
+    g = case.generator(1)
+    mask = random_bool_mask(g, _mask_shape(case), density)
+    empty = torch.rand(*case.lead, case.l, generator=g, dtype=torch.float64) < 0.5
+    empty[..., 0] = True  # at least one fully masked query per slice
+    mask = mask & ~empty[..., None]
+    check_against_oracle(kernel, q, k, v, attn_mask=_as_kind(mask.to(device), kind, case.dtype),
+                         fully_masked=fully_masked)
+
+
+BROADCAST_SHAPES = ["L,S", "1,1,L,S", "B,1,L,S", "1,H,L,S", "B,H,L,S"]
+
+
+@clause("MASK-BROADCAST")
+@with_pinned_cases(shape="L,S", kind="bool")
+@with_pinned_cases(shape="B,1,L,S", kind="float")
+@given(case=cases(lead=2), shape=st.sampled_from(BROADCAST_SHAPES), kind=mask_kinds)
+def test_mask_broadcasts_over_batch_and_heads(kernel, device, case, shape, kind):
+    q, k, v = case.qkv(device)
+    sizes = {"B": case.lead[0], "H": case.lead[1], "L": case.l, "S": case.s, "1": 1}
+    mask = random_bool_mask(case.generator(1), tuple(sizes[d] for d in shape.split(",")), 0.5)
+    check_against_oracle(kernel, q, k, v, attn_mask=_as_kind(mask.to(device), kind, case.dtype))
+
+
+@clause("MASK-LOW-PRECISION")
+@with_pinned_cases(density=0.5)
+@given(case=cases(), density=densities)
+def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density):
+    q, k, v = case.qkv(device)
+    g = case.generator(1)
+    info = torch.finfo(case.dtype)
+    choice = torch.randint(2, _mask_shape(case), generator=g)
+    masked = random_bool_mask(g, _mask_shape(case), density)
+    large_negative = torch.where(choice == 0, torch.tensor(info.min, dtype=torch.float64),
+                                 torch.tensor(-info.max / 2, dtype=torch.float64))
+    mask64 = torch.where(masked, torch.zeros_like(large_negative), large_negative)
+    all_min = torch.rand(*case.lead, case.l, generator=g, dtype=torch.float64) < 0.25
+    mask64 = torch.where(all_min[..., None], torch.full_like(mask64, info.min), mask64)
+    check_against_oracle(kernel, q, k, v, attn_mask=on(mask64, case.dtype, device))

@@ -1,0 +1,98 @@
+"""The scale: exactly 1/sqrt(E) by default or the given value, recovered from the kernel's weights; and
+its statistical purpose (paper 3.2.1, footnote 4)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import assume, given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_within, fmt
+from properties.core.strategies import require_dtype
+from properties.core.oracle import default_scale, to_float64
+from properties.core.statistics import FALSE_ALARM, weighted_chi_square_interval
+from properties.core.strategies import cases, dtypes, on, seeds, with_pinned_cases
+from properties.core.tolerance import gamma, softmax_bounds, unit_roundoff
+
+# A weight this far above the underflow threshold carries a negligible (1e-6 relative) underflow error.
+_RECOVERABLE = 1e6
+
+
+def _check_log_ratios(kernel, q, k, scale, scale_kwargs):
+    """log(w_ij / w_ik) == scale * q_i . (k_j - k_k) within the tolerance model, for every pair of keys
+    whose weights are well above underflow; the message reports the scale the weights imply."""
+    __tracebackhide__ = True
+    w = to_float64(kernel.weights(q, k, **scale_kwargs))
+    bounds = softmax_bounds(q, k, scale=scale)
+    usable = bounds.lower > _RECOVERABLE * bounds.tiny
+    pairs = usable[..., :, None] & usable[..., None, :]
+    observed = torch.log(w)[..., :, None] - torch.log(w)[..., None, :]
+    scores = bounds.reference.scores
+    expected = torch.where(pairs, scores[..., :, None] - scores[..., None, :], torch.zeros_like(observed))
+    bound = torch.where(pairs, bounds.log_ratio_error(), torch.full_like(observed, torch.inf))
+    informative = pairs & (expected.abs() > 1e-3)
+    implied = (observed / expected * scale)[informative]
+    recovered = fmt(float(implied.median())) if implied.numel() else "n/a"
+    assert_within(observed, expected, bound, what="log(w_ij/w_ik)", reference="scale q_i.(k_j - k_k)",
+                  note=f"; index (..., i, j, k); scale {fmt(scale)} expected, the weights imply {recovered}")
+
+
+@clause("SCALE-DEFAULT")
+@with_pinned_cases()
+@given(case=cases(min_s=2))
+def test_default_scale_is_one_over_sqrt_e(kernel, device, case):
+    q, k, _ = case.qkv(device)
+    _check_log_ratios(kernel, q, k, default_scale(case.e), {})
+
+
+@clause("SCALE-EXPLICIT")
+@with_pinned_cases(scale=0.5)
+@given(case=cases(min_s=2), scale=st.floats(1 / 64, 4.0))
+def test_explicit_scale_replaces_the_default(kernel, device, case, scale):
+    q, k, _ = case.qkv(device)
+    _check_log_ratios(kernel, q, k, scale, {"scale": scale})
+
+
+def _wide_exponent_range(dtype: torch.dtype) -> bool:
+    """float32's exponent range or wider: e^-(|q.k|) of unscaled dot products stays representable."""
+    return torch.finfo(dtype).tiny <= torch.finfo(torch.float32).tiny
+
+
+SAMPLES = 2048
+
+
+@clause("SCALE-VARIANCE")
+@given(d=st.integers(1, 64), dtype=dtypes(), unscaled=st.booleans(), seed=seeds)
+def test_scaling_brings_score_variance_from_d_to_one(kernel, device, d, dtype, unscaled, seed):
+    """See SPEC.md, SCALE-VARIANCE, for the derivation of the acceptance interval."""
+    require_dtype(device, dtype)
+    assume(not unscaled or _wide_exponent_range(dtype))  # float16 cannot hold those weights (SPEC.md)
+    g = torch.Generator().manual_seed(seed)
+    q64 = torch.randn(SAMPLES, 1, d, generator=g, dtype=torch.float64)
+    k_sample = torch.randn(SAMPLES, 1, d, generator=g, dtype=torch.float64)
+    k64 = torch.cat([torch.zeros_like(k_sample), k_sample], dim=1)  # key 0 is the reference: score 0
+    scale = 1.0 if unscaled else default_scale(d)
+    q, k = on(q64, dtype, device), on(k64, dtype, device)
+
+    w = to_float64(kernel.weights(q, k, **({"scale": 1.0} if unscaled else {})))[:, 0, :]
+    recovered = torch.log(w[:, 1]) - torch.log(w[:, 0])
+
+    # Exact sampling distribution of the ideal scores x_m = scale q_m.k_m given the keys (float64 draws).
+    ideal = scale * (q64[:, 0, :] * k_sample[:, 0, :]).sum(-1)
+    interval = weighted_chi_square_interval(scale**2 * (k_sample[:, 0, :] ** 2).sum(-1), FALSE_ALARM)
+    # Rounding: inputs rounded to the dtype (measured exactly) plus the kernel's log-ratio bound.
+    bounds = softmax_bounds(q, k, scale=scale)
+    rounded_scores = bounds.reference.scores[:, 0, 1]
+    magnitude = scale * (q64[:, 0, :].abs() * k_sample[:, 0, :].abs()).sum(-1)
+    eta = ((rounded_scores - ideal).abs() + gamma(d + 1, unit_roundoff(torch.float64)) * magnitude
+           + bounds.log_ratio_error()[:, 0, 1, 0])
+    slack = float(eta.norm())
+    low = max(math.sqrt(interval.low) - slack, 0.0) ** 2 / SAMPLES
+    high = (math.sqrt(interval.high) + slack) ** 2 / SAMPLES
+    variance = float((recovered**2).sum()) / SAMPLES
+    expected = float(scale**2 * (k_sample**2).sum()) / SAMPLES
+    assert low <= variance <= high, (
+        f"variance of the kernel's {'unscaled' if unscaled else 'scaled'} scores (recovered from its weights) "
+        f"= {fmt(variance)}, outside [{fmt(low)}, {fmt(high)}] (expected {fmt(expected)} = "
+        f"{'d' if unscaled else '1'} for these keys; false-alarm probability <= {FALSE_ALARM:g})")

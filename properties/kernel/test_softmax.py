@@ -1,0 +1,112 @@
+"""Softmax clauses, observed on any black-box kernel through V = I (its output is then the weights)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import assume, example, given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_within
+from properties.core.strategies import require_dtype
+from properties.kernel.guard import check_against_oracle
+from properties.core.oracle import to_float64
+from properties.core.strategies import (Case, cases, identity_values, on, random_bool_mask, scale_partial_sums,
+                                   selected_dtypes, with_pinned_cases)
+from properties.core.tolerance import output_bound, rowsum_error, softmax_bounds
+
+# Score spread: q is multiplied by 2**spread, so scores range from a quarter to 16 times standard normal.
+spreads = st.integers(-2, 4)
+
+
+def _inputs(case: Case, device, spread: int = 0):
+    q, k, v = case.qkv64()
+    return on(q * 2.0**spread, case.dtype, device), on(k, case.dtype, device), on(v, case.dtype, device)
+
+
+@clause("ATTN-WEIGHT-RANGE")
+@with_pinned_cases(spread=0)
+@given(case=cases(), spread=spreads)
+def test_weights_are_finite_and_in_unit_interval(kernel, device, case, spread):
+    require_dtype(device, case.dtype)
+    q, k, _ = _inputs(case, device, spread)
+    w = to_float64(kernel.weights(q, k))  # the guard has already checked finiteness
+    limit = 1 + rowsum_error(case.s, case.dtype)
+    assert_all(w >= 0, w, what="weights >= 0")
+    assert_all(w <= limit, w, what=f"weights <= 1 + evaluation error = {limit:.6g}")
+
+
+@clause("ATTN-ROWSUM")
+@with_pinned_cases(spread=0, masked=False)
+@given(case=cases(), spread=spreads, masked=st.booleans())
+def test_weights_sum_to_one_over_keys(kernel, device, case, spread, masked):
+    require_dtype(device, case.dtype)
+    q, k, _ = _inputs(case, device, spread)
+    mask = (random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5).to(device)
+            if masked else None)
+    w = to_float64(kernel.weights(q, k, **({"attn_mask": mask} if masked else {})))
+    row_sums = w.sum(dim=-1)
+    assert_within(row_sums, torch.ones_like(row_sums), rowsum_error(case.s, case.dtype),
+                  what="sum over keys of the weights", reference="1")
+
+
+@clause("ATTN-SHIFT-INVARIANT")
+@with_pinned_cases(shift_exponent=1.0, negative=False)
+@given(case=cases(), shift_exponent=st.floats(0.0, 1.0), negative=st.booleans())
+def test_adding_a_constant_to_a_row_of_scores_changes_nothing(kernel, device, case, shift_exponent, negative):
+    """shift_exponent is the fraction of the dtype's exponent range: the row constants reach
+    2**(shift_exponent * log2(finfo.max / 4))."""
+    require_dtype(device, case.dtype)
+    q, k, v = _inputs(case, device)
+    top = math.log2(torch.finfo(case.dtype).max / 4)
+    per_row = torch.rand(*case.lead, case.l, 1, generator=case.generator(1), dtype=torch.float64)
+    shift = (per_row * 2.0 ** (shift_exponent * top)) * (-1 if negative else 1)
+    mask = on(shift.expand(*case.lead, case.l, case.s), case.dtype, device).contiguous()
+    out = kernel(q, k, v, attn_mask=mask)
+    # The bound is the masked call's (its score errors include u*|c|); the exact result is the unmasked one.
+    shifted = softmax_bounds(q, k, v, attn_mask=mask)
+    unshifted = softmax_bounds(q, k, v).reference.output
+    assert_within(out, unshifted, output_bound(shifted, v), what="out with row-constant mask",
+                  reference="oracle without mask")
+
+
+@clause("ATTN-ORDER")
+@with_pinned_cases(spread=0)
+@given(case=cases(), spread=spreads)
+def test_larger_score_never_gets_smaller_weight(kernel, device, case, spread):
+    require_dtype(device, case.dtype)
+    q, k, _ = _inputs(case, device, spread)
+    w = to_float64(kernel.weights(q, k))
+    bounds = softmax_bounds(q, k)
+    # Only pairs whose rounding intervals are disjoint have a guaranteed order.
+    ordered = bounds.lower[..., :, None] > bounds.upper[..., None, :]
+    gap = w[..., :, None] - w[..., None, :]
+    assert_all(~ordered | (gap >= 0), gap,
+               what="w_ij >= w_ik whenever score s_ij exceeds s_ik by more than the rounding margin "
+                    "(index ..., i, j, k; value w_ij - w_ik)")
+
+
+@clause("ATTN-LARGE-SCORES")
+@with_pinned_cases(magnitude=1.0, aligned=True)
+@example(case=Case(lead=(1, 1), l=2, s=2, e=64, ev=2, dtype=selected_dtypes()[0], seed=0), magnitude=1.0,
+         aligned=True)  # the clause's edge at the commonest head size
+@given(case=cases(max_e=128), magnitude=st.floats(0.0, 1.0), aligned=st.booleans())
+def test_scores_up_to_the_dtype_range_do_not_overflow(kernel, device, case, magnitude, aligned):
+    """magnitude is the fraction of the admissible exponent range: the largest scaled partial sum is
+    2**round(magnitude * log2(finfo.max / 4)).  Head sizes up to 128, as in real models: an unscaled
+    q.k exceeds the scaled score by sqrt(E)."""
+    require_dtype(device, case.dtype)
+    q, k, v = case.qkv64()
+    if aligned:  # the largest dot products a given partial-sum bound allows
+        n = min(case.l, case.s)
+        k[..., :n, :] = q[..., :n, :]
+    exponent = round(magnitude * math.log2(torch.finfo(case.dtype).max / 4))
+    q, k = scale_partial_sums(q, k, 1 / math.sqrt(case.e), 2.0**exponent)
+    q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
+    assume(bool(torch.isfinite(q).all() and torch.isfinite(k).all()))  # extreme ratios |q_e|/|k_e| only
+    check_against_oracle(kernel, q, k, v)
+    w, bounds = check_against_oracle(kernel, q, k, identity_values(case.lead, case.s, case.dtype, device),
+                                     what="weights")
+    row_sums = to_float64(w).sum(-1)
+    assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error,
+                  what="sum over keys of the weights", reference="1")

@@ -1,0 +1,1 @@
+"""Model-level clauses: whole models given by `--model`, `--zoo`, or the zoo's own families."""

@@ -1,0 +1,199 @@
+"""What the model clauses share: drawn input structure, calls that check shapes, the comparison
+tolerance, and a probe on the token embedding for gradients.
+
+Hypothesis draws structure (batch size, lengths, positions, seeds); a seeded torch.Generator
+draws the token ids, on the CPU, so a counterexample is reproducible on any device.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from properties.core.subject import Subject
+from properties.core.tolerance import unit_roundoff
+
+__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
+           "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
+           "assert_same_output", "embedding_probe", "DRAW_LEN"]
+
+DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The structure of one batch: `real[b]` leading positions of sample b are real, the rest padding."""
+    size: int
+    length: int
+    real: tuple[int, ...]
+    seed: int
+
+    def _repr_pretty_(self, printer, cycle):  # one line in Hypothesis' counterexamples
+        printer.text(repr(self))
+
+    def mask(self, device) -> torch.Tensor:
+        return torch.arange(self.length, device=device)[None, :] < torch.tensor(self.real, device=device)[:, None]
+
+    def tokens(self, subject: Subject, device) -> torch.Tensor:
+        """Real ids (never pad_id) at real positions, pad_id at padded ones."""
+        ids = real_tokens(torch.Generator().manual_seed(self.seed), (self.size, self.length), subject, device)
+        return padded(ids, self.mask(device), subject.pad_id)
+
+
+@st.composite
+def batches(draw, max_len: int, *, min_len: int = 1, size: int | None = None, padding: bool = True,
+            max_size: int = 3) -> Batch:
+    length = draw(st.integers(min_len, max(min_len, max_len)))
+    size = draw(st.integers(1, max_size)) if size is None else size
+    if padding:
+        real = tuple(draw(st.lists(st.integers(min_len, length), min_size=size, max_size=size)))
+    else:
+        real = (length,) * size
+    return Batch(size, length, real, draw(st.integers(0, 2**16)))
+
+
+def real_tokens(generator: torch.Generator, shape, subject: Subject, device) -> torch.Tensor:
+    """Uniform ids in [0, vocab_size) without pad_id."""
+    ids = torch.randint(0, subject.vocab_size - 1, tuple(shape), generator=generator)
+    return (ids + (ids >= subject.pad_id).long()).to(device)
+
+
+def padded(tokens: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+    return torch.where(mask, tokens, torch.full_like(tokens, pad_id))
+
+
+def _describe(out) -> str:
+    if torch.is_tensor(out):
+        return f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+    return f"a {type(out).__module__}.{type(out).__qualname__}"
+
+
+def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
+    """subject.forward (or fn, e.g. decode_step's logits) with its output checked against the contract."""
+    out = (fn or subject.forward)(*args)
+    tokens = args[1] if subject.kind == "encoder_decoder" else args[0]
+    b, l = tokens.shape
+    if subject.kind == "encoder_only":
+        ok = torch.is_tensor(out) and out.dim() == 3 and tuple(out.shape[:2]) == (b, l)
+        expected = f"hidden states of shape (B, L, D) = ({b}, {l}, D)"
+    else:
+        ok = torch.is_tensor(out) and tuple(out.shape) == (b, l, subject.vocab_size)
+        expected = f"logits of shape (B, L, V) = ({b}, {l}, {subject.vocab_size})"
+    if ok and not out.is_floating_point():
+        ok, expected = False, expected + " of a floating dtype"
+    if not ok:
+        raise AssertionError(f"{subject.kind} forward returned {_describe(out)}; expected {expected}")
+    return out
+
+
+# Tolerance for "unchanged"/"equal" between two evaluations of the same model that differ only in
+# rounding (another batch, padding, a cache, another evaluation order). Each has forward error
+# E <= n * u * A * max|y| to first order (Higham 2002, ch. 3): u the unit roundoff, n the longest
+# chain of accumulated roundings, A the amplification of an error by the later layers. For the
+# models in scope n <= 2^10 (reductions of <= 2^7 terms -- d_ff, vocabulary, length -- along
+# <= 2^3 sequential sublayers) and A <= 2^10 (LayerNorm of small-variance activations at
+# initialisation amplifies by <= 50; softmax is 1/2-Lipschitz; residual sums <= 2^3 deep), so
+# |a - b| <= 2E <= 2^21 * u * max|y|. In float64 that is 2.3e-10 relative, while the
+# differences measured for correct models are ~1e-15 and a real defect gives >= 1e-6.
+COMPARISON_FACTOR = 2.0 ** 21
+
+
+def comparison_tolerance(reference: torch.Tensor) -> float:
+    u = unit_roundoff(reference.dtype)
+    scale = reference.detach().abs().max().item() if reference.numel() else 0.0
+    return COMPARISON_FACTOR * u * max(scale, torch.finfo(reference.dtype).tiny)
+
+
+def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """|actual - expected| <= comparison_tolerance(expected) elementwise, else a readable failure."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shapes differ, {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    tol = comparison_tolerance(expected)
+    diff = (actual.double() - expected.double()).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    if diff.numel() and diff.max().item() > tol:
+        worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: differs by {diff.max().item():.3e} at index {worst} "
+                             f"(tolerance {tol:.3e} = 2^21 u max|y| in {expected.dtype})")
+
+
+@contextmanager
+def embedding_probe(module: torch.nn.Module, tokens: torch.Tensor):
+    """Add a zero leaf `delta` to the output of every call of `module` whose input equals `tokens`.
+
+    d(output)/d(delta) is then the gradient with respect to those token embeddings; the list
+    yielded collects one delta per matching call.
+    """
+    deltas: list[torch.Tensor] = []
+
+    def hook(_module, args, kwargs, output):
+        given = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+        if given is not None and given.shape == tokens.shape and torch.equal(given, tokens) \
+                and torch.is_tensor(output) and output.is_floating_point():
+            delta = torch.zeros_like(output, requires_grad=True)
+            deltas.append(delta)
+            return output + delta
+        return None
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield deltas
+    finally:
+        handle.remove()
+
+
+# Half the profile's examples, at least 6: each model example runs whole forward passes and the
+# default suite has twelve models. The thorough profile scales this up with its own count.
+EXAMPLES = max(6, settings().max_examples // 2)
+model_settings = settings(max_examples=EXAMPLES, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
+
+
+def model_property(test):
+    """A model clause's property: the model settings, and structure drawn inside the test (``data``)."""
+    return model_settings(given(data=st.data())(test))
+DECODERS = ("decoder_only", "encoder_decoder")
+
+
+def only(subject: Subject, *kinds: str) -> None:
+    if subject.kind not in kinds:
+        pytest.skip(f"applies to {' and '.join(kinds)}, not {subject.kind}")
+
+
+def draw_len(subject: Subject, reserve: int = 0) -> int:
+    return min(DRAW_LEN, subject.max_len - reserve)
+
+
+def forward(s: Subject, src: tuple | None, tgt: tuple):
+    """tgt/src are (tokens, mask); src only for encoder_decoder. No autograd unless asked for."""
+    with torch.no_grad():
+        return call_subject(s, *(src[0], tgt[0], src[1], tgt[1]) if src is not None else tgt)
+
+
+def draw_pair(data, s: Subject, device, *, min_len=1, padding=True, reserve=0, size=None, max_size=3):
+    """(src, tgt) as (tokens, mask, Batch); src is None unless the subject is an encoder-decoder."""
+    tgt_b = data.draw(batches(draw_len(s, reserve), min_len=min_len, padding=padding, size=size,
+                              max_size=max_size), label="batch" if s.kind != "encoder_decoder" else "target")
+    src = None
+    if s.kind == "encoder_decoder":
+        src_b = data.draw(batches(draw_len(s, reserve), min_len=min_len, padding=padding, size=tgt_b.size),
+                          label="source")
+        src_b = Batch(src_b.size, src_b.length, src_b.real, src_b.seed + 2**17)  # other ids than the target's
+        src = (src_b.tokens(s, device), src_b.mask(device), src_b)
+    tgt = (tgt_b.tokens(s, device), tgt_b.mask(device), tgt_b)
+    if src is not None and torch.equal(src[0], tgt[0]):
+        # Equal source and target would make the shared embedding's calls indistinguishable.
+        src[0][0, 0] = other_real_tokens(src[0][0, :1], src_b.seed, s)[0]
+    return src, tgt
+
+
+def other_real_tokens(old: torch.Tensor, seed: int, s: Subject) -> torch.Tensor:
+    """For each id a uniformly drawn real id different from it (and from pad_id)."""
+    r = torch.randint(0, s.vocab_size - 2, tuple(old.shape), generator=torch.Generator().manual_seed(seed))
+    r = r.to(old.device)
+    low, high = torch.minimum(old, torch.full_like(old, s.pad_id)), torch.maximum(old, torch.full_like(old, s.pad_id))
+    r = r + (r >= low).long()
+    return r + (r >= high).long()

@@ -1,0 +1,107 @@
+"""Model clauses about decoding: the autoregressive factorisation, cached decoding, and lengths
+(SPEC.md, "Models": MODEL-FACTORISATION, MODEL-KV-CACHE, MODEL-LENGTH)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from properties import clause
+from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
+                                     comparison_tolerance, draw_pair, forward,
+                                     model_property, model_settings, only, real_tokens)
+
+
+# --------------------------------------------------------------------- MODEL-FACTORISATION, MODEL-KV-CACHE
+def _log_p(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.double(), -1).gather(-1, next_tokens[..., None])[..., 0]
+
+
+@clause("MODEL-FACTORISATION")
+@settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@given(data=st.data())
+def test_autoregressive_factorisation(mut, data):
+    s = mut.precise
+    only(s, *DECODERS)
+    src, (y, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False, max_size=2)
+    full = forward(s, src and src[:2], (y, mask))
+    one_pass = _log_p(full[:, :-1], y[:, 1:])                                   # log p(y_k | y_<k), k >= 1
+    steps = torch.stack([_log_p(forward(s, src and src[:2], (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
+                         for k in range(1, b.length)], dim=1)
+    # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
+    tol = 2 * comparison_tolerance(full)
+    diff = (steps - one_pass).abs()
+    assert diff.max() <= tol, (f"log p(y_k | y_<k) from prefix y_<k differs from the one-pass value by "
+                               f"{diff.max().item():.3e} at (sample, k - 1) = "
+                               f"{tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))} "
+                               f"(tolerance {tol:.1e}); totals {steps.sum(1).tolist()} vs {one_pass.sum(1).tolist()}")
+
+
+@clause("MODEL-KV-CACHE")
+@model_property
+def test_cached_decoding(mut, data):
+    s = mut.precise
+    only(s, *DECODERS)
+    if s.decode_step is None:
+        pytest.skip("Subject.decode_step is None: the model offers no cached incremental decoding")
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
+    cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
+    full = forward(s, src and src[:2], (tokens, mask))
+    state = None
+    for start, end in zip([0, *cuts], [*cuts, b.length]):
+        def step(*args):
+            nonlocal state
+            logits, state = s.decode_step(*args, state)
+            return logits
+        chunk = (tokens[:, start:end], mask[:, :end])
+        with torch.no_grad():
+            args = (src[0], chunk[0], src[1], chunk[1]) if src is not None else chunk
+            logits = call_subject(s, *args, fn=step)
+        real = mask[:, start:end]
+        assert_same_output(logits[real], full[:, start:end][real],
+                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, b.length]}) "
+                           f"vs the full forward pass")
+
+
+# --------------------------------------------------------------------------------------- MODEL-LENGTH
+@clause("MODEL-LENGTH")
+@model_property
+def test_every_length_up_to_max_len(mut, data):
+    s = mut.native
+    length = data.draw(st.integers(1, s.max_len), label="length")
+    batch = Batch(1, length, (length,), data.draw(st.integers(0, 2**16), label="seed"))
+    tokens, mask = batch.tokens(s, mut.device), batch.mask(mut.device)
+    out = forward(s, (tokens, mask) if s.kind == "encoder_decoder" else None, (tokens, mask))
+    assert torch.isfinite(out).all(), f"non-finite output at length {length} <= max_len={s.max_len}"
+
+
+@clause("MODEL-LENGTH")
+@model_property
+def test_beyond_max_len(mut, data):
+    s = mut.native
+    extra = data.draw(st.integers(1, 3), label="positions beyond max_len")
+    side = data.draw(st.sampled_from(["source", "target"]), label="too long") \
+        if s.kind == "encoder_decoder" else "input"
+    gen = torch.Generator().manual_seed(extra)
+    long = real_tokens(gen, (1, s.max_len + extra), s, mut.device)
+    short = real_tokens(gen, (1, 2), s, mut.device)
+    ones = lambda t: torch.ones_like(t, dtype=torch.bool)  # noqa: E731
+    tgt = short if side == "source" else long
+    src = (long if side == "source" else short, ones(long if side == "source" else short)) \
+        if s.kind == "encoder_decoder" else None
+    try:
+        out = forward(s, src, (tgt, ones(tgt)))
+    except AssertionError:
+        raise
+    except Exception as exc:
+        message = str(exc).strip()
+        assert not s.extrapolates, (f"{side} of length {s.max_len + extra} > max_len raised {type(exc).__name__}: "
+                                    f"{message.splitlines()[0] if message else ''} although Subject.extrapolates")
+        assert message and "\n" not in message, (
+            f"{side} of length {s.max_len + extra} > max_len={s.max_len} raised {type(exc).__name__} "
+            f"with {'no message' if not message else 'a message of several lines'}; expected a one-line error")
+        return
+    assert s.extrapolates, (f"{side} of length {s.max_len + extra} > max_len={s.max_len} returned an output; "
+                            f"expected an error (or Subject.extrapolates=True for a model without a length limit)")
+    assert torch.isfinite(out).all(), f"non-finite output for a {side} of length {s.max_len + extra}"

@@ -1,0 +1,233 @@
+"""Model-level clauses (properties/SPEC.md, section Models), run on the model ``--model`` or ``--zoo``
+names, or by default on the zoo's three families at a tiny size with every position scheme.
+
+Clauses that compare two evaluations of one model run on its float64 twin (``mut.precise``) with
+the tolerance of properties.model.checks; determinism, output distribution, length and gradients
+run on the model as built (``mut.native``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from properties import clause
+from properties.model.checks import (EXAMPLES, DECODERS, assert_same_output, call_subject,
+                                     comparison_tolerance, draw_pair, embedding_probe, forward,
+                                     model_property, model_settings, only, other_real_tokens)
+
+
+# ---------------------------------------------------------------------------------------- MODEL-SHAPE
+@clause("MODEL-SHAPE")
+@model_property
+def test_output_shape(mut, data):
+    s = mut.native
+    src, tgt = draw_pair(data, s, mut.device)
+    out = forward(s, src and src[:2], tgt[:2])  # call_subject() checks shape and dtype
+    assert out.device == tgt[0].device, f"output on {out.device}; expected the input's device {tgt[0].device}"
+
+
+# --------------------------------------------------------------------------------------- MODEL-CAUSAL
+@clause("MODEL-CAUSAL")
+@model_property
+def test_causal_perturbation(mut, data):
+    s = mut.precise
+    only(s, *DECODERS)
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
+    i = data.draw(st.integers(0, b.length - 2), label="position i")
+    later = torch.zeros_like(mask)
+    later[:, i + 1:] = True
+    changed = torch.where(later & mask, other_real_tokens(tokens, b.seed + 1, s), tokens)
+    before = forward(s, src and src[:2], (tokens, mask))
+    after = forward(s, src and src[:2], (changed, mask))
+    assert_same_output(after[:, : i + 1], before[:, : i + 1],
+                       f"logits at positions <= {i} after changing the tokens after {i}")
+
+
+@clause("MODEL-CAUSAL")
+@model_property
+def test_causal_gradient(mut, data):
+    s = mut.precise
+    only(s, *DECODERS)
+    if s.embedding is None:
+        pytest.skip("Subject.embedding is None: only the perturbation half of MODEL-CAUSAL runs")
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
+    i = data.draw(st.integers(0, b.length - 2), label="position i")
+    with torch.enable_grad(), embedding_probe(s.embedding, tokens) as deltas:
+        logits = call_subject(s, *(src[0], tokens, src[1], mask) if src is not None else (tokens, mask))
+    assert len(deltas) == 1, (f"Subject.embedding was called {len(deltas)} times with the target tokens; "
+                              f"expected once (the module that embeds the tokens passed to forward)")
+    weights = torch.randn(logits[:, i].shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
+    (grad,) = torch.autograd.grad((logits[:, i] * weights.to(logits)).sum(), deltas[0])
+    assert grad[:, : i + 1].abs().sum() > 0, ("the logits do not depend on the output of Subject.embedding at "
+                                              "all: it is not the token embedding feeding forward")
+    leaking = (grad[:, i + 1:] != 0).any(dim=-1).nonzero().tolist()
+    assert not leaking, (f"d logits[:, {i}] / d embedding[:, j] != 0 for later positions (sample, j - {i + 1}) "
+                         f"= {leaking}: position {i} sees the future")
+
+
+# ----------------------------------------------------------------------------------- MODEL-DEPENDENCE
+@clause("MODEL-DEPENDENCE")
+@model_property
+def test_every_target_depends_on_every_source(mut, data):
+    s = mut.precise
+    only(s, "encoder_decoder")
+    (src, src_mask, sb), (tgt, tgt_mask, tb) = draw_pair(data, s, mut.device)
+    j = data.draw(st.integers(0, min(sb.real) - 1), label="source position j")
+    changed = src.clone()
+    changed[:, j] = other_real_tokens(src[:, j], sb.seed + 1, s)
+    before = forward(s, (src, src_mask), (tgt, tgt_mask))
+    after = forward(s, (changed, src_mask), (tgt, tgt_mask))
+    tol = comparison_tolerance(before)
+    change = (after - before).abs().amax(dim=-1)                       # (B, Lt)
+    unaffected = ((change <= tol) & tgt_mask).nonzero().tolist()
+    assert not unaffected, (f"changing source token {j} leaves the logits at (sample, target position) "
+                            f"{unaffected} unchanged (within {tol:.1e}): the decoder ignores its source there")
+
+
+# ---------------------------------------------------------------------------------- MODEL-PERMUTATION
+@clause("MODEL-PERMUTATION")
+@model_property
+def test_permutation(mut, data):
+    s = mut.precise
+    only(s, "encoder_only")
+    _, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False)
+    order = data.draw(st.permutations(range(b.length)), label="permutation")
+    perm = torch.tensor(order, device=mut.device)
+    assume(not torch.equal(tokens[:, perm], tokens))  # a permutation that changes the input
+    out = forward(s, None, (tokens, mask))
+    permuted = forward(s, None, (tokens[:, perm], mask))
+    if not s.positional:
+        assert_same_output(permuted, out[:, perm], f"output for permuted tokens vs permuted output {order}")
+        return
+    tol = comparison_tolerance(out)
+    assert (permuted - out[:, perm]).abs().max() > tol, (
+        f"permuting the tokens by {order} permutes the output (within {tol:.1e}) although Subject.positional "
+        f"is True: the model ignores token order")
+
+
+# ---------------------------------------------------------------------------------------- MODEL-BATCH
+@clause("MODEL-BATCH")
+@model_property
+def test_batch_independence(mut, data):
+    s = mut.precise
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=4)
+    together = forward(s, src and src[:2], (tokens, mask))
+    for k in range(b.size):
+        alone_src = src and (src[0][k:k + 1], src[1][k:k + 1])
+        alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
+        real = mask[k]
+        assert_same_output(together[k][real], alone[0][real],
+                           f"sample {k} inside a batch of {b.size} vs alone (real positions)")
+
+
+# -------------------------------------------------------------------------------------- MODEL-PADDING
+def _pad(tokens, mask, k: int, pad_id: int, left: bool):
+    pads = torch.full((tokens.shape[0], k), pad_id, dtype=tokens.dtype, device=tokens.device)
+    off = torch.zeros((mask.shape[0], k), dtype=torch.bool, device=mask.device)
+    if left:
+        return torch.cat([pads, tokens], 1), torch.cat([off, mask], 1)
+    return torch.cat([tokens, pads], 1), torch.cat([mask, off], 1)
+
+
+def _padding_case(mut, data, left: bool):
+    s = mut.precise
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, reserve=1)
+    k_tgt = data.draw(st.integers(0 if src is not None else 1, s.max_len - b.length), label="pads (target)"
+                      if src is not None else "pads")
+    k_src = data.draw(st.integers(0 if k_tgt else 1, s.max_len - src[2].length), label="pads (source)") \
+        if src is not None else 0
+    before = forward(s, src and src[:2], (tokens, mask))
+    padded_src = src and _pad(src[0], src[1], k_src, s.pad_id, left)
+    after = forward(s, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
+    after = after[:, k_tgt:] if left else after[:, : b.length]
+    side = "prepending" if left else "appending"
+    assert_same_output(after[mask], before[mask], f"real positions after {side} {k_tgt} padded positions"
+                       + (f" to the target and {k_src} to the source" if src is not None else ""))
+
+
+@clause("MODEL-PADDING")
+@model_property
+def test_right_padding(mut, data):
+    _padding_case(mut, data, left=False)
+
+
+@clause("MODEL-PADDING")
+@model_property
+def test_left_padding(mut, data):
+    if not mut.precise.left_padding:
+        pytest.skip("Subject.left_padding is False: the model does not claim left-padding invariance")
+    _padding_case(mut, data, left=True)
+
+
+@clause("MODEL-PADDING")
+@model_property
+def test_mask_none_means_all_real(mut, data):
+    s = mut.precise
+    src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
+    with_mask = forward(s, src and src[:2], (tokens, mask))
+    without = forward(s, src and (src[0], None), (tokens, None))
+    assert_same_output(without, with_mask, "mask=None vs an all-True mask")
+
+
+# ---------------------------------------------------------------------------------- MODEL-DETERMINISM
+@clause("MODEL-DETERMINISM")
+@model_settings
+@given(data=st.data(), seeds=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)))
+def test_eval_determinism(mut, data, seeds):
+    s = mut.native
+    src, tgt = draw_pair(data, s, mut.device)
+    outs = []
+    devices = [mut.device] if mut.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # leave the global random state as it was
+        for seed in seeds:
+            torch.manual_seed(seed)
+            outs.append(forward(s, src and src[:2], tgt[:2]))
+    same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])
+    assert same.all(), (f"two forward passes on the same input differ at {int((~same).sum())} elements "
+                        f"(max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under random seeds "
+                        f"{seeds}: randomness (dropout?) is active in eval mode")
+
+
+# --------------------------------------------------------------------------------- MODEL-DISTRIBUTION
+@clause("MODEL-DISTRIBUTION")
+@model_property
+def test_output_distribution(mut, data):
+    s = mut.native
+    only(s, *DECODERS)
+    src, (tokens, mask, _) = draw_pair(data, s, mut.device)
+    logits = forward(s, src and src[:2], (tokens, mask))[mask]       # (real positions, V)
+    log_p = torch.log_softmax(logits, dim=-1)
+    bad = (~torch.isfinite(log_p)).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"log-probabilities not finite at {len(bad)} real positions (flattened indices {bad[:5]})"
+    # The softmax in the logits' dtype: each p_i has relative error <= (V + 2) u, their sum adds V u.
+    u = torch.finfo(logits.dtype).eps / 2
+    bound = (2 * s.vocab_size + 3) * u
+    total = torch.softmax(logits, dim=-1).double().sum(-1)
+    worst = (total - 1).abs().max().item()
+    assert worst <= bound, f"softmax of the logits sums to 1 +- {worst:.3e}; expected within {bound:.3e}"
+
+
+# ------------------------------------------------------------------------------------- MODEL-GRADIENT
+@clause("MODEL-GRADIENT")
+@settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@given(data=st.data())
+def test_every_parameter_gets_a_gradient(mut, data):
+    s = mut.native
+    if s.module is None:
+        pytest.skip("Subject.module is None: the parameters are unknown")
+    # Two real positions at least: with one key, softmax weights are constant and the query and key
+    # projections get exactly zero gradient although they are used.
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False)
+    named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        out = call_subject(s, *(src[0], tokens, src[1], mask) if src is not None else (tokens, mask))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
+        grads = torch.autograd.grad((out * weights.to(out)).sum(), [p for _, p in named], allow_unused=True)
+    # Reached: autograd gets from the output to every parameter. Non-zero: required of matrices and
+    # tables; a bias or gain need only be reached, because softmax ignores a constant added to a
+    # row of scores, so the key-projection bias has zero gradient in exact arithmetic.
+    dead = [n for (n, p), g in zip(named, grads) if g is None or (p.dim() >= 2 and not bool((g != 0).any()))]
+    assert not dead, (f"{len(dead)} of {len(named)} parameters get no gradient (not reached, or exactly 0 for a "
+                      f"matrix): {dead[:8]}")

@@ -1,0 +1,216 @@
+"""Sinusoidal and rotary positions as modules (SPEC.md, "Modules": POS-*).
+
+A pos part offers ``forward(x, offset)`` (adds absolute codes) and ``rotate(t, offset)`` (rotates per-head
+queries and keys).  The sinusoidal clauses run on ``pos=sinusoidal`` parts and read the codes through
+``forward`` (codes = forward(0, offset)); the rotary clause runs on ``pos=rotary`` parts through ``rotate``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_within
+from properties.core.strategies import require_dtype
+from properties.module.oracle import rotary_pair_error, sinusoid_error, sinusoid_table
+from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
+from properties.core.oracle import to_float64
+from properties.core.strategies import dtypes, seeds
+from properties.core.tolerance import gamma, unit_roundoff
+
+U64 = unit_roundoff(torch.float64)
+
+
+def _only(choice):
+    def applies(part):
+        return None if part.choice == choice else f"pos={part.choice}: the clause is about pos={choice}"
+    return applies
+
+
+def pytest_generate_tests(metafunc):
+    if "pos" in metafunc.fixturenames:
+        choice = "rotary" if "rotary" in metafunc.function.__name__ else "sinusoidal"
+        metafunc.parametrize("pos", part_params(metafunc.config, "pos", _only(choice)))
+
+
+@dataclass(frozen=True)
+class Table(OneLine):
+    """Codes for d features (even) and positions [offset, offset + l) of a module with max_len."""
+    d: int
+    max_len: int
+    offset: int
+    l: int
+    batch: int
+    dtype: torch.dtype
+    seed: int
+
+
+@st.composite
+def tables(draw, min_len=1):
+    d = 2 * draw(st.integers(1, 16))
+    max_len = draw(st.integers(min_len, 48))
+    offset = draw(st.integers(0, max_len - 1))
+    l = draw(st.integers(1, max_len - offset))
+    return Table(d, max_len, offset, l, draw(st.integers(1, 2)), draw(dtypes()), draw(seeds))
+
+
+def build(pos, p: Table, device):
+    return pos.build(device, p.dtype, p.seed, d_model=p.d, max_len=p.max_len)
+
+
+def codes(module, p: Table, device, offset: int, length: int) -> torch.Tensor:
+    """The codes the module adds at positions [offset, offset + length): forward(0, offset) (0 + c = c)."""
+    zeros = torch.zeros(1, length, p.d, dtype=p.dtype, device=device)
+    return to_float64(call_module(module, zeros, offset, expect=tuple(zeros.shape), like=zeros, what="pos"))[0]
+
+
+# ---------------------------------------------------------------------------------- POS-SINUSOID-FORMULA
+@clause("POS-SINUSOID-FORMULA")
+@module_settings
+@given(p=tables())
+def test_sinusoid_formula(pos, device, p):
+    module = build(pos, p, device)
+    x = inputs(p.seed, 1, (p.batch, p.l, p.d), p.dtype, device)
+    out = call_module(module, x, p.offset, expect=tuple(x.shape), like=x, what="pos")
+    positions = torch.arange(p.offset, p.offset + p.l)
+    table = sinusoid_table(positions.tolist(), p.d)
+    e_table = sinusoid_error(positions, p.d, p.dtype)
+    xd = to_float64(x)
+    bound = e_table + gamma(1, unit_roundoff(p.dtype) + U64) * (xd.abs() + table.abs() + e_table)
+    assert_within(out, xd + table, bound, what=f"forward(x, offset={p.offset})",
+                  reference="x + PE(pos) with PE(pos, 2i) = sin(pos/10000^(2i/d)), PE(pos, 2i+1) = cos(..)")
+
+
+# ------------------------------------------------------------------------------------ POS-SINUSOID-RANGE
+@clause("POS-SINUSOID-RANGE")
+@module_settings
+@given(p=tables())
+def test_sinusoid_range_and_distinct_rows(pos, device, p):
+    module = build(pos, p, device)
+    table = codes(module, p, device, 0, p.max_len)
+    assert_all(table.abs() <= 1, table, what="every code lies in [-1, 1]")
+    exact = sinusoid_table(range(p.max_len), p.d)
+    error = sinusoid_error(torch.arange(p.max_len), p.d, p.dtype).amax(-1)
+    gap = (exact[:, None, :] - exact[None, :, :]).abs().amax(-1)          # exact row distances
+    certified = gap > error[:, None] + error[None, :]                        # rows that must differ
+    same = (table[:, None, :] == table[None, :, :]).all(-1)
+    clash = certified & same
+    if clash.any():
+        i, j = (int(t) for t in clash.nonzero()[0])
+        raise AssertionError(f"rows {i} and {j} of the code table are equal, although the exact rows differ by "
+                             f"{float(gap[i, j]):.3g} > their error bounds {float(error[i] + error[j]):.3g}")
+
+
+# ------------------------------------------------------------------------------- POS-SINUSOID-WAVELENGTHS
+def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Angle of the pair (a, b) = (sin φ, cos φ), i.e. φ."""
+    return torch.atan2(a, b)
+
+
+def _pair_error(error: torch.Tensor) -> torch.Tensor:
+    """Euclidean bound of a feature pair's error from the two entries' bounds (..., d) -> (..., d/2)."""
+    return torch.sqrt(error[..., 0::2] ** 2 + error[..., 1::2] ** 2)
+
+
+def _angle_error(eps: torch.Tensor) -> torch.Tensor:
+    """A unit 2-vector moved by at most eps (< 1) turns by at most asin(eps); π for eps >= 1."""
+    return torch.where(eps < 1, torch.asin(eps.clamp(max=1.0)), torch.full_like(eps, math.pi))
+
+
+@clause("POS-SINUSOID-WAVELENGTHS")
+@module_settings
+@given(p=tables(min_len=2))
+def test_wavelengths_geometric(pos, device, p):
+    module = build(pos, p, device)
+    row = codes(module, p, device, 1, 1)[0]                                  # PE(1) = (sin ω_i, cos ω_i)
+    omega = _angle(row[0::2], row[1::2])                                     # recovered ω_i = 2π/λ_i
+    i = torch.arange(p.d // 2, dtype=torch.float64)
+    expected = 10000.0 ** (-2 * i / p.d)                                     # λ_i = 2π·10000^(2i/d)
+    eps = _pair_error(sinusoid_error(torch.tensor([1]), p.d, p.dtype))[0]
+    bound = _angle_error(eps) + 4 * U64 * (1 + expected)
+    ratio = f"{10000.0 ** (2 / p.d):.4g}"
+    wavelengths = ", ".join(f"{2 * math.pi / float(w):.4g}" if float(w) > 0 else "inf" for w in omega[:4])
+    assert_within(omega, expected, bound, what="ω_i = 2π/λ_i recovered from PE(1)",
+                  reference=f"10000^(-2i/d): λ from 2π, ratio {ratio}",
+                  note=f" (recovered wavelengths {wavelengths}{', ...' if len(omega) > 4 else ''})")
+
+
+# -------------------------------------------------------------------------------- POS-SINUSOID-RELATIVE
+@clause("POS-SINUSOID-RELATIVE")
+@module_settings
+@given(p=tables(min_len=2), data=st.data())
+def test_shift_is_a_rotation(pos, device, p, data):
+    require_dtype(device, p.dtype)
+    k = data.draw(st.integers(1, p.max_len - 1), label="shift k")
+    module = build(pos, p, device)
+    table = codes(module, p, device, 0, p.max_len)
+    error = _pair_error(sinusoid_error(torch.arange(p.max_len), p.d, p.dtype))   # (max_len, d/2)
+    a, b = table[:, 0::2], table[:, 1::2]
+    theta = _angle(a[k], b[k]) - _angle(a[0], b[0])                         # R_k from PE(0) -> PE(k)
+    d_theta = _angle_error(error[0]) + _angle_error(error[k]) + 8 * U64 * (1 + theta.abs())
+    n = p.max_len - k
+    c, s = torch.cos(theta), torch.sin(theta)
+    rotated_a = a[:n] * c + b[:n] * s                                        # R_k PE(pos), pair by pair
+    rotated_b = b[:n] * c - a[:n] * s
+    miss = torch.sqrt((a[k:] - rotated_a) ** 2 + (b[k:] - rotated_b) ** 2)
+    bound = error[k:] + error[:n] + d_theta * (1 + error[:n]) + 8 * U64
+    assert_within(miss, torch.zeros_like(miss), bound, what=f"|PE(pos + {k}) - R_{k} PE(pos)| per pair",
+                  reference="0 (the rotation taking PE(0) to PE(k))", note=" (index: position, pair)")
+
+
+# ---------------------------------------------------------------------------------- POS-ROTARY-RELATIVE
+@dataclass(frozen=True)
+class Rotary(OneLine):
+    batch: int
+    heads: int
+    e: int
+    l: int
+    offsets: tuple[int, int]
+    dtype: torch.dtype
+    seed: int
+
+
+@st.composite
+def rotary_problems(draw):
+    l = draw(st.integers(1, 8))
+    return Rotary(draw(st.integers(1, 2)), draw(st.integers(1, 3)), 2 * draw(st.integers(1, 4)), l,
+                  (draw(st.integers(0, 24)), draw(st.integers(0, 24))), draw(dtypes()), draw(seeds))
+
+
+@clause("POS-ROTARY-RELATIVE")
+@module_settings
+@given(p=rotary_problems())
+def test_rotary_scores_depend_on_offset_only(pos, device, p):
+    require_dtype(device, p.dtype)
+    max_len = max(p.offsets) + p.l
+    module = pos.build(device, p.dtype, p.seed, d_model=p.heads * p.e, max_len=max_len, heads=p.heads)
+    log_base = math.log(float(pos.get("base", getattr(module, "base", 10000.0))))
+    q = inputs(p.seed, 1, (p.batch, p.heads, 1, p.e), p.dtype, device).expand(-1, -1, p.l, -1).contiguous()
+    k = inputs(p.seed, 2, (p.batch, p.heads, 1, p.e), p.dtype, device).expand(-1, -1, p.l, -1).contiguous()
+    q_norm, k_norm = to_float64(q[:, :, :1]).norm(dim=-1), to_float64(k[:, :, :1]).norm(dim=-1)   # (b, h, 1)
+    scores, errors = [], []
+    for offset in p.offsets:
+        rq = to_float64(call_module(module.rotate, q, offset, expect=tuple(q.shape), like=q, what="rotate"))
+        rk = to_float64(call_module(module.rotate, k, offset, expect=tuple(k.shape), like=k, what="rotate"))
+        positions = torch.arange(offset, offset + p.l, dtype=torch.float64)
+        # per unit norm, a rotated vector's error is rotary_pair_error(pos, 1) whatever the pairing layout
+        c = rotary_pair_error(positions, torch.ones(()), log_base, p.dtype)                       # (l,)
+        norm_error = q_norm[..., None] * c                                                          # (b, h, 1, l)
+        assert_within(rq.norm(dim=-1), q_norm.expand(-1, -1, p.l), norm_error[:, :, 0] + gamma(p.e + 2, U64) * q_norm,
+                      what=f"|rotate(q, {offset})| per position", reference="|q| (a rotation)")
+        scores.append(rq @ rk.transpose(-1, -2))                                                    # (b, h, l, l)
+        errors.append((q_norm * k_norm)[..., None] * (c[:, None] + c[None, :] + c[:, None] * c[None, :])
+                      + gamma(p.e, U64) * (q_norm * k_norm)[..., None])
+    # reference score for each offset m - n: row 0 / column 0 of the first offset's score matrix
+    m = torch.arange(p.l)
+    delta = m[:, None] - m[None, :]
+    row, col = delta.clamp(min=0), (-delta).clamp(min=0)
+    reference = scores[0][..., row, col]
+    reference_error = errors[0][..., row, col]
+    for offset, score, error in zip(p.offsets, scores, errors):
+        assert_within(score, reference, error + reference_error,
+                      what=f"q_m·k_n after rotate(., {offset}) (index b, h, m, n)",
+                      reference=f"q_(m-n)·k_0 after rotate(., {p.offsets[0]})")

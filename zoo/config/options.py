@@ -1,0 +1,22 @@
+"""The zoo's option lists, each stated once: the part groups, the dtypes, and the options of each config group
+(read from the packaged config tree, so a new file under conf/pos/ is a new position option everywhere)."""
+from __future__ import annotations
+
+from importlib.resources import files
+
+import torch
+
+__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS"]
+
+PARTS = ("attention", "ffn", "norm", "pos")  # the config groups a model is assembled from
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def options(group: str) -> tuple[str, ...]:
+    """The options of a config group, e.g. options("pos") -> ('learned', 'none', 'rotary', 'sinusoidal')."""
+    return tuple(sorted(p.name.removesuffix(".yaml") for p in (files("zoo.conf") / group).iterdir()
+                        if p.name.endswith(".yaml")))
+
+
+FAMILIES = options("model")     # encoder_only, decoder_only, encoder_decoder
+POSITIONS = options("pos")

@@ -1,0 +1,309 @@
+"""What a valid zoo config is, checked before anything is built.
+
+Hydra's structured config (``ZooSchema``) fixes the top-level keys and their types, so an unknown
+key or a non-integer size is refused while composing. ``validate`` then checks what types cannot
+say (positive sizes, divisibility, known choices) and every part node against the constructor of
+its ``_target_``, so that no key is ever dropped silently. Each problem is one ``ConfigError``
+line naming the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from zoo.nn.ffn import ACTIVATIONS, FeedForward
+from zoo.nn.positional import RotaryPositions
+from zoo.nn.kernel import KERNELS
+from zoo.nn.blocks import NORM_PLACEMENTS
+from zoo.config.options import DTYPES, PARTS
+from zoo.config.plugins import PluginError, locate
+from zoo.tasks.data import DATA_TASKS
+
+__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype"]
+
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; str() is one line for the user."""
+
+
+@dataclass
+class ZooSchema:
+    d_model: int = MISSING
+    heads: int = MISSING
+    kv_heads: Optional[int] = None
+    layers: int = MISSING
+    d_ff: int = MISSING
+    vocab_size: int = MISSING
+    max_len: int = MISSING
+    dropout: float = MISSING
+    norm_placement: str = MISSING
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    reference: Optional[str] = None  # task=compare: hf (gpt2_small, bert_base) or torch (vaswani_base)
+    model: Any = MISSING
+    attention: Any = MISSING
+    ffn: Any = MISSING
+    norm: Any = MISSING
+    pos: Any = MISSING
+    task: Any = MISSING
+    data: Any = MISSING  # conf/data: the synthetic task that task=train and task=generate use
+
+
+PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin.py
+
+
+@dataclass
+class RunTask:
+    name: str = "run"
+    batch: int = 2
+    seq_len: int = 32
+    verify: bool = True         # then a quick verification of the assembled model (task=verify does it fully)
+    profile: str = "quick"
+
+
+@dataclass
+class VerifyTask:
+    """Options of task=verify (zoo/tasks/verify.py): the Hypothesis profile the suite runs with."""
+    name: str = "verify"
+    profile: str = "default"
+
+
+@dataclass
+class SummaryTask:
+    name: str = "summary"
+
+
+@dataclass
+class TrainTask:
+    """Options of task=train (zoo/tasks/train.py); the model's vocab_size and max_len are derived from the data."""
+    name: str = "train"
+    steps: int = 2000
+    batch: int = 64
+    lr: float = 1e-3
+    warmup: int = 100           # linear warm-up steps, then cosine decay to min_lr_ratio * lr at `steps`
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01  # on matrices and embeddings only, never on biases and norms
+    clip: float = 1.0           # max global gradient norm
+    eval_every: int = 200
+    eval_batches: int = 4       # held-out sequences per evaluation: eval_batches * batch
+    checkpoint_every: int = 500
+    out_dir: str = "${hydra:runtime.output_dir}"  # the current directory when not run by Hydra
+    resume: bool = False        # continue from the last checkpoint in out_dir
+    keep: int = 2               # checkpoints kept in out_dir (older ones are deleted)
+
+
+@dataclass
+class GenerateTask:
+    """Options of task=generate (zoo/tasks/generate.py): decode with the model and data of a train checkpoint."""
+    name: str = "generate"
+    checkpoint: str = ""        # a train out_dir (its last checkpoint) or one step-NNNNNNN directory
+    samples: int = 8            # held-out prompts to decode when no prompt is given
+    prompt: str = ""            # symbols separated by spaces, e.g. "3 1 4 1 5"; empty: held-out samples
+    max_new: Optional[int] = None  # null: the longest answer plus EOS
+    temperature: float = 0.0    # 0: greedy
+    top_k: Optional[int] = None  # null: sample from the whole vocabulary
+    cache: bool = True          # incremental decoding with a KV cache (false: recompute the prefix)
+    seed: int = 0
+
+
+@dataclass
+class CompareTask:
+    """Options of task=compare (zoo/tasks/compare.py): the reduced size both models are built at."""
+    name: str = "compare"
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    vocab_size: int = 512
+    max_len: int = 64
+    batch: int = 3
+    seq_len: int = 16
+    padding: bool = True
+
+
+TASK_SCHEMAS: dict[str, type] = {"verify": VerifyTask, "compare": CompareTask, "run": RunTask, "summary": SummaryTask, "train": TrainTask,
+                                 "generate": GenerateTask}
+
+
+@dataclass
+class DataOptions:
+    name: str = MISSING
+    vocab: int = 16
+    min_len: int = 8
+    max_len: int = 16
+    seed: int = 0
+
+
+# Ranges of float (and optional) task options that a type cannot say; checked for any task that has them.
+_TASK_RANGES = {
+    "lr": (lambda v: v > 0, "must be positive"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
+    "weight_decay": (lambda v: v >= 0, "must be non-negative"),
+    "clip": (lambda v: v > 0, "must be positive"),
+    "temperature": (lambda v: v >= 0, "must be non-negative (0 is greedy)"),
+    "top_k": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
+    "max_new": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
+}
+
+ConfigStore.instance().store(name="zoo_schema", node=ZooSchema)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name}: unknown dtype (allowed: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value}: {allowed}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether a plain config value fits a constructor annotation; unknown hints pass."""
+    if hint is inspect.Parameter.empty or hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # callables, modules and other rich types are the constructor's to check
+
+
+def _check_part(path: str, node: DictConfig) -> None:
+    """Every key of a part node must be a parameter of its _target_, of the annotated type."""
+    target = node.get("_target_")
+    if not target:
+        _fail(f"{path}._target_", None, "every part needs an import path such as 'zoo.nn.attention.MultiHeadAttention'")
+    try:
+        obj = locate(target)
+    except PluginError as exc:
+        _fail(f"{path}._target_", target, f"cannot be loaded: {exc}")
+    init = obj.__init__ if inspect.isclass(obj) else obj
+    signature = inspect.signature(init)
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # annotations that cannot be evaluated: skip the type check, keep the key check
+        hints = {}
+    names = [n for n in signature.parameters if n not in ("self", "device", "dtype")]
+    for key in node:
+        if key in ("_target_", "_partial_"):
+            continue
+        if key not in signature.parameters and not accepts_any:
+            _fail(f"{path}.{key}", node[key], f"not a parameter of {target} (allowed: {', '.join(names)})")
+        value = node[key]
+        if key in hints and not _type_ok(value, hints[key]):
+            _fail(f"{path}.{key}", value, f"expected {_hint_name(hints[key])}")
+
+
+def _is_subclass(target: str, cls: type) -> bool:
+    obj = locate(target)  # already loaded by _check_part
+    return isinstance(obj, type) and issubclass(obj, cls)
+
+
+def _hint_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        if cfg[key] < 1:
+            _fail(key, cfg[key], "must be a positive integer")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError (one line) for the first value that cannot be used."""
+    _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
+    if cfg.d_model % cfg.heads:
+        divisors = [h for h in range(1, cfg.d_model + 1) if cfg.d_model % h == 0]
+        _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {', '.join(map(str, divisors[:12]))}{', ...' if len(divisors) > 12 else ''})")
+    if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
+        divisors = [k for k in range(1, cfg.heads + 1) if cfg.heads % k == 0]
+        _fail("kv_heads", cfg.kv_heads, f"must divide heads={cfg.heads} (allowed: null, {', '.join(map(str, divisors))})")
+    if not 0.0 <= cfg.dropout < 1.0:
+        _fail("dropout", cfg.dropout, "must lie in [0, 1)")
+    if cfg.norm_placement not in NORM_PLACEMENTS:
+        _fail("norm_placement", cfg.norm_placement, f"unknown placement (allowed: {', '.join(NORM_PLACEMENTS)})")
+    torch_dtype(cfg.dtype)
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        _fail("device", cfg.device, "not a device (allowed: cpu, cuda, cuda:N, meta)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail("device", cfg.device, "CUDA is not available on this machine (allowed: cpu)")
+
+    for part in ("model", *PARTS):
+        _check_part(part, cfg[part])
+    if cfg.ffn.get("activation") is not None and _is_subclass(cfg.ffn._target_, FeedForward) \
+            and cfg.ffn.activation not in ACTIVATIONS:
+        _fail("ffn.activation", cfg.ffn.activation, f"unknown activation (allowed: {', '.join(ACTIVATIONS)})")
+    kernel = cfg.attention.get("kernel")
+    if isinstance(kernel, str) and kernel not in KERNELS:
+        from zoo.nn.kernel import resolve_kernel
+        try:
+            resolve_kernel(kernel)
+        except PluginError as exc:
+            _fail("attention.kernel", kernel, str(exc).split(": ", 1)[-1])
+    if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
+        _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
+
+    name = cfg.task.get("name")
+    if name not in TASK_SCHEMAS:
+        _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
+    schema = TASK_SCHEMAS[name]
+    allowed = {f.name for f in fields(schema)}
+    for key in cfg.task:
+        if key not in allowed:
+            _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema), cfg.task)
+    except Exception as exc:
+        key = getattr(exc, "full_key", "") or "task"
+        _fail(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
+              str(exc).splitlines()[0])
+    if "profile" in allowed and cfg.task.profile not in PROFILES:
+        _fail("task.profile", cfg.task.profile, f"unknown profile (allowed: {', '.join(PROFILES)})")
+    for f in fields(schema):
+        if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
+            _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
+    for key, (ok, allowed) in _TASK_RANGES.items():
+        if key in cfg.task and not ok(cfg.task[key]):
+            _fail(f"task.{key}", cfg.task[key], allowed)
+    if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
+        _check_data(cfg.data)
+
+
+def _check_data(data: DictConfig) -> None:
+    if data.get("name") not in DATA_TASKS:
+        _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
+    allowed = {f.name for f in fields(DataOptions)}
+    for key in data:
+        if key not in allowed:
+            _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
+    try:
+        OmegaConf.merge(OmegaConf.structured(DataOptions), data)
+    except Exception as exc:
+        key = str(getattr(exc, "full_key", "") or "").split(".")[-1]
+        _fail(f"data.{key}" if key else "data", data.get(key, ""), str(exc).splitlines()[0])
+    for key in ("vocab", "min_len"):
+        if data[key] < 1:
+            _fail(f"data.{key}", data[key], "must be a positive integer")
+    if data.max_len < data.min_len:
+        _fail("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")

@@ -1,0 +1,112 @@
+"""Multi-head attention (Vaswani et al. 2017, section 3.2.2), self or cross, with grouped-query heads.
+
+Axis letters are those of ``zoo.nn.kernel``: b batch, h query heads, k key/value heads,
+l query positions, s key/value positions, e features per head, d model features.
+
+    MultiHead(x, m) = concat(head_1, ..., head_h) W_O,  head_i = Attention(x W_i^Q, m W_i^K, m W_i^V)
+
+With ``kv_heads = k < h`` (grouped-query attention; k = 1 is multi-query attention),
+query head i reads key/value head i // (h / k), as ``enable_gqa`` does in PyTorch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from zoo.nn.kernel import resolve_kernel
+
+if TYPE_CHECKING:
+    from zoo.nn.positional import _Positions
+
+__all__ = ["MultiHeadAttention", "KVCache"]
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions already decoded, one entry per attention layer."""
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    length: int = 0  # positions already decoded; advanced by the model after each step
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, kv_heads: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, kernel: str | Callable = "math", *, device=None, dtype=None):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        if heads < 1 or d_model % heads:
+            raise ValueError(f"heads={heads} must be a positive divisor of d_model={d_model}")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} must be a positive divisor of heads={heads}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d_model // heads
+        self.dropout = dropout
+        self.kernel = resolve_kernel(kernel)
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(d_model, heads * self.head_dim, **kw)
+        self.k_proj = nn.Linear(d_model, kv_heads * self.head_dim, **kw)
+        self.v_proj = nn.Linear(d_model, kv_heads * self.head_dim, **kw)
+        self.out_proj = nn.Linear(heads * self.head_dim, d_model, **kw)
+        self.layer_index = 0  # set by the model so a KVCache can tell layers apart
+
+    # The steps of forward, each overridable alone (the bug catalog gets exactly one of them wrong).
+    def split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        return rearrange(t, "b l (h e) -> b h l e", h=heads)
+
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        return rearrange(out, "b h l e -> b l (h e)")
+
+    def mask(self, l: int, s: int, offset: int, key_padding_mask: torch.Tensor | None, is_causal: bool,
+             bias: torch.Tensor | None, device) -> torch.Tensor | None:
+        """The kernel's attn_mask, or None when is_causal alone says it (the kernel's fast path)."""
+        mask = None
+        if is_causal and (offset or key_padding_mask is not None or bias is not None):
+            # Query i sits at absolute position offset + i and sees every key up to there.
+            mask = torch.ones(l, s, dtype=torch.bool, device=device).tril(diagonal=s - l)
+        if key_padding_mask is not None:
+            padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
+            mask = padding if mask is None else mask & padding
+        if bias is not None:  # a float mask: the bias where a key is admissible, -inf where it is not
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        return mask
+
+    def attend(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        return self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                           is_causal=is_causal, enable_gqa=self.kv_heads != self.heads)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
+                key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
+                positions: "_Positions | None" = None, cache: KVCache | None = None) -> torch.Tensor:
+        """x (b, l, d) attends to memory (b, s, d), or to itself when memory is None.
+
+        key_padding_mask (b, s) bool: True marks a real key (may be attended to), False padding.
+        is_causal: query i sees keys j <= i, counted in absolute positions when a cache holds
+        earlier keys. positions: the model's position module (self-attention only), asked to rotate queries
+        and keys and for a bias on the scores (zoo.nn.positional).
+        cache: keys/values of earlier positions (self-attention decoding step by step).
+        """
+        source = x if memory is None else memory
+        q = self.split_heads(self.q_proj(x), self.heads)
+        k = self.split_heads(self.k_proj(source), self.kv_heads)
+        v = self.split_heads(self.v_proj(source), self.kv_heads)
+        offset = cache.length if cache is not None else 0
+        if positions is not None:
+            q, k = positions.rotate(q, offset), positions.rotate(k, offset)
+        if cache is not None:
+            k, v = cache.extend(self.layer_index, k, v)
+        l, s = q.shape[-2], k.shape[-2]
+        bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
+        mask = self.mask(l, s, offset, key_padding_mask, is_causal, None if bias is None else bias.to(q.dtype),
+                         x.device)
+        out = self.attend(q, k, v, mask, is_causal and mask is None)
+        return self.out_proj(self.merge_heads(out))

@@ -1,0 +1,70 @@
+"""Encoder and decoder layers (Vaswani et al. 2017, section 3.1) with either norm placement.
+
+    post (the paper):  x = Norm(x + Dropout(Sublayer(x)))
+    pre  (GPT-2):      x = x + Dropout(Sublayer(Norm(x)))
+
+Parts arrive as factories (Hydra partials): each is called with device= and dtype= only, so a
+user's replacement module needs nothing else from the layer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zoo.nn.attention import KVCache
+
+__all__ = ["EncoderLayer", "DecoderLayer", "NORM_PLACEMENTS"]
+
+NORM_PLACEMENTS = ("post", "pre")
+
+
+class _Residual(nn.Module):
+    """One sub-layer with its residual connection, dropout and norm."""
+
+    def __init__(self, norm: nn.Module, placement: str, dropout: float):
+        super().__init__()
+        if placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement={placement!r}: expected one of {NORM_PLACEMENTS}")
+        self.norm, self.placement, self.dropout = norm, placement, nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.placement == "pre":
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, attention: Callable, ffn: Callable, norm: Callable, norm_placement: str = "post",
+                 dropout: float = 0.0, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.self_attn, self.ffn = attention(**kw), ffn(**kw)
+        self.attn_block = _Residual(norm(**kw), norm_placement, dropout)
+        self.ffn_block = _Residual(norm(**kw), norm_placement, dropout)
+
+    def forward(self, x, mask=None, positions=None):
+        x = self.attn_block(x, lambda h: self.self_attn(h, key_padding_mask=mask, positions=positions))
+        return self.ffn_block(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, then (with cross_attention) attention over the encoder's memory, then FFN."""
+
+    def __init__(self, attention: Callable, ffn: Callable, norm: Callable, norm_placement: str = "post",
+                 dropout: float = 0.0, cross_attention: bool = True, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.self_attn, self.ffn = attention(**kw), ffn(**kw)
+        self.attn_block = _Residual(norm(**kw), norm_placement, dropout)
+        self.cross_attn = attention(**kw) if cross_attention else None
+        self.cross_block = _Residual(norm(**kw), norm_placement, dropout) if cross_attention else None
+        self.ffn_block = _Residual(norm(**kw), norm_placement, dropout)
+
+    def forward(self, x, memory=None, mask=None, memory_mask=None, positions=None, cache: KVCache | None = None):
+        x = self.attn_block(x, lambda h: self.self_attn(h, key_padding_mask=mask, is_causal=True,
+                                                        positions=positions, cache=cache))
+        if self.cross_attn is not None:
+            x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_mask))
+        return self.ffn_block(x, self.ffn)

@@ -1,0 +1,117 @@
+"""Scaled dot-product attention: the kernel contract and its two backends.
+
+The contract is exactly that of ``torch.nn.functional.scaled_dot_product_attention``::
+
+    kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+           scale=None, enable_gqa=False) -> output
+
+Axis letters (used in every einops pattern of the zoo):
+
+    b  batch            h  query heads       k  key/value heads (grouped-query)
+    g  query heads per key/value head (h = k * g)
+    l  query positions  s  key/value positions
+    e  query/key features per head (d_k)      v  value features per head (d_v)
+    d  model features (d_model)               f  feed-forward features (d_ff)
+
+Shapes: query (..., l, e), key (..., s, e), value (..., s, v) -> output (..., l, v).
+``attn_mask`` broadcasts to (..., l, s): a bool mask says True = may attend; a float
+mask is added to the scores.  ``is_causal`` keeps key j for query i iff j <= i (top-left
+aligned, ``tril(ones(l, s))``) and may not be combined with ``attn_mask``.  ``scale``
+defaults to 1/sqrt(e).  A query with no admissible key outputs zeros, never NaN.
+``enable_gqa`` lets key/value carry fewer heads (dim -3) than the query: query head i
+reads key/value head i // (h / k), as PyTorch documents.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, repeat
+
+from zoo.config.plugins import PluginError, load_object
+
+__all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "KERNELS"]
+
+
+class Kernel(Protocol):
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False) -> torch.Tensor: ...
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision scores overflow and lose the softmax's small weights: accumulate in fp32.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+    """Reference einsum implementation of the kernel contract (see module docstring)."""
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
+    l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
+    if key.shape[-1] != e:
+        raise ValueError(f"query and key feature sizes differ: {e} vs {key.shape[-1]}")
+    if value.shape[-2] != s:
+        raise ValueError(f"key and value lengths differ: {s} vs {value.shape[-2]}")
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        h, k = query.shape[-3], key.shape[-3]
+        if h % k:
+            raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k})")
+        key = repeat(key, "... k s e -> ... (k g) s e", g=h // k)
+        value = repeat(value, "... k s v -> ... (k g) s v", g=h // k)
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+
+    ct = _compute_dtype(query.dtype)
+    # Scale before the product: an unscaled q.k is sqrt(e) times larger than the score and can overflow
+    # where the score does not (properties/SPEC.md, ATTN-LARGE-SCORES).
+    scores = einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s")
+    allowed = torch.ones(l, s, dtype=torch.bool, device=query.device)
+    if is_causal:
+        allowed = allowed.tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            scores = scores + attn_mask.to(ct)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+
+    # Max-subtraction keeps exp() in range; a row with no admissible key has max -inf,
+    # which is replaced by 0 so that the row becomes all zeros instead of NaN.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    unnormalized = torch.exp(scores - row_max)
+    total = unnormalized.sum(dim=-1, keepdim=True)
+    weights = unnormalized / torch.where(total > 0, total, torch.ones_like(total))
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = einsum(weights, value.to(ct), "... l s, ... s v -> ... l v")
+    return out.to(query.dtype)
+
+
+def torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    scale=None, enable_gqa=False):
+    """PyTorch's fused kernel, called with the same contract."""
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+KERNELS: dict[str, Callable] = {"math": math_attention, "torch": torch_attention}
+
+
+def resolve_kernel(kernel: str | Callable) -> Callable:
+    """A backend name ('math', 'torch'), an import path, or a callable -> the kernel."""
+    if callable(kernel):
+        return kernel
+    if kernel in KERNELS:
+        return KERNELS[kernel]
+    if ":" not in kernel:
+        raise PluginError(f"kernel {kernel!r}: expected one of {sorted(KERNELS)} or an import path 'pkg.module:function'")
+    obj = load_object(kernel)
+    if not callable(obj):
+        raise PluginError(f"kernel {kernel!r} is not callable")
+    return obj

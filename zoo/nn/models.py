@@ -1,0 +1,176 @@
+"""The three model families, assembled from parts that arrive as factories (Hydra partials).
+
+    EncoderOnly     tokens (b, l)            -> hidden (b, l, d), or head logits (b, l, c)   BERT
+    DecoderOnly     tokens (b, l)            -> logits (b, l, vocab)                          GPT-2
+    EncoderDecoder  src (b, s), tgt (b, l)   -> logits (b, l, vocab)                          Vaswani et al.
+
+Masks are (b, length) bool, True for a real token and False for padding; None means all real.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zoo.nn.attention import KVCache
+from zoo.nn.embedding import TokenEmbedding
+from zoo.nn.blocks import DecoderLayer, EncoderLayer
+
+__all__ = ["EncoderOnly", "DecoderOnly", "EncoderDecoder", "KVCache"]
+
+
+class _Stack(nn.Module):
+    """Embeddings, positions and a stack of layers: the part the three families share."""
+
+    def __init__(self, *, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
+                 ffn: Callable, norm: Callable, pos: Callable, norm_placement: str, final_norm: bool | None,
+                 embed_scale: bool, embed_norm: bool, dropout: float, layer: type, layer_kwargs: dict,
+                 embedding: TokenEmbedding | None = None, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        if min(vocab_size, d_model, layers, max_len) < 1:
+            raise ValueError(f"vocab_size, d_model, layers and max_len must be positive, got "
+                             f"{vocab_size}, {d_model}, {layers}, {max_len}")
+        self.embedding = embedding or TokenEmbedding(vocab_size, d_model, scale=embed_scale, **kw)
+        self.pos = pos(**kw)
+        self.embed_norm = norm(**kw) if embed_norm else None
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            layer(attention, ffn, norm, norm_placement, dropout, **layer_kwargs, **kw) for _ in range(layers))
+        for index, module in enumerate(self.layers):
+            module.self_attn.layer_index = index
+        if final_norm is None:  # pre-norm leaves the last residual sum unnormalised; post-norm does not
+            final_norm = norm_placement == "pre"
+        self.final_norm = norm(**kw) if final_norm else None
+
+    def embed(self, tokens: torch.Tensor, offset: int = 0, extra: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(tokens)
+        if extra is not None:
+            x = x + extra
+        x = self.pos(x, offset)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return self.dropout(x)
+
+    def run(self, x: torch.Tensor, **layer_inputs) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, positions=self.pos, **layer_inputs)
+        return x if self.final_norm is None else self.final_norm(x)
+
+
+
+def _init_weights(model: nn.Module, embed_scale: bool, d_model: int) -> None:
+    # GPT-2/BERT: N(0, 0.02) for matrices and embeddings. With sqrt(d) embedding scaling
+    # (Vaswani) embeddings start at N(0, 1/d) so the scaled token input has unit variance.
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=d_model ** -0.5 if embed_scale else 0.02)
+
+
+class EncoderOnly(nn.Module):
+    kind = "encoder_only"
+
+    def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
+                 ffn: Callable, norm: Callable, pos: Callable, norm_placement: str = "post",
+                 final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
+                 type_vocab_size: int = 0, pooler: bool = False, head_classes: int = 0,
+                 dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        self.encoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
+                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
+                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
+                              dropout=dropout, layer=EncoderLayer, layer_kwargs={}, **kw)
+        self.token_types = nn.Embedding(type_vocab_size, d_model, **kw) if type_vocab_size else None
+        self.pooler = nn.Linear(d_model, d_model, **kw) if pooler else None
+        self.head = nn.Linear(d_model, head_classes, **kw) if head_classes else None
+        _init_weights(self, embed_scale, d_model)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        types = None
+        if self.token_types is not None:
+            types = self.token_types(torch.zeros_like(tokens) if token_types is None else token_types)
+        x = self.encoder.run(self.encoder.embed(tokens, extra=types), mask=mask)
+        return x if self.head is None else self.head(x)
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """BERT's pooler: tanh(W h_0 + b) on the first token's hidden state."""
+        if self.pooler is None:
+            raise ValueError("this model was built with pooler=false")
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+
+class DecoderOnly(nn.Module):
+    kind = "decoder_only"
+
+    def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
+                 ffn: Callable, norm: Callable, pos: Callable, norm_placement: str = "pre",
+                 final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
+                 tie_head: bool = True, dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        self.decoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
+                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
+                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
+                              dropout=dropout, layer=DecoderLayer, layer_kwargs={"cross_attention": False}, **kw)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, **kw)
+        _init_weights(self, embed_scale, d_model)
+        if tie_head:
+            self.lm_head.weight = self.decoder.embedding.weight
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """With a cache, ``tokens`` are the next positions and ``mask`` covers all positions so far."""
+        offset = cache.length if cache is not None else 0
+        x = self.decoder.run(self.decoder.embed(tokens, offset), mask=mask, cache=cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return self.lm_head(x)
+
+
+class EncoderDecoder(nn.Module):
+    kind = "encoder_decoder"
+
+    def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
+                 ffn: Callable, norm: Callable, pos: Callable, decoder_layers: int | None = None,
+                 norm_placement: str = "post", final_norm: bool | None = None, embed_scale: bool = True,
+                 embed_norm: bool = False, share_embeddings: bool = True, tie_head: bool = True,
+                 dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        common = dict(vocab_size=vocab_size, d_model=d_model, max_len=max_len, attention=attention, ffn=ffn,
+                      norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
+                      embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, **kw)
+        self.encoder = _Stack(layers=layers, layer=EncoderLayer, layer_kwargs={}, **common)
+        self.decoder = _Stack(layers=layers if decoder_layers is None else decoder_layers, layer=DecoderLayer,
+                              layer_kwargs={"cross_attention": True},
+                              embedding=self.encoder.embedding if share_embeddings else None, **common)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, **kw)
+        _init_weights(self, embed_scale, d_model)
+        if tie_head:
+            self.lm_head.weight = self.decoder.embedding.weight
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder.run(self.encoder.embed(src), mask=src_mask)
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
+               tgt_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        offset = cache.length if cache is not None else 0
+        x = self.decoder.run(self.decoder.embed(tgt, offset), memory=memory, mask=tgt_mask,
+                             memory_mask=src_mask, cache=cache)
+        if cache is not None:
+            cache.length += tgt.shape[1]
+        return self.lm_head(x)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
+                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)

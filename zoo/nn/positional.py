@@ -1,0 +1,115 @@
+"""Positional information: how (and whether) a model knows the order of its tokens.
+
+One protocol for every scheme, absolute or relative. The model adds absolute codes to the embeddings, and
+hands the same module to each self-attention layer, which asks it about queries, keys and scores:
+
+    forward(x, offset)                 adds absolute position codes to embeddings x (b, l, d)
+    rotate(t, offset)                  turns per-head queries/keys t (b, h, l, e) by their positions (RoPE)
+    score_bias(l, s, offset, heads)    an additive bias (h, l, s) on the scores of queries at positions
+                                       offset..offset+l-1 against keys at 0..s-1, or None (ALiBi-style)
+
+Each default is the identity (or None), so a scheme overrides only what it does, and a new scheme is one
+class here, one file under conf/pos/ and its spec clause. ``offset`` is the absolute position of the first
+token (non-zero while decoding with a cache). ``injects_order`` is False only for ``NoPositions``: then the
+model is permutation equivariant.
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from torch import nn
+
+__all__ = ["sinusoidal_table", "SinusoidalPositions", "LearnedPositions", "RotaryPositions", "NoPositions"]
+
+
+def sinusoidal_table(length: int, d_model: int, *, device=None, dtype=None) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (section 3.5)."""
+    position = torch.arange(length, dtype=torch.float64, device=device)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
+    angle = position[:, None] / torch.pow(10000.0, two_i / d_model)[None, :]
+    table = torch.empty(length, d_model, dtype=torch.float64, device=device)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.to(dtype or torch.get_default_dtype())
+
+
+class _Positions(nn.Module):
+    injects_order = True
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = max_len
+
+    def _check_length(self, end: int) -> None:
+        if end > self.max_len:
+            raise ValueError(f"sequence reaches position {end}, beyond max_len={self.max_len}")
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return x
+
+    def rotate(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return t
+
+    def score_bias(self, l: int, s: int, offset: int, heads: int) -> torch.Tensor | None:
+        return None
+
+
+class NoPositions(_Positions):
+    injects_order = False
+
+    def __init__(self, d_model: int = 0, max_len: int = 2**31 - 1, *, device=None, dtype=None):
+        super().__init__(max_len)
+
+
+class SinusoidalPositions(_Positions):
+    def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
+        super().__init__(max_len)
+        # A fixed function of the position, not a parameter: kept out of the state dict.
+        table = sinusoidal_table(max_len, d_model, device=None if device == "meta" else device, dtype=dtype)
+        self.register_buffer("table", table.to(device) if device == "meta" else table, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # module.to(dtype) would cast the stored table, so a float32 model moved to float64 kept a
+        # table rounded to float32 (errors ~3e-8). Recompute it from float64 in the new dtype.
+        super()._apply(fn, recurse)
+        if self.table.device.type != "meta":
+            self.table = sinusoidal_table(*self.table.shape, device=self.table.device, dtype=self.table.dtype)
+        return self
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        self._check_length(offset + x.shape[1])
+        return x + self.table[offset: offset + x.shape[1]].to(x.dtype)
+
+
+class LearnedPositions(_Positions):
+    def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
+        super().__init__(max_len)
+        self.embedding = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        self._check_length(offset + x.shape[1])
+        return x + self.embedding.weight[offset: offset + x.shape[1]]
+
+
+class RotaryPositions(_Positions):
+    """RoPE (Su et al. 2021), "rotate-half" layout as in GPT-NeoX and LLaMA: feature pairs (j, j + e/2)
+    of every query and key turn by angle pos * base^(-2j/e), so q·k depends only on the offset."""
+
+    def __init__(self, d_model: int, max_len: int, heads: int, base: float = 10000.0, *, device=None, dtype=None):
+        super().__init__(max_len)
+        head_dim = d_model // heads
+        if head_dim % 2:
+            raise ValueError(f"rotary positions need an even head size, got d_model/heads = {head_dim}")
+        self.head_dim, self.base = head_dim, base
+
+    def rotate(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        l, e = t.shape[-2], t.shape[-1]
+        self._check_length(offset + l)
+        compute = torch.promote_types(t.dtype, torch.float32)  # half-precision angles lose whole radians
+        position = torch.arange(offset, offset + l, device=t.device, dtype=compute)
+        inverse_frequency = self.base ** (-torch.arange(0, e, 2, device=t.device, dtype=compute) / e)
+        angle = repeat(torch.outer(position, inverse_frequency), "l j -> l (two j)", two=2)
+        wide = t.to(compute)
+        first, second = rearrange(wide, "... (two j) -> two ... j", two=2)
+        rotated_half = torch.cat([-second, first], dim=-1)
+        return (wide * angle.cos() + rotated_half * angle.sin()).to(t.dtype)

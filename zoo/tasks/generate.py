@@ -1,0 +1,154 @@
+"""``task=generate``: decode with a trained model, greedily or by sampling, with the KV cache.
+
+With ``use_cache=True`` the prompt is run once and then each new token alone, its keys and values
+appended to a ``KVCache``; with ``use_cache=False`` the whole prefix is run again at every step. Both
+compute the same function, so they give the same tokens (tests/test_train.py checks it).
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from zoo.nn.attention import KVCache
+from zoo.config.builder import model_from_config
+from zoo.io.checkpoint import read_state, load_weights, resolve_checkpoint
+from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
+from zoo.config.schema import ConfigError, torch_dtype
+
+__all__ = ["generate", "pick_next", "generate_task"]
+
+
+def pick_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (b,) from last-position logits (b, vocab): argmax at temperature 0, else a sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch.Tensor | None = None,
+             src_mask: torch.Tensor | None = None, temperature: float = 0.0, top_k: int | None = None,
+             use_cache: bool = True, generator: torch.Generator | None = None, eos_id: int | None = EOS,
+             pad_id: int = PAD) -> torch.Tensor:
+    """Up to max_new tokens (b, n) after prompt (b, l); a row is padded with pad_id after its eos_id.
+
+    Decoder-only: prompt is the start of the sequence. Encoder-decoder: src (b, s) is encoded once and
+    prompt starts the target (usually a BOS column). Prompts in one batch must have the same length.
+    """
+    if model.kind not in ("decoder_only", "encoder_decoder"):
+        raise ValueError(f"generate needs a decoder_only or encoder_decoder model, got {model.kind}")
+    if model.kind == "encoder_decoder" and src is None:
+        raise ValueError("an encoder_decoder model needs src to generate from")
+    # The last new token is returned, never fed back, so it needs no position of its own.
+    if prompt.shape[1] + max_new - 1 > model.max_len:
+        raise ValueError(f"prompt of {prompt.shape[1]} tokens + {max_new} new ones exceeds the model's "
+                         f"max_len={model.max_len}")
+    was_training = model.training
+    model.eval()  # dropout would make every step, cached or not, a different function
+    try:
+        memory = model.encode(src, src_mask) if model.kind == "encoder_decoder" else None
+
+        def run(tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+            if memory is not None:
+                return model.decode(tokens, memory, src_mask, cache=cache)
+            return model(tokens, cache=cache)
+
+        cache = KVCache() if use_cache else None
+        sequence, feed = prompt, prompt
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        new = []
+        for _ in range(max_new):
+            logits = run(feed if use_cache else sequence, cache)[:, -1]
+            token = pick_next(logits, temperature, top_k, generator)
+            token = token.masked_fill(finished, pad_id)
+            new.append(token)
+            if eos_id is not None:
+                finished |= token == eos_id
+                if bool(finished.all()):
+                    break
+            feed = token[:, None]
+            sequence = torch.cat([sequence, feed], dim=1)
+        return torch.stack(new, dim=1) if new else prompt.new_empty(prompt.shape[0], 0)
+    finally:
+        model.train(was_training)
+
+
+def _parse_prompt(text: str, vocab: int, max_len: int) -> torch.Tensor:
+    try:
+        symbols = [int(word) for word in text.split()]
+    except ValueError:
+        raise ConfigError(f"task.prompt={text}: expected symbols 0..{vocab - 1} separated by spaces") from None
+    if not symbols or not all(0 <= s < vocab for s in symbols):
+        raise ConfigError(f"task.prompt={text}: expected 1 to {max_len} symbols in 0..{vocab - 1}")
+    if len(symbols) > max_len:
+        raise ConfigError(f"task.prompt={text}: {len(symbols)} symbols, the model was trained on at most {max_len}")
+    return torch.tensor([symbols]) + N_SPECIAL
+
+
+def generate_task(cfg: DictConfig) -> None:
+    """Decode held-out prompts (or task.prompt) with the model and data saved in task.checkpoint."""
+    opts = cfg.task
+    if not opts.checkpoint:
+        raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
+    checkpoint = resolve_checkpoint(opts.checkpoint)
+    state = read_state(checkpoint)
+    saved = OmegaConf.create(state["config"])
+    # The checkpoint fixes model and data; the command line says where to run and how to decode.
+    model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
+    load_weights(model, checkpoint)
+    model.eval()
+    data = task_from_config(saved.data)
+    if model.kind == "encoder_only":
+        raise ConfigError(f"task=generate: {checkpoint} holds an encoder_only model, which labels tokens "
+                          f"rather than generating them (use decoder_only or encoder_decoder)")
+    if opts.prompt:
+        x = _parse_prompt(opts.prompt, data.vocab, data.max_len)
+        lengths = torch.tensor([x.shape[1]])
+        x = torch.nn.functional.pad(x, (0, data.max_len - x.shape[1]), value=PAD)
+    else:
+        x, lengths = data.sample(opts.samples, "heldout", 0)
+    expected = data.answer(x, lengths)
+    max_new = opts.max_new or data.max_len + 1
+    generator = torch.Generator(device=cfg.device).manual_seed(opts.seed)
+    outputs: list[torch.Tensor | None] = [None] * len(x)
+    try:
+        if model.kind == "encoder_decoder":
+            src_mask = torch.arange(x.shape[1]) < lengths[:, None]
+            prompt = torch.full((len(x), 1), BOS)
+            out = generate(model, prompt.to(cfg.device), max_new, src=x.to(cfg.device),
+                           src_mask=src_mask.to(cfg.device), temperature=opts.temperature, top_k=opts.top_k,
+                           use_cache=opts.cache, generator=generator)
+            outputs = list(out.cpu())
+        else:
+            # Prompts of one length share a batch: BOS x SEP, with no padding for positions to shift.
+            for n in lengths.unique().tolist():
+                rows = (lengths == n).nonzero().squeeze(1)
+                prompt = torch.cat([torch.full((len(rows), 1), BOS), x[rows, :n],
+                                    torch.full((len(rows), 1), SEP)], dim=1)
+                out = generate(model, prompt.to(cfg.device), max_new, temperature=opts.temperature,
+                               top_k=opts.top_k, use_cache=opts.cache, generator=generator)
+                for row, tokens in zip(rows.tolist(), out.cpu()):
+                    outputs[row] = tokens
+    except ValueError as exc:  # a prompt/max_new the model's positions cannot hold
+        raise ConfigError(f"task.max_new={opts.max_new}: {exc}") from exc
+
+    mode = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature}, top_k {opts.top_k}"
+    print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, "
+          f"{'with' if opts.cache else 'without'} KV cache")
+    if opts.prompt and int(lengths[0]) < data.min_len:
+        print(f"  (the prompt is shorter than any the model was trained on: {data.min_len}-{data.max_len} symbols)")
+    right = 0
+    for i, tokens in enumerate(outputs):
+        want = expected[i][: int(lengths[i])].tolist() + [EOS]
+        got = tokens.tolist()
+        ok = got[: len(want)] == want
+        right += ok
+        print(f"  {symbols_to_text(x[i])}  ->  {symbols_to_text(got)}" + ("" if ok else
+              f"   (expected {symbols_to_text(want)})"))
+    print(f"exact match {right}/{len(outputs)}")

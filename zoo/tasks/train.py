@@ -1,0 +1,261 @@
+"""``task=train``: fit a zoo model to a synthetic task (zoo/tasks/data.py) and report held-out exact match.
+
+AdamW with weight decay on matrices only, linear warm-up then cosine decay, gradient clipping,
+periodic evaluation on a held-out stream, and atomic checkpoints (zoo/io/checkpoint.py) from which
+``task.resume=true`` continues bit for bit: batch i is a function of the seed and i, and the
+weights, optimizer moments and RNG states are all restored.
+
+Exact match counts a sequence as right when the argmax at every answer position equals the target
+given the true prefix. For the sequence tasks this is the same as greedy decoding reproducing the
+answer and its EOS: greedy picks that argmax at each step, so it stays on the true prefix exactly as
+long as every argmax is right. One forward pass therefore measures what generation would.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
+
+from zoo.config.builder import model_from_config
+from zoo.io.checkpoint import (CheckpointError, checkpoints_in, latest_checkpoint, load_training_state, read_state,
+                            save_training_checkpoint)
+from zoo.tasks.data import IGNORE, SyntheticTask, task_from_config
+from zoo.config.plugins import PluginError, locate
+from zoo.config.schema import ConfigError
+
+__all__ = ["fit_config_to_data", "family_of", "learning_rate", "make_optimizer", "forward_batch",
+           "batch_metrics", "evaluate", "train", "train_task"]
+
+
+def family_of(cfg: DictConfig) -> str:
+    try:
+        kind = getattr(locate(cfg.model._target_), "kind", None)
+    except PluginError as exc:
+        raise ConfigError(f"model._target_={cfg.model._target_}: cannot be loaded: {exc}") from exc
+    if kind not in ("decoder_only", "encoder_decoder", "encoder_only"):
+        raise ConfigError(f"model._target_={cfg.model._target_}: task=train needs a zoo model family "
+                          f"(decoder_only, encoder_decoder, encoder_only)")
+    return kind
+
+
+def fit_config_to_data(cfg: DictConfig) -> tuple[DictConfig, SyntheticTask]:
+    """A copy of cfg whose vocab_size and max_len are what the data needs (and 2 classes for labelling).
+
+    They are derived rather than checked: a larger vocabulary only wastes softmax work on ids that
+    never occur, and a smaller one cannot work, so there is no other sensible value.
+    """
+    task = task_from_config(cfg.data)
+    family = family_of(cfg)
+    try:
+        task.check_family(family)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.vocab_size = task.vocab_size
+        cfg.max_len = task.model_max_len(family)
+        if family == "encoder_only":
+            cfg.model.head_classes = 2
+    return cfg, task
+
+
+def learning_rate(step: int, *, lr: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then half a cosine from lr down to min_lr_ratio * lr at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # Decay shrinks matrices and embeddings towards zero; on biases and norm gains it only hurts.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+
+
+def forward_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits for every target position of a batch in the family's layout (zoo/tasks/data.py)."""
+    if model.kind == "decoder_only":
+        # Padding is on the right: under the causal mask no real position ever sees it, so no mask is
+        # needed, and without one the attention kernel can take its is_causal fast path.
+        return model(batch["tokens"])
+    if model.kind == "encoder_decoder":
+        # The source needs its mask (the encoder and cross-attention look both ways); the right-padded
+        # target does not, for the same reason as above.
+        return model(batch["src"], batch["tgt"], src_mask=batch["src_mask"])
+    return model(batch["tokens"], mask=batch["mask"])
+
+
+def batch_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Loss (mean over target tokens), token accuracy and exact match (every target of a row right)."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+    counted = targets != IGNORE
+    right = (logits.argmax(-1) == targets) & counted
+    return {"loss": loss, "token_acc": right.sum() / counted.sum().clamp(min=1),
+            "exact": (right | ~counted).all(dim=1).float().mean(), "rows": torch.tensor(targets.shape[0])}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    totals = {"loss": 0.0, "token_acc": 0.0, "exact": 0.0}
+    rows = 0
+    for batch in batches:
+        m = batch_metrics(forward_batch(model, batch), batch["targets"])
+        n = int(m["rows"])
+        for key in totals:
+            totals[key] += float(m[key]) * n
+        rows += n
+    model.train(was_training)
+    return {key: value / rows for key, value in totals.items()} | {"sequences": rows}
+
+
+def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _out_dir(cfg: DictConfig) -> Path:
+    """task.out_dir, or the current directory when it names Hydra's output dir outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    raw = OmegaConf.to_container(cfg.task, resolve=False)["out_dir"]
+    if "${hydra:" in str(raw) and not HydraConfig.initialized():
+        return Path.cwd()
+    return Path(cfg.task.out_dir)
+
+
+def _config_differences(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    found = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += _config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            found.append((f"{prefix}{key}", a, b))
+    return found if prefix else sorted(found, key=_likely_cause)
+
+
+def _likely_cause(difference: tuple) -> tuple[int, str]:
+    """Order differences so the one a user typed comes first: top-level keys, then data, then the rest
+    (part nodes copy the top-level sizes, and vocab_size / max_len follow from the data)."""
+    key = difference[0]
+    if "." not in key and key not in ("vocab_size", "max_len"):
+        return 0, key
+    return (1 if key.startswith("data.") else 2), key
+
+
+class _Progress:
+    """One self-rewriting line on a terminal; elsewhere (logs, pipes) only the evaluation lines."""
+
+    def __init__(self, stream=sys.stdout, quiet: bool = False):
+        self.stream, self.quiet, self.live, self.last = stream, quiet, not quiet and stream.isatty(), 0.0
+
+    def update(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.live and (force or now - self.last > 0.2):
+            self.stream.write("\r" + text.ljust(100)[:100])
+            self.stream.flush()
+            self.last = now
+
+    def line(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self.live:
+            self.stream.write("\r" + " " * 100 + "\r")
+        print(text, file=self.stream, flush=True)
+
+
+def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
+    """Train as cfg.task says; return the final held-out metrics, the model and where checkpoints went."""
+    cfg, data = fit_config_to_data(cfg)
+    opts = cfg.task
+    out_dir = _out_dir(cfg)
+    with open_dict(cfg):
+        cfg.task.out_dir = str(out_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    device = torch.device(cfg.device)
+
+    resume_from = None
+    if opts.resume:
+        resume_from = latest_checkpoint(out_dir)
+        if resume_from is None:
+            raise ConfigError(f"task.resume=true: no checkpoint in {out_dir} (pass the earlier run's task.out_dir)")
+    elif checkpoints_in(out_dir):
+        raise ConfigError(f"task.out_dir={out_dir}: holds checkpoints of an earlier run; pass task.resume=true "
+                          f"to continue it or choose another task.out_dir (nothing was overwritten)")
+
+    torch.manual_seed(cfg.seed)
+    model = model_from_config(cfg)
+    model.train()
+    optimizer = make_optimizer(model, lr=opts.lr, weight_decay=opts.weight_decay)
+    start = 0
+    progress = _Progress(quiet=quiet)
+    if resume_from is not None:
+        state = read_state(resume_from)
+        differences = _config_differences(state["config"], config)
+        fatal = [d for d in differences if not d[0].startswith("task.") and d[0] != "device"]
+        if fatal:
+            key, a, b = fatal[0]
+            raise CheckpointError(f"{resume_from} was written for another config: {key}={a} there, {b} now "
+                                  f"({len(fatal)} difference{'s' if len(fatal) > 1 else ''}; resume with the "
+                                  f"same model and data overrides)")
+        start = load_training_state(resume_from, state, model, optimizer)
+        changed = ", ".join(f"{k}: {a} -> {b}" for k, a, b in differences if k not in ("task.resume",))
+        progress.line(f"resuming from {resume_from} (step {start})" + (f"; changed {changed}" if changed else ""))
+
+    held_out = [_to(data.batch(model.kind, opts.batch, "heldout", i), device) for i in range(opts.eval_batches)]
+    parameters = sum(p.numel() for p in model.parameters())
+    progress.line(f"train {model.kind} ({parameters:,} parameters) on {data.name}: vocab {data.vocab} symbols, "
+                  f"length {data.min_len}-{data.max_len}; {opts.steps} steps of {opts.batch}; "
+                  f"checkpoints in {out_dir}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    started, cpu_started, smoothed, result = time.monotonic(), time.process_time(), None, None
+    for step in range(start, opts.steps):
+        lr = learning_rate(step, lr=opts.lr, warmup=opts.warmup, steps=opts.steps, min_lr_ratio=opts.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = _to(data.batch(model.kind, opts.batch, "train", step), device)
+        metrics = batch_metrics(forward_batch(model, batch), batch["targets"])
+        optimizer.zero_grad(set_to_none=True)
+        metrics["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(params, opts.clip)
+        optimizer.step()
+
+        done = step + 1
+        loss = metrics["loss"].item()
+        smoothed = loss if smoothed is None else 0.95 * smoothed + 0.05 * loss
+        rate = (done - start) / max(time.monotonic() - started, 1e-9)
+        progress.update(f"step {done}/{opts.steps}  loss {smoothed:.4f}  acc {float(metrics['token_acc']):.3f}  "
+                        f"lr {lr:.2e}  {rate:.1f} steps/s", force=done == opts.steps)
+        if done % opts.eval_every == 0 or done == opts.steps:
+            result = evaluate(model, held_out)
+            progress.line(f"step {done:>6}  train loss {smoothed:.4f}  held-out loss {result['loss']:.4f}  "
+                          f"token acc {result['token_acc']:.4f}  exact match {100 * result['exact']:.2f}%  "
+                          f"({time.monotonic() - started:.0f} s)")
+        if done % opts.checkpoint_every == 0 or done == opts.steps:
+            save_training_checkpoint(out_dir, done, model, optimizer, config,
+                                     metrics={"train_loss": smoothed, **(result or {})}, keep=opts.keep)
+
+    if result is None:  # resumed at the end: nothing left to train, report the checkpoint's model
+        result = evaluate(model, held_out)
+    seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
+    # CPU time too: on a shared machine the wall time also counts the waits for a free core.
+    progress.line(f"held-out exact match: {100 * result['exact']:.2f}% of {result['sequences']} sequences "
+                  f"(token accuracy {100 * result['token_acc']:.2f}%) after {opts.steps} steps, "
+                  f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU)")
+    return {**result, "seconds": seconds, "cpu_seconds": cpu_seconds, "model": model, "out_dir": out_dir,
+            "config": cfg}
+
+
+def train_task(cfg: DictConfig) -> None:
+    train(cfg)
