@@ -1,6 +1,7 @@
 """`python -m zoo` as a user runs it: from another directory, with good and bad values."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 
 
 def zoo(*arguments: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True, check=False,
                           timeout=120)
 
 
@@ -59,3 +60,34 @@ def test_compare_with_the_wrong_reference_is_one_line(tmp_path):
     result = zoo("preset=vaswani_base", "task=compare", "reference=hf", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == "zoo: invalid config: reference=hf: preset=vaswani_base is compared with reference=torch"
+
+
+def test_help_prints_the_project_help_then_hydras(tmp_path):
+    from zoo.config.options import options
+
+    result = zoo("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    ours, hydra_starts = out.index("transformer-zoo:"), out.index("== Configuration groups ==")
+    assert ours == 0 and hydra_starts > ours, out[:400]
+    project = out[:hydra_starts]
+    for task in options("task"):  # every file of conf/task/, each with its line
+        assert f"\n  {task} " in project, task
+    for group in ("model", "attention", "ffn", "norm", "pos", "preset", "data"):
+        assert f"\n  {group} " in project and all(option in project for option in options(group)), group
+    for words in ("attention.kernel=pkg.mod:fn", "attention._target_=", "--kernel", "--model", "--zoo",
+                  "pytest --pyargs properties", "python -m properties"):
+        assert words in project, words
+    assert zoo("-h", cwd=tmp_path).stdout.startswith("transformer-zoo:")
+
+
+def test_compare_without_transformers_names_the_extra(tmp_path):
+    blocked = tmp_path / "blocked" / "transformers"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "zoo", "preset=gpt2_small", "task=compare", "reference=hf"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "transformer-zoo[hf]" in lines[0], result.stderr

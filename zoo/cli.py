@@ -10,9 +10,9 @@ from omegaconf import DictConfig
 
 from zoo.config.builder import compose_config, model_from_config
 from zoo.config.schema import ConfigError, validate
-from zoo.tasks.summary import model_card, random_inputs, timed_forward
 from zoo.io.checkpoint import CheckpointError
 from zoo.tasks.generate import generate_task
+from zoo.tasks.summary import model_card, random_inputs, timed_forward
 from zoo.tasks.train import train_task
 
 __all__ = ["main"]
@@ -23,6 +23,81 @@ _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "
                 "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 
+# `python -m zoo --help`: this project's help first, then Hydra's (config groups and the composed config).
+_TASKS = {
+    "run": "the default: model card, a timed forward pass and a quick verification (task.verify=false skips it)",
+    "summary": "the model card only, built on the meta device: any preset, no memory spent",
+    "verify": "every applicable spec clause on the built model; report.json, report.md, junit.xml in the run dir",
+    "compare": "a preset at reduced size against its reference: reference=hf (the hf extra) or reference=torch",
+    "train": "train on a synthetic task (data=copy|reverse|sort|running_max); checkpoints in task.out_dir",
+    "generate": "decode with a task=train checkpoint: task.checkpoint=DIR",
+}
+_GROUPS = {"model": "family", "attention": "kernel backend", "ffn": "feed-forward", "norm": "normalization",
+           "pos": "positions", "preset": "sizes", "data": "task=train data"}
+
+
+def _first_comment(text: str) -> str:
+    lines = [line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#") and "@package" not in line]
+    return lines[0] if lines else ""
+
+
+def project_help() -> str:
+    """What `python -m zoo --help` prints before Hydra's help: tasks, groups, plug-in points, the suite's options.
+    Tasks, groups, options and defaults are read from the packaged config tree (conf/, shipped as zoo.conf)."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from zoo.config.options import options
+    from zoo.nn.kernel import KERNELS
+
+    conf = files("zoo.conf")
+    primary = OmegaConf.create((conf / "config.yaml").read_text())
+    defaults = {k: v for entry in primary.get("defaults", []) if not isinstance(entry, str) for k, v in entry.items()}
+    keys = [k for k in primary if k not in ("defaults", "hydra")]
+
+    def listed(group: str) -> str:
+        return ", ".join(f"{o} (default)" if o == defaults.get(group) else o for o in options(group))
+
+    tasks = sorted(options("task"), key=lambda t: (t != defaults.get("task"), t not in _TASKS, list(_TASKS).index(t)
+                                                   if t in _TASKS else 0, t))
+    width = max(map(len, tasks))
+    task_lines = [f"  {t:<{width}}  {_TASKS.get(t) or _first_comment((conf / 'task' / f'{t}.yaml').read_text())}"
+                  for t in tasks]
+    groups = [g for g in _GROUPS if g in {p.name for p in conf.iterdir()}]
+    group_lines = [f"  {g:<10} {_GROUPS[g] + ':':<16} {listed(g)}" for g in groups]
+    return "\n".join([
+        "transformer-zoo: Transformers assembled from Hydra configs, checked against the spec (properties/SPEC.md).",
+        "",
+        "usage: python -m zoo [GROUP=OPTION ...] [KEY=VALUE ...] [task=TASK]   e.g. python -m zoo model=decoder_only heads=8",
+        "       python -m zoo -m KEY=A,B ...                                   a sweep (multirun), one job per combination",
+        "",
+        f"tasks (task=...; default {defaults.get('task', 'run')}):",
+        *task_lines,
+        "",
+        "config groups (GROUP=OPTION):",
+        *group_lines,
+        f"top-level keys (KEY=VALUE): {', '.join(keys)}",
+        "",
+        "plug-in points:",
+        "  attention.kernel=pkg.mod:fn              any kernel with the signature of F.scaled_dot_product_attention",
+        "                                           (also path/to/file.py:fn)",
+        "  attention._target_=pkg.mod.MyAttention   your class in place of a part (likewise ffn., norm., pos._target_),",
+        "                                           called with the node's keys plus device= and dtype=",
+        "",
+        "verify your own implementation with the spec suite (pytest; python -m properties ... is the same):",
+        f"  pytest --pyargs properties --kernel pkg.mod:fn          the kernel clauses (or {'|'.join(sorted(KERNELS))})",
+        "  pytest --pyargs properties --model pkg.mod:factory      the model clauses on a factory's model",
+        '  pytest --pyargs properties --zoo "attention._target_=pkg.mod.MyAttention"   every level on a zoo model',
+        "  options: --device, --dtype, --causal-alignment, --fully-masked, --report-json PATH, --hypothesis-profile",
+        "",
+        "Outputs go to Hydra's run directory (outputs/DATE/TIME; a sweep: multirun/DATE/TIME).",
+        "",
+        "Hydra's help follows.",
+        "",
+    ])
+
+
 def _exit_with(error: Exception) -> None:
     print(f"zoo: invalid config: {error}", file=sys.stderr)
     sys.exit(2)
@@ -30,6 +105,7 @@ def _exit_with(error: Exception) -> None:
 
 def _verify(cfg: DictConfig, model, profile: str) -> None:
     from hydra.core.hydra_config import HydraConfig
+
     from zoo.tasks.verify import verify
 
     runtime = HydraConfig.get()
@@ -66,6 +142,7 @@ def summary(cfg: DictConfig) -> None:
 
 def compare(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+
     from zoo.tasks.compare import REFERENCES, run_compare
 
     preset = HydraConfig.get().runtime.choices.get("preset")
@@ -75,7 +152,14 @@ def compare(cfg: DictConfig) -> None:
     if cfg.reference is not None and cfg.reference != REFERENCES[preset]:
         raise ConfigError(f"reference={cfg.reference}: preset={preset} is compared with reference={REFERENCES[preset]}")
     options = {k: v for k, v in cfg.task.items() if k != "name"}
-    result = run_compare(preset, cfg.reference, seed=cfg.seed, **options)
+    try:
+        result = run_compare(preset, cfg.reference, seed=cfg.seed, **options)
+    except ModuleNotFoundError as error:  # an optional dependency: one line naming the extra
+        if error.name != "transformers":
+            raise
+        print(f"zoo: task=compare reference={REFERENCES[preset]} needs Hugging Face transformers: "
+              f'pip install "transformer-zoo[hf]" (from a checkout: pip install -e ".[hf]")', file=sys.stderr)
+        sys.exit(2)
     if not result["ok"]:
         print("zoo: compare: a difference exceeds its rounding-error bound", file=sys.stderr)
         sys.exit(1)
@@ -101,6 +185,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     arguments = sys.argv[1:]
+    if "--help" in arguments or "-h" in arguments:
+        print(project_help(), flush=True)
     if not any(a.split("=")[0] in _HYDRA_FLAGS for a in arguments):
         try:  # Hydra's own errors span several lines; compose first to say them in one
             compose_config(arguments)
