@@ -126,6 +126,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("kernel", kernels, ids=[k.name for k in kernels], scope="session")
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", metafunc.config.stash[_DEVICES], scope="session")
+    if "mut" in metafunc.fixturenames:  # the model clauses: once per model under test (zoo families, --model, --zoo)
+        metafunc.parametrize("mut", subjects.subject_ids(metafunc.config), indirect=True)
+
+
+@pytest.fixture(scope="session")
+def mut(request):
+    """The model under test (properties.model.subjects.ModelUnderTest), built once per session."""
+    return subjects.model_under_test(request.config, request.param)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from properties.core.levels import LEVELS
 __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "by_name"]
 
 _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "properties.catalog.models"
+_B = "properties.catalog.backward"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class Entry:
 
 def _kernel(name, mechanism, *expected):
     return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_K}:{name}")
+
+
+def _backward(name, *expected):
+    from properties.catalog.backward import BUGS
+    return Entry(name, "kernel", f"exact forward, wrong backward: {BUGS[name]}", expected, "--kernel", f"{_B}:{name}")
 
 
 def _module(name, mechanism, overrides, *expected):
@@ -127,6 +133,16 @@ CATALOG: list[Entry] = [
             "GQA-HEADS"),
     _kernel("output_in_compute_dtype", "the float32 accumulator returned for half inputs (cast back forgotten)",
             "ATTN-SHAPE"),
+    # ------------------------------------------------------- kernels with a correct forward and a wrong backward
+    _backward("dq_unscaled", "ATTN-GRAD", "ATTN-GRAD-DROPOUT"),
+    _backward("dk_unscaled", "ATTN-GRAD", "ATTN-GRAD-DROPOUT"),
+    _backward("rowsum_term_dropped", "ATTN-GRAD", "ATTN-GRAD-DROPOUT"),
+    _backward("causal_missing_in_backward", "ATTN-GRAD", "ATTN-GRAD-CAUSAL"),
+    _backward("dropout_not_reapplied", "ATTN-GRAD-DROPOUT"),
+    _backward("nan_for_fully_masked_rows", "ATTN-GRAD-MASKED"),
+    _backward("gqa_kv_gradient_not_summed", "ATTN-GRAD", "ATTN-GRAD-GQA"),
+    _backward("float_mask_gradient_before_softmax", "ATTN-GRAD"),
+    _backward("assumes_contiguous_grad_out", "ATTN-GRAD"),
     # ------------------------------------------------------------------------------------------ modules
     _module("split_heads_without_transpose", "heads split with view(b, h, l, e) instead of view(b, l, h, e).transpose",
             f"attention._target_={_M}.SplitHeadsWithoutTranspose", "MHA-ORACLE", "MHA-PERMUTATION"),
@@ -185,6 +201,12 @@ CORRECT: list[Entry] = [
           "properties.catalog.correct:stepwise_attention"),
     Entry("flash", "kernel", "FlashAttention's tiled online softmax in plain torch", (), "--kernel",
           "properties.catalog.correct:flash_attention"),
+    Entry("autograd.Function", "kernel", "a hand-written backward over materialised weights", (), "--kernel",
+          f"{_B}:straightforward"),
+    Entry("zoo memory_efficient", "kernel", "the zoo's FlashAttention-2 style kernel with its own backward", (),
+          "--kernel", "memory_efficient"),
+    Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks: every block path runs", (),
+          "--kernel", "properties.catalog.correct:memory_efficient_block3"),
     Entry("flash in the zoo", "module", "the zoo's attention on the flash kernel", (), "--zoo",
           "attention.kernel=properties.catalog.correct:flash_attention"),
     Entry("nn.MultiheadAttention", "module", "torch.nn.MultiheadAttention as the zoo's attention", (), "--zoo",

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-__all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "TorchMultiheadAttention",
+__all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "memory_efficient_block3", "TorchMultiheadAttention",
            "QUERY_BLOCK", "KEY_BLOCK"]
 
 
@@ -227,3 +227,12 @@ class TorchMultiheadAttention(nn.Module):
         ignore = None if key_padding_mask is None else ~key_padding_mask.to(torch.bool)
         out, _ = self.mha(x, source, source, key_padding_mask=ignore, attn_mask=attn_mask, need_weights=False)
         return out
+
+
+def memory_efficient_block3(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
+    """The zoo's memory-efficient kernel with blocks of 3 keys, so the suite's small problems cross block
+    boundaries (a partial last block, the online softmax's rescaling, the backward's per-block recomputation)."""
+    from zoo.nn.memory_efficient import memory_efficient_attention
+    return memory_efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                      block=3)

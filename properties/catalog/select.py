@@ -4,14 +4,23 @@
     pytest properties/ -p properties.catalog.select --catalog-clause MASK-BOOL --kernel mypkg.mod:attn
 
 Levels are the suite's folders (properties/core/levels.py): ``kernel``, ``model``, and ``module``, which here
-keeps the model clauses too, since they are what a ``--zoo`` override of a part also changes. Deselects only: the tests that
-remain run exactly as in a full run.
+keeps the model clauses too, since they are what a ``--zoo`` override of a part also changes. Deselects only:
+the tests that remain run exactly as in a full run.
 """
 from __future__ import annotations
 
 import pytest
 
-from properties.core.levels import level_of
+from properties.core.levels import LEVELS, level_of
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("catalog", "select a level or clauses of the spec suite (properties.catalog.select)")
+    group.addoption("--catalog-level", choices=LEVELS, default=None,
+                    help="run only the kernel, module (module and model) or model clauses")
+    group.addoption("--catalog-clause", action="append", default=None, metavar="ID",
+                    help="run only tests bound to this clause (repeatable)")
+
 
 def _keep(item, level: str | None, clauses: set[str] | None) -> bool:
     if level is not None:

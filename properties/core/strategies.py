@@ -4,11 +4,12 @@ Hypothesis draws only structure: shapes, the dtype, flags, magnitudes and one in
 tensors come from a ``torch.Generator`` seeded with that integer, always on the CPU in float64 and then
 rounded to the case's dtype and moved to the device, so a counterexample is a short, readable line such
 as ``Case(lead=(), l=1, s=2, e=1, ev=1, dtype=torch.float32, seed=0)`` and replays identically on every
-device.  The dtypes drawn are the ones selected on the command line (``--dtype``); ``conftest.py`` sets
+device.  The dtypes drawn are the ones selected on the command line (``--dtype``); ``properties.plugin`` sets
 them with :func:`select_dtypes` before any test module is imported.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import math
@@ -19,7 +20,7 @@ from hypothesis import assume, example, strategies as st
 
 from zoo.config.options import DTYPES
 
-__all__ = ["DTYPES", "derived_generator", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
+__all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
            "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
            "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values"]
 
@@ -35,7 +36,7 @@ _selected: list[torch.dtype] = list(DTYPES.values())
 
 
 def select_dtypes(dtypes) -> None:
-    """Restrict every dtype strategy to ``dtypes`` (called once by conftest from ``--dtype``)."""
+    """Restrict every dtype strategy to ``dtypes`` (called once by properties.plugin from ``--dtype``)."""
     _selected[:] = [d for d in DTYPES.values() if d in set(dtypes)]
 
 
@@ -44,7 +45,7 @@ def selected_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def dtypes() -> st.SearchStrategy[torch.dtype]:
-    """The selected dtypes, float32 first.  Deferred: conftest selects them after this module loads."""
+    """The selected dtypes, float32 first.  Deferred: the plugin selects them after this module loads."""
     return st.deferred(lambda: st.sampled_from(_selected))
 
 
@@ -62,10 +63,6 @@ class Case:
     ev: int
     dtype: torch.dtype
     seed: int
-
-    def __repr__(self) -> str:
-        return (f"Case(lead={self.lead}, l={self.l}, s={self.s}, e={self.e}, ev={self.ev}, "
-                f"dtype={self.dtype}, seed={self.seed})")
 
     def generator(self, stream: int = 0) -> torch.Generator:
         """A CPU generator for this case; ``stream`` gives independent draws for the same case."""
@@ -190,3 +187,13 @@ def dtype_supported(device: str, dtype: torch.dtype) -> bool:
 def require_dtype(device: str, dtype: torch.dtype) -> None:
     """Discard a drawn example whose dtype the device cannot compute in."""
     assume(dtype_supported(device, dtype))
+
+
+@contextlib.contextmanager
+def seeded_rng(device: str, seed: int):
+    """Dropout draws from the global generators: seed them from the case (so a failure replays) and
+    restore them afterwards."""
+    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield

@@ -69,7 +69,7 @@ def group_of(word: str) -> str | None:
     return head if head in PARTS or head == "model" else None
 
 
-def _with_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
+def with_layer_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
     given = {w.split("=", 1)[0].lstrip("+~") for w in words}
     return tuple(s for s in LAYER_SIZES if s.split("=", 1)[0] not in given) + tuple(words)
 
@@ -123,7 +123,7 @@ def zoo_run(config) -> ZooRun | None:
         words = tuple(shlex.split(text))
         try:
             cfg, choices = compose(words)
-            layer_cfg, _ = compose(_with_sizes(words))
+            layer_cfg, _ = compose(with_layer_sizes(words))
         except (ConfigError, PluginError) as exc:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
         named = frozenset(g for g in map(group_of, words) if g is not None)

@@ -2,7 +2,6 @@
 match p and the no-dropout output (statistical, false-alarm probability <= 1e-6 per example)."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from hypothesis import given, strategies as st
@@ -11,6 +10,7 @@ from properties import clause
 from properties.core.assertions import assert_identical, assert_within, fmt
 from properties.core.oracle import to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.core.strategies import seeded_rng
 from properties.core.strategies import cases, on, with_pinned_cases
 from properties.core.tolerance import output_bound, softmax_bounds
 
@@ -18,18 +18,16 @@ probabilities = st.floats(0.05, 0.95)
 small_cases = cases(lead=0, max_l=4, max_s=8, max_e=8, max_ev=4)
 
 
-@contextlib.contextmanager
-def seeded_rng(device: str, seed: int):
-    """Dropout draws from the global generators: seed them from the case (so a failure replays) and
-    restore them afterwards."""
-    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(seed)
-        yield
+def rate_property(test):
+    """The statistical dropout clauses draw a small case and a rate p (p = 0.5 on the pinned cases)."""
+    return with_pinned_cases(n_lead=0, p=0.5)(given(case=small_cases, p=probabilities)(test))
 
 
-def _copies(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t.expand(n, *t.shape).contiguous()
+def _on_copies(fn, n: int, tensors, p: float, device, seed: int) -> torch.Tensor:
+    """fn(*tensors, dropout_p=p) on n stacked copies of the tensors (n independent dropout draws in one call),
+    with the RNG seeded from the case so that a failure replays; the result in float64."""
+    with seeded_rng(device, seed):
+        return to_float64(fn(*(t.expand(n, *t.shape).contiguous() for t in tensors), dropout_p=p))
 
 
 @clause("DROPOUT-OFF")
@@ -46,14 +44,12 @@ COPIES_FOR_RATE = 256
 
 
 @clause("DROPOUT-RATE")
-@with_pinned_cases(n_lead=0, p=0.5)
-@given(case=small_cases, p=probabilities)
+@rate_property
 def test_dropout_zeroes_weights_with_probability_p(kernel, device, case, p):
     q, k, _ = case.qkv(device)
     bounds = softmax_bounds(q, k)
     positive = bounds.lower > 0  # weights that are nonzero without dropout (even after rounding)
-    with seeded_rng(device, case.seed):
-        w = to_float64(kernel.weights(_copies(q, COPIES_FOR_RATE), _copies(k, COPIES_FOR_RATE), dropout_p=p))
+    w = _on_copies(kernel.weights, COPIES_FOR_RATE, (q, k), p, device, case.seed)
     n = COPIES_FOR_RATE * int(positive.sum())
     dropped = float((w[:, positive] == 0).sum()) / n
     halfwidth = hoeffding_halfwidth(n, 1.0, FALSE_ALARM)
@@ -66,15 +62,13 @@ COPIES_FOR_MEAN = 2048
 
 
 @clause("DROPOUT-EXPECTATION")
-@with_pinned_cases(n_lead=0, p=0.5)
-@given(case=small_cases, p=probabilities)
+@rate_property
 def test_dropout_leaves_the_expected_output_unchanged(kernel, device, case, p):
     q, k, _ = case.qkv(device)
     # Non-negative values: a copy's output then lies in [0, R], with R = sum_j w_j v_j / (1 - p).
     v = on(torch.rand(case.s, case.ev, generator=case.generator(1), dtype=torch.float64), case.dtype, device)
     bounds = softmax_bounds(q, k, v)
-    with seeded_rng(device, case.seed):
-        out = to_float64(kernel(*(_copies(t, COPIES_FOR_MEAN) for t in (q, k, v)), dropout_p=p))
+    out = _on_copies(kernel, COPIES_FOR_MEAN, (q, k, v), p, device, case.seed)
     mean = out.mean(dim=0)
     value_range = bounds.reference.output / (1 - p)
     statistical = value_range * hoeffding_halfwidth(COPIES_FOR_MEAN, 1.0, FALSE_ALARM / mean.numel())

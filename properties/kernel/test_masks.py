@@ -33,12 +33,16 @@ def _as_kind(mask: torch.Tensor, kind: str, dtype) -> torch.Tensor:
     return mask if kind == "bool" else as_float_mask(mask, dtype)
 
 
+def _bool_mask(case, density: float, device) -> torch.Tensor:
+    """A random bool attention mask of the case's shape: each entry True (attend) with probability density."""
+    return random_bool_mask(case.generator(1), _mask_shape(case), density).to(device)
+
+
 @clause("MASK-BOOL")
 @with_pinned_cases(density=0.5)
 @given(case=cases(), density=densities)
 def test_bool_mask_true_means_attend(kernel, device, case, density):
-    q, k, v = case.qkv(device)
-    mask = random_bool_mask(case.generator(1), _mask_shape(case), density).to(device)
+    (q, k, v), mask = case.qkv(device), _bool_mask(case, density, device)
     w = to_float64(kernel.weights(q, k, attn_mask=mask))
     assert_all(mask.cpu() | (w == 0), w, what="weight is exactly 0 where the bool mask is False")
     check_against_oracle(kernel, q, k, v, attn_mask=mask)
@@ -57,8 +61,7 @@ def test_float_mask_is_added_to_scores(kernel, device, case, spread):
 @with_pinned_cases(density=0.5)
 @given(case=cases(), density=densities)
 def test_bool_mask_equals_its_additive_float_mask(kernel, device, case, density):
-    q, k, v = case.qkv(device)
-    mask = random_bool_mask(case.generator(1), _mask_shape(case), density).to(device)
+    (q, k, v), mask = case.qkv(device), _bool_mask(case, density, device)
     with_bool, bounds = check_against_oracle(kernel, q, k, v, attn_mask=mask, what="out (bool mask)")
     with_float, _ = check_against_oracle(kernel, q, k, v, attn_mask=as_float_mask(mask, case.dtype),
                                          what="out (float mask)")
@@ -71,7 +74,7 @@ def test_bool_mask_equals_its_additive_float_mask(kernel, device, case, density)
 @given(case=cases(), density=densities, kind=mask_kinds)
 def test_masked_keys_and_values_have_no_influence(kernel, device, case, density, kind):
     require_dtype(device, case.dtype)
-    mask = random_bool_mask(case.generator(1), _mask_shape(case), density)
+    mask = _bool_mask(case, density, "cpu")
     q64, k64, v64 = case.qkv64()
     # Replace the keys and values that query 0 may not see (in every slice) by huge finite ones; every
     # query that admits none of them must give a bitwise identical output.

@@ -24,13 +24,18 @@ def _inputs(case: Case, device, spread: int = 0):
     return on(q * 2.0**spread, case.dtype, device), on(k, case.dtype, device), on(v, case.dtype, device)
 
 
+def _weights(kernel, device, case: Case, spread: int, **kwargs):
+    """((q, k), the kernel's attention weights in float64) for the case's queries scaled by 2**spread."""
+    require_dtype(device, case.dtype)
+    q, k, _ = _inputs(case, device, spread)
+    return (q, k), to_float64(kernel.weights(q, k, **kwargs))
+
+
 @clause("ATTN-WEIGHT-RANGE")
 @with_pinned_cases(spread=0)
 @given(case=cases(), spread=spreads)
 def test_weights_are_finite_and_in_unit_interval(kernel, device, case, spread):
-    require_dtype(device, case.dtype)
-    q, k, _ = _inputs(case, device, spread)
-    w = to_float64(kernel.weights(q, k))  # the guard has already checked finiteness
+    _, w = _weights(kernel, device, case, spread)  # the guard has already checked finiteness
     limit = 1 + rowsum_error(case.s, case.dtype)
     assert_all(w >= 0, w, what="weights >= 0")
     assert_all(w <= limit, w, what=f"weights <= 1 + evaluation error = {limit:.6g}")
@@ -40,11 +45,8 @@ def test_weights_are_finite_and_in_unit_interval(kernel, device, case, spread):
 @with_pinned_cases(spread=0, masked=False)
 @given(case=cases(), spread=spreads, masked=st.booleans())
 def test_weights_sum_to_one_over_keys(kernel, device, case, spread, masked):
-    require_dtype(device, case.dtype)
-    q, k, _ = _inputs(case, device, spread)
-    mask = (random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5).to(device)
-            if masked else None)
-    w = to_float64(kernel.weights(q, k, **({"attn_mask": mask} if masked else {})))
+    mask = random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5).to(device) if masked else None
+    _, w = _weights(kernel, device, case, spread, **({"attn_mask": mask} if masked else {}))
     row_sums = w.sum(dim=-1)
     assert_within(row_sums, torch.ones_like(row_sums), rowsum_error(case.s, case.dtype),
                   what="sum over keys of the weights", reference="1")
@@ -74,9 +76,7 @@ def test_adding_a_constant_to_a_row_of_scores_changes_nothing(kernel, device, ca
 @with_pinned_cases(spread=0)
 @given(case=cases(), spread=spreads)
 def test_larger_score_never_gets_smaller_weight(kernel, device, case, spread):
-    require_dtype(device, case.dtype)
-    q, k, _ = _inputs(case, device, spread)
-    w = to_float64(kernel.weights(q, k))
+    (q, k), w = _weights(kernel, device, case, spread)
     bounds = softmax_bounds(q, k)
     # Only pairs whose rounding intervals are disjoint have a guaranteed order.
     ordered = bounds.lower[..., :, None] > bounds.upper[..., None, :]

@@ -158,19 +158,33 @@ def model_property(test):
 DECODERS = ("decoder_only", "encoder_decoder")
 
 
-def only(subject: Subject, *kinds: str) -> None:
+def only(subject: Subject, *kinds: str) -> Subject:
+    """The subject, once the clause is skipped for a model of any other kind."""
     if subject.kind not in kinds:
         pytest.skip(f"applies to {' and '.join(kinds)}, not {subject.kind}")
+    return subject
+
+
+def requires(subject: Subject, field: str, without: str) -> None:
+    """Skip the clause, saying what does not run, when the subject leaves an optional field None."""
+    if getattr(subject, field) is None:
+        pytest.skip(f"Subject.{field} is None: {without}")
 
 
 def draw_len(subject: Subject, reserve: int = 0) -> int:
     return min(DRAW_LEN, subject.max_len - reserve)
 
 
+def subject_args(src: tuple | None, tokens, mask) -> tuple:
+    """The positional arguments of Subject.forward (and decode_step, before its state): (src, tgt, src_mask,
+    tgt_mask) for an encoder-decoder, whose src is (tokens, mask, ...); (tokens, mask) when src is None."""
+    return (src[0], tokens, src[1], mask) if src is not None else (tokens, mask)
+
+
 def forward(s: Subject, src: tuple | None, tgt: tuple):
-    """tgt/src are (tokens, mask); src only for encoder_decoder. No autograd unless asked for."""
+    """tgt/src are (tokens, mask[, Batch]); src only for encoder_decoder. No autograd unless asked for."""
     with torch.no_grad():
-        return call_subject(s, *(src[0], tgt[0], src[1], tgt[1]) if src is not None else tgt)
+        return call_subject(s, *subject_args(src, tgt[0], tgt[1]))
 
 
 def draw_pair(data, s: Subject, device, *, min_len=1, padding=True, reserve=0, size=None, max_size=3):

@@ -1,7 +1,7 @@
-"""``--model`` and ``--zoo``: which models the model clauses run on, built once per session.
+"""``--model``, ``--zoo`` and ``--zoo-config``: which models the model clauses run on, built once per session.
 
 Without either option the clauses run on the zoo's three families at a tiny size, each with every
-position scheme. conftest.py calls ``add_options`` and ``configure``; test_models.py asks
+position scheme. properties.plugin calls ``add_options`` and ``configure``, and asks
 ``subject_ids`` for its parameters and ``model_under_test`` for each one.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def add_options(parser) -> None:
 
 
 def _device_dtype(config):
-    """The first --device and --dtype given (conftest.py's repeatable options); else cpu, float32.
+    """The first --device and --dtype given (the plugin's repeatable options); else cpu, float32.
 
     The component suite sweeps every device and dtype; a model run takes one, because each
     zoo model is a dozen clauses of whole forward passes.

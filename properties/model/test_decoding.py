@@ -2,7 +2,6 @@
 (SPEC.md, "Models": MODEL-FACTORISATION, MODEL-KV-CACHE, MODEL-LENGTH)."""
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +9,7 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, forward,
-                                     model_property, model_settings, only, real_tokens)
+                                     model_property, model_settings, only, subject_args, real_tokens, requires)
 
 
 # --------------------------------------------------------------------- MODEL-FACTORISATION, MODEL-KV-CACHE
@@ -22,12 +21,11 @@ def _log_p(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
 @settings(model_settings, max_examples=max(2, EXAMPLES // 2))
 @given(data=st.data())
 def test_autoregressive_factorisation(mut, data):
-    s = mut.precise
-    only(s, *DECODERS)
+    s = only(mut.precise, *DECODERS)
     src, (y, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False, max_size=2)
-    full = forward(s, src and src[:2], (y, mask))
+    full = forward(s, src, (y, mask))
     one_pass = _log_p(full[:, :-1], y[:, 1:])                                   # log p(y_k | y_<k), k >= 1
-    steps = torch.stack([_log_p(forward(s, src and src[:2], (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
+    steps = torch.stack([_log_p(forward(s, src, (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
                          for k in range(1, b.length)], dim=1)
     # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
     tol = 2 * comparison_tolerance(full)
@@ -41,13 +39,11 @@ def test_autoregressive_factorisation(mut, data):
 @clause("MODEL-KV-CACHE")
 @model_property
 def test_cached_decoding(mut, data):
-    s = mut.precise
-    only(s, *DECODERS)
-    if s.decode_step is None:
-        pytest.skip("Subject.decode_step is None: the model offers no cached incremental decoding")
+    s = only(mut.precise, *DECODERS)
+    requires(s, "decode_step", "the model offers no cached incremental decoding")
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
     cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
-    full = forward(s, src and src[:2], (tokens, mask))
+    full = forward(s, src, (tokens, mask))
     state = None
     for start, end in zip([0, *cuts], [*cuts, b.length]):
         def step(*args):
@@ -56,8 +52,7 @@ def test_cached_decoding(mut, data):
             return logits
         chunk = (tokens[:, start:end], mask[:, :end])
         with torch.no_grad():
-            args = (src[0], chunk[0], src[1], chunk[1]) if src is not None else chunk
-            logits = call_subject(s, *args, fn=step)
+            logits = call_subject(s, *subject_args(src, *chunk), fn=step)
         real = mask[:, start:end]
         assert_same_output(logits[real], full[:, start:end][real],
                            f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, b.length]}) "

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, embedding_probe, forward,
-                                     model_property, model_settings, only, other_real_tokens)
+                                     model_property, model_settings, only, subject_args, other_real_tokens, requires)
 
 
 # ---------------------------------------------------------------------------------------- MODEL-SHAPE
@@ -24,23 +24,27 @@ from properties.model.checks import (EXAMPLES, DECODERS, assert_same_output, cal
 def test_output_shape(mut, data):
     s = mut.native
     src, tgt = draw_pair(data, s, mut.device)
-    out = forward(s, src and src[:2], tgt[:2])  # call_subject() checks shape and dtype
+    out = forward(s, src, tgt)  # call_subject() checks shape and dtype
     assert out.device == tgt[0].device, f"output on {out.device}; expected the input's device {tgt[0].device}"
 
 
 # --------------------------------------------------------------------------------------- MODEL-CAUSAL
+def _causal_case(s, mut, data):
+    """A decoder's inputs (src is None for decoder_only) and a position i that has later positions."""
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
+    return src, tokens, mask, b, data.draw(st.integers(0, b.length - 2), label="position i")
+
+
 @clause("MODEL-CAUSAL")
 @model_property
 def test_causal_perturbation(mut, data):
-    s = mut.precise
-    only(s, *DECODERS)
-    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
-    i = data.draw(st.integers(0, b.length - 2), label="position i")
+    s = only(mut.precise, *DECODERS)
+    src, tokens, mask, b, i = _causal_case(s, mut, data)
     later = torch.zeros_like(mask)
     later[:, i + 1:] = True
     changed = torch.where(later & mask, other_real_tokens(tokens, b.seed + 1, s), tokens)
-    before = forward(s, src and src[:2], (tokens, mask))
-    after = forward(s, src and src[:2], (changed, mask))
+    before = forward(s, src, (tokens, mask))
+    after = forward(s, src, (changed, mask))
     assert_same_output(after[:, : i + 1], before[:, : i + 1],
                        f"logits at positions <= {i} after changing the tokens after {i}")
 
@@ -48,14 +52,11 @@ def test_causal_perturbation(mut, data):
 @clause("MODEL-CAUSAL")
 @model_property
 def test_causal_gradient(mut, data):
-    s = mut.precise
-    only(s, *DECODERS)
-    if s.embedding is None:
-        pytest.skip("Subject.embedding is None: only the perturbation half of MODEL-CAUSAL runs")
-    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
-    i = data.draw(st.integers(0, b.length - 2), label="position i")
+    s = only(mut.precise, *DECODERS)
+    requires(s, "embedding", "only the perturbation half of MODEL-CAUSAL runs")
+    src, tokens, mask, b, i = _causal_case(s, mut, data)
     with torch.enable_grad(), embedding_probe(s.embedding, tokens) as deltas:
-        logits = call_subject(s, *(src[0], tokens, src[1], mask) if src is not None else (tokens, mask))
+        logits = call_subject(s, *subject_args(src, tokens, mask))
     assert len(deltas) == 1, (f"Subject.embedding was called {len(deltas)} times with the target tokens; "
                               f"expected once (the module that embeds the tokens passed to forward)")
     weights = torch.randn(logits[:, i].shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
@@ -71,8 +72,7 @@ def test_causal_gradient(mut, data):
 @clause("MODEL-DEPENDENCE")
 @model_property
 def test_every_target_depends_on_every_source(mut, data):
-    s = mut.precise
-    only(s, "encoder_decoder")
+    s = only(mut.precise, "encoder_decoder")
     (src, src_mask, sb), (tgt, tgt_mask, tb) = draw_pair(data, s, mut.device)
     j = data.draw(st.integers(0, min(sb.real) - 1), label="source position j")
     changed = src.clone()
@@ -90,8 +90,7 @@ def test_every_target_depends_on_every_source(mut, data):
 @clause("MODEL-PERMUTATION")
 @model_property
 def test_permutation(mut, data):
-    s = mut.precise
-    only(s, "encoder_only")
+    s = only(mut.precise, "encoder_only")
     _, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False)
     order = data.draw(st.permutations(range(b.length)), label="permutation")
     perm = torch.tensor(order, device=mut.device)
@@ -113,7 +112,7 @@ def test_permutation(mut, data):
 def test_batch_independence(mut, data):
     s = mut.precise
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=4)
-    together = forward(s, src and src[:2], (tokens, mask))
+    together = forward(s, src, (tokens, mask))
     for k in range(b.size):
         alone_src = src and (src[0][k:k + 1], src[1][k:k + 1])
         alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
@@ -138,7 +137,7 @@ def _padding_case(mut, data, left: bool):
                       if src is not None else "pads")
     k_src = data.draw(st.integers(0 if k_tgt else 1, s.max_len - src[2].length), label="pads (source)") \
         if src is not None else 0
-    before = forward(s, src and src[:2], (tokens, mask))
+    before = forward(s, src, (tokens, mask))
     padded_src = src and _pad(src[0], src[1], k_src, s.pad_id, left)
     after = forward(s, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
     after = after[:, k_tgt:] if left else after[:, : b.length]
@@ -166,7 +165,7 @@ def test_left_padding(mut, data):
 def test_mask_none_means_all_real(mut, data):
     s = mut.precise
     src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
-    with_mask = forward(s, src and src[:2], (tokens, mask))
+    with_mask = forward(s, src, (tokens, mask))
     without = forward(s, src and (src[0], None), (tokens, None))
     assert_same_output(without, with_mask, "mask=None vs an all-True mask")
 
@@ -183,7 +182,7 @@ def test_eval_determinism(mut, data, seeds):
     with torch.random.fork_rng(devices=devices):  # leave the global random state as it was
         for seed in seeds:
             torch.manual_seed(seed)
-            outs.append(forward(s, src and src[:2], tgt[:2]))
+            outs.append(forward(s, src, tgt))
     same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])
     assert same.all(), (f"two forward passes on the same input differ at {int((~same).sum())} elements "
                         f"(max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under random seeds "
@@ -194,10 +193,9 @@ def test_eval_determinism(mut, data, seeds):
 @clause("MODEL-DISTRIBUTION")
 @model_property
 def test_output_distribution(mut, data):
-    s = mut.native
-    only(s, *DECODERS)
+    s = only(mut.native, *DECODERS)
     src, (tokens, mask, _) = draw_pair(data, s, mut.device)
-    logits = forward(s, src and src[:2], (tokens, mask))[mask]       # (real positions, V)
+    logits = forward(s, src, (tokens, mask))[mask]       # (real positions, V)
     log_p = torch.log_softmax(logits, dim=-1)
     bad = (~torch.isfinite(log_p)).any(-1).nonzero().flatten().tolist()
     assert not bad, f"log-probabilities not finite at {len(bad)} real positions (flattened indices {bad[:5]})"
@@ -215,14 +213,13 @@ def test_output_distribution(mut, data):
 @given(data=st.data())
 def test_every_parameter_gets_a_gradient(mut, data):
     s = mut.native
-    if s.module is None:
-        pytest.skip("Subject.module is None: the parameters are unknown")
+    requires(s, "module", "the parameters are unknown")
     # Two real positions at least: with one key, softmax weights are constant and the query and key
     # projections get exactly zero gradient although they are used.
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False)
     named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        out = call_subject(s, *(src[0], tokens, src[1], mask) if src is not None else (tokens, mask))
+        out = call_subject(s, *subject_args(src, tokens, mask))
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
         grads = torch.autograd.grad((out * weights.to(out)).sum(), [p for _, p in named], allow_unused=True)
     # Reached: autograd gets from the output to every parameter. Non-zero: required of matrices and

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 from properties.core.strategies import derived_generator, require_dtype
-from properties.core.zoo_config import PARTS, ZooRun, _with_sizes, compose, zoo_run
+from properties.core.zoo_config import PARTS, ZooRun, with_layer_sizes, compose, zoo_run
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
            "reinitialize", "call_module", "inputs", "OneLine", "PARTS"]
@@ -117,7 +117,7 @@ def reinitialize(module: nn.Module, seed: int) -> None:
 
 # ------------------------------------------------------------------------------------------ composition
 def _default_parts(composition: tuple[str, ...]) -> dict[str, "Part"]:
-    cfg, choices = compose(_with_sizes(("model=encoder_decoder",) + composition))
+    cfg, choices = compose(with_layer_sizes(("model=encoder_decoder",) + composition))
     return {g: Part(g, str(choices.get(g, g)), cfg[g], "zoo") for g in PARTS}
 
 
@@ -181,7 +181,7 @@ def _stack(model, name: str):
 
 @functools.lru_cache(maxsize=None)
 def _default_layer_cfg(words: tuple[str, ...]):
-    return compose(_with_sizes(words))[0]
+    return compose(with_layer_sizes(words))[0]
 
 
 _LAYERS: dict = {}

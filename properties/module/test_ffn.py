@@ -10,14 +10,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_within
 from properties.model.checks import comparison_tolerance
+from properties.module.gradients import check_gradients, feed_forward
 from properties.module.oracle import ffn_layers, ffn_oracle
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
-from properties.core.strategies import dtypes, seeds
+from properties.core.strategies import dtypes, seeds, selected_dtypes
+
+FIRST = selected_dtypes()[0]
 
 
 def pytest_generate_tests(metafunc):
@@ -89,3 +92,22 @@ def test_formula_with_own_weights(ffn, device, p):
     out = forward(module, x)
     assert_within(out, ref.value, ref.error, what=f"FFN(x) ({ffn.get('activation')})",
                   reference="formula with the module's weights (fp64)")
+
+
+# -------------------------------------------------------------------------------------------- FFN-GRAD
+@clause("FFN-GRAD")
+@module_settings
+@example(p=Ffn(2, 3, 4, 8, FIRST, 0))
+@given(p=problems)
+def test_gradients_follow_the_formula(ffn, device, p):
+    module = build(ffn, p, device)
+    name = ffn.get("activation")
+    layers, reason = (None, "the ffn node has no activation key") if name is None else ffn_layers(module, name)
+    if layers is None:
+        pytest.skip(reason)
+    x = inputs(p.seed, 1, (p.batch, p.l, p.d_model), p.dtype, device)
+    upstream = inputs(p.seed, 2, (p.batch, p.l, p.d_model), p.dtype, device)
+    params = {n: t for n, t in module.named_parameters() if n.split(".")[0] in layers}
+    failures = check_gradients(module, lambda m, x: m(x), lambda i, w: feed_forward(i["x"], w, name), {"x": x},
+                               params, upstream, p.dtype, p.seed)
+    assert not failures, f"gradients of sum(FFN(x) ∘ G) ({name}) depart from the formula's:\n  " + "\n  ".join(failures)

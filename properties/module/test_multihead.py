@@ -16,7 +16,8 @@ from properties import clause
 from properties.core.assertions import assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
-from properties.module.oracle import multihead_oracle, projections, single_head_oracle
+from properties.module.gradients import check_gradients, multihead
+from properties.module.oracle import PROJECTION_NAMES, multihead_oracle, projections, single_head_oracle
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.strategies import derived_generator, dtypes, seeds, selected_dtypes
 
@@ -189,16 +190,21 @@ def test_query_head_reads_its_group(attention, device, p):
                   reference="oracle with query head i -> kv head i // (h/k)")
 
 
+def _permuted(attention, device, p: Mha, data, n: int, label: str):
+    """A drawn permutation of n positions (as drawn, and as an index tensor), the module set up for comparing
+    two of its evaluations with their bound, and its inputs (x, memory, mask) in the comparison dtype."""
+    require_dtype(device, p.dtype)
+    order = data.draw(st.permutations(range(n)), label=label)
+    module, dtype, bound = comparison(build(attention, p, device), p, attention, device)
+    return order, torch.tensor(order, device=device), module, bound, tensors(p, device, dtype)
+
+
 # ------------------------------------------------------------------------------------- MHA-PERMUTATION
 @clause("MHA-PERMUTATION")
 @module_settings
 @given(p=problems(cross=False, padded=False, causal=False, min_l=2), data=st.data())
 def test_self_attention_is_permutation_equivariant(attention, device, p, data):
-    require_dtype(device, p.dtype)
-    order = data.draw(st.permutations(range(p.l)), label="permutation")
-    perm = torch.tensor(order, device=device)
-    module, dtype, bound = comparison(build(attention, p, device), p, attention, device)
-    x, _, _ = tensors(p, device, dtype)
+    order, perm, module, bound, (x, _, _) = _permuted(attention, device, p, data, p.l, "permutation")
     out = forward(module, p, x, None, None)
     permuted = forward(module, p, x[:, perm], None, None)
     tolerance = bound(out, x[:, perm], None, None) + bound(out, x, None, None)[:, perm.cpu()]
@@ -211,11 +217,7 @@ def test_self_attention_is_permutation_equivariant(attention, device, p, data):
 @module_settings
 @given(p=problems(cross=True), data=st.data())
 def test_cross_attention_follows_queries_and_ignores_memory_order(attention, device, p, data):
-    require_dtype(device, p.dtype)
-    order = data.draw(st.permutations(range(p.s)), label="memory permutation")
-    perm = torch.tensor(order, device=device)
-    module, dtype, bound = comparison(build(attention, p, device), p, attention, device)
-    x, memory, mask = tensors(p, device, dtype)
+    order, perm, module, bound, (x, memory, mask) = _permuted(attention, device, p, data, p.s, "memory permutation")
     out = forward(module, p, x, memory, mask)             # shape (B, L, D): L of the queries, not S
     shuffled_mask = None if mask is None else mask[:, perm]
     shuffled = forward(module, p, x, memory[:, perm], shuffled_mask)
@@ -279,3 +281,37 @@ def test_bad_head_count_is_a_clear_error(attention, device, heads, e, pick, kv_c
                              f"naming {' and '.join(names)}") from exc
     raise AssertionError(f"built an attention module with {sizes}; expected a ValueError naming "
                          f"{' and '.join(names)} ({names[0]} must be a positive divisor of {names[1]})")
+
+
+# -------------------------------------------------------------------------------------------- MHA-GRAD
+def _grad_call(p: Mha):
+    def call(module, x, memory=None, key_padding_mask=None):
+        kwargs = {"key_padding_mask": key_padding_mask} if key_padding_mask is not None else {}
+        if p.causal:
+            kwargs["is_causal"] = True
+        return module(*((x,) if memory is None else (x, memory)), **kwargs)
+    return call
+
+
+@clause("MHA-GRAD")
+@module_settings
+@example(p=Mha(2, 3, 0, 4, 2, 2, False, True, True, FIRST, 0))   # GQA, causal, right padding: all three in dK, dV
+@example(p=Mha(1, 2, 3, 2, 2, 2, True, True, False, FIRST, 1))   # cross attention, Lq != Lk, padded memory
+@given(p=st.one_of(problems(), problems(gqa=True)))
+def test_gradients_follow_the_formula(attention, device, p):
+    if p.kv_heads != p.heads and not attention.has("kv_heads"):
+        pytest.skip("the attention node has no kv_heads key: grouped-query heads are not configurable")
+    module = build(attention, p, device)
+    proj, reason = projections(module)
+    if proj is None:
+        pytest.skip(reason)
+    x, memory, mask = tensors(p, device)
+    upstream = inputs(p.seed, 4, (p.batch, p.l, p.d_model), p.dtype, device)
+    params = {n: t for n, t in module.named_parameters() if n.split(".")[0] in PROJECTION_NAMES}
+    given_inputs = {"x": x} | ({"memory": memory} if memory is not None else {}) | (
+        {"key_padding_mask": mask} if mask is not None else {})
+
+    def formula(i, w):
+        return multihead(i["x"], i.get("memory"), w, p.heads, p.kv_heads, i.get("key_padding_mask"), p.causal)
+    failures = check_gradients(module, _grad_call(p), formula, given_inputs, params, upstream, p.dtype, p.seed)
+    assert not failures, "gradients of sum(MultiHead(x) ∘ G) depart from the formula's:\n  " + "\n  ".join(failures)

@@ -18,6 +18,7 @@ from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
 from properties.module.oracle import effective_u, layer_norm_oracle, layer_norm_stats, rms_norm_oracle
+from properties.module.gradients import check_gradients, layer_norm, rms_norm
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
 from properties.core.strategies import dtypes, seeds
@@ -102,28 +103,41 @@ def recovered(out, weight, bias, error):
     return n, error / g.abs() + gamma(2, u64) * (y.abs() + b.abs()) / g.abs()
 
 
-# ------------------------------------------------------------------------------------ NORM-STANDARDIZE
-@clause("NORM-STANDARDIZE")
-@kinds("layernorm")
-@module_settings
-@given(p=problems)
-def test_layernorm_mean_zero_variance_one(norm, device, p):
+def normalized(norm, p, device):
+    """Run the norm on drawn tokens x and recover its normalized features from the output: (x, eps, the exact
+    normalized features (float64 oracle), the recovered ones n = (y - bias)/weight (no bias for RMSNorm),
+    their error bound)."""
     module = build(norm, p, device)
     x = tokens(p, device)
     eps, weight, bias = affine(norm, module)
     out = forward(module, x)
     n_exact, y = oracle(norm, x, eps, weight, bias, p.dtype)
     n, e = recovered(out, weight, bias, y.error)
-    u64 = unit_roundoff(torch.float64)
+    return x, eps, n_exact, n, e
+
+
+def assert_mean_square(n, n_exact, e, expected, **message):
+    """mean_d n² = expected per token, within what the recovered features' error e adds (|n² - n_exact²| <=
+    (2|n_exact| + e) e) plus the float64 mean over d features."""
+    square = (n * n).mean(-1)
+    d = n.shape[-1]
+    bound = ((2 * n_exact.value.abs() + e) * e).mean(-1) + gamma(d + 2, unit_roundoff(torch.float64)) * square
+    assert_within(square, expected, bound, **message)
+
+
+# ------------------------------------------------------------------------------------ NORM-STANDARDIZE
+@clause("NORM-STANDARDIZE")
+@kinds("layernorm")
+@module_settings
+@given(p=problems)
+def test_layernorm_mean_zero_variance_one(norm, device, p):
+    x, eps, n_exact, n, e = normalized(norm, p, device)
     _, v, _ = layer_norm_stats(x, eps)
-    mean, mean_bound = n.mean(-1), e.mean(-1) + gamma(p.d + 1, u64) * n.abs().mean(-1)
+    mean, mean_bound = n.mean(-1), e.mean(-1) + gamma(p.d + 1, unit_roundoff(torch.float64)) * n.abs().mean(-1)
     assert_within(mean, torch.zeros_like(mean), mean_bound, what="mean of the normalized features",
                   reference="0", note=" (normalized = (y - bias)/weight)")
-    variance = (n * n).mean(-1)
-    expected = (v / (v + eps))[..., 0]
-    var_bound = ((2 * n_exact.value.abs() + e) * e).mean(-1) + gamma(p.d + 2, u64) * variance
-    assert_within(variance, expected, var_bound, what="variance of the normalized features",
-                  reference="σ²/(σ² + eps) (1 up to eps)")
+    assert_mean_square(n, n_exact, e, (v / (v + eps))[..., 0], what="variance of the normalized features",
+                       reference="σ²/(σ² + eps) (1 up to eps)")
 
 
 # ---------------------------------------------------------------------------------------------- NORM-RMS
@@ -132,18 +146,10 @@ def test_layernorm_mean_zero_variance_one(norm, device, p):
 @module_settings
 @given(p=problems)
 def test_rmsnorm_unit_rms(norm, device, p):
-    module = build(norm, p, device)
-    x = tokens(p, device)
-    eps, weight, _ = affine(norm, module)
-    out = forward(module, x)
-    n_exact, y = oracle(norm, x, eps, weight, None, p.dtype)
-    n, e = recovered(out, weight, None, y.error)
-    u64 = unit_roundoff(torch.float64)
+    x, eps, n_exact, n, e = normalized(norm, p, device)
     ms = (to_float64(x) ** 2).mean(-1)
-    square = (n * n).mean(-1)
-    bound = ((2 * n_exact.value.abs() + e) * e).mean(-1) + gamma(p.d + 2, u64) * square
-    assert_within(square, ms / (ms + eps), bound, what="mean square of the normalized features",
-                  reference="ms/(ms + eps) (1 up to eps)", note=" (normalized = y/weight)")
+    assert_mean_square(n, n_exact, e, ms / (ms + eps), what="mean square of the normalized features",
+                       reference="ms/(ms + eps) (1 up to eps)", note=" (normalized = y/weight)")
 
 
 # ------------------------------------------------------------------------------------- NORM-PER-TOKEN
@@ -208,3 +214,19 @@ def test_positive_scaling(norm, device, p, k):
     assert_within(out_scaled, out, bound, what=f"Norm({alpha:g}·x)", reference="Norm(x)",
                   note=f" (eps term up to {float(eps_term.max()):.2e})")
     assert_all(torch.isfinite(to_float64(out_scaled)), to_float64(out_scaled), what="Norm(αx) is finite")
+
+
+# ------------------------------------------------------------------------------------------- NORM-GRAD
+@clause("NORM-GRAD")
+@module_settings
+@given(p=problems)
+def test_gradients_follow_the_formula(norm, device, p):
+    module = build(norm, p, device)
+    eps, _, _ = affine(norm, module)
+    names = ("weight", "bias") if norm.choice == "layernorm" else ("weight",)
+    params = {n: t for n, t in module.named_parameters() if n in names}
+    formula = layer_norm if norm.choice == "layernorm" else rms_norm
+    x, upstream = tokens(p, device), tokens(p, device, stream=2)
+    failures = check_gradients(module, lambda m, x: m(x), lambda i, w: formula(i["x"], w, eps), {"x": x}, params,
+                               upstream, p.dtype, p.seed)
+    assert not failures, f"gradients of sum({norm.choice}(x) ∘ G) depart from the formula's:\n  " + "\n  ".join(failures)

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention: the kernel contract and its two backends.
+"""Scaled dot-product attention: the kernel contract and its three backends (math, torch, memory_efficient).
 
 The contract is exactly that of ``torch.nn.functional.scaled_dot_product_attention``::
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import einsum, repeat
 
 from zoo.config.plugins import PluginError, load_object
+from zoo.nn.memory_efficient import memory_efficient_attention
 
 __all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "KERNELS"]
 
@@ -100,11 +101,12 @@ def torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                                           scale=scale, enable_gqa=enable_gqa)
 
 
-KERNELS: dict[str, Callable] = {"math": math_attention, "torch": torch_attention}
+KERNELS: dict[str, Callable] = {"math": math_attention, "torch": torch_attention,
+                                 "memory_efficient": memory_efficient_attention}
 
 
 def resolve_kernel(kernel: str | Callable) -> Callable:
-    """A backend name ('math', 'torch'), an import path, or a callable -> the kernel."""
+    """A backend name (a key of KERNELS), an import path, or a callable -> the kernel."""
     if callable(kernel):
         return kernel
     if kernel in KERNELS:

@@ -1,0 +1,254 @@
+"""Gradient clauses (SPEC.md, "Gradients"): the backward pass of a kernel whose output requires grad.
+
+Axes: b batch, h query heads (h = k · group), k key/value heads, l queries, s keys, e and ev features. The
+oracle and its bound are core/gradients.py. A kernel whose output does not require grad, or whose backward
+raises NotImplementedError, has these clauses skipped with that reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import assume, example, given, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_within
+from properties.core.gradients import gradient_oracle, group_sum
+from properties.core.oracle import causal_allowed, default_scale, to_float64
+from properties.core.strategies import (derived_generator, dtypes, on, random_bool_mask, require_dtype, seeded_rng,
+                                        seeds)
+from properties.core.tolerance import softmax_bounds
+from properties.kernel.guard import KernelContractError
+
+MASKS = ("none", "bool", "float", "float-grad")
+
+
+@dataclass(frozen=True)
+class GradCase:
+    b: int
+    kv_heads: int
+    group: int
+    l: int
+    s: int
+    e: int
+    ev: int
+    dtype: torch.dtype
+    mask: str            # none | bool | float | float-grad (a float mask that requires grad)
+    causal: bool
+    scale: float | None
+    strided: bool        # q, k, v and dO as .transpose(1, 2) views of (b, l, h, e) tensors
+    seed: int
+
+    @property
+    def heads(self) -> int:
+        return self.kv_heads * self.group
+
+    def __repr__(self) -> str:
+        return (f"GradCase(b={self.b}, h={self.heads}, kv_heads={self.kv_heads}, l={self.l}, s={self.s}, "
+                f"e={self.e}, ev={self.ev}, dtype={self.dtype}, mask={self.mask!r}, causal={self.causal}, "
+                f"scale={self.scale}, strided={self.strided}, seed={self.seed})")
+
+    def _tensor(self, g, heads, length, features, device):
+        if self.strided:  # the storage of a (b, l, h, e) projection, viewed as (b, h, l, e)
+            t = torch.randn(self.b, length, heads, features, generator=g, dtype=torch.float64)
+            return on(t, self.dtype, device).transpose(1, 2)
+        return on(torch.randn(self.b, heads, length, features, generator=g, dtype=torch.float64), self.dtype, device)
+
+    def tensors(self, device):
+        """q, k, v, dO and the mask (or None), in the dtype on ``device``."""
+        require_dtype(str(device), self.dtype)
+        g = derived_generator(self.seed)
+        q = self._tensor(g, self.heads, self.l, self.e, device)
+        k = self._tensor(g, self.kv_heads, self.s, self.e, device)
+        v = self._tensor(g, self.kv_heads, self.s, self.ev, device)
+        do = self._tensor(g, self.heads, self.l, self.ev, device)
+        mask = None
+        if self.mask == "bool":
+            mask = random_bool_mask(g, (self.l, self.s), 0.6, keep_one=False).to(device)
+        elif self.mask.startswith("float"):
+            mask = on(2 * torch.randn(self.b, 1, self.l, self.s, generator=g, dtype=torch.float64), self.dtype, device)
+        return q, k, v, do, mask
+
+    def contract(self, mask) -> dict:
+        kw = {}
+        if mask is not None:
+            kw["attn_mask"] = mask
+        if self.causal:
+            kw["is_causal"] = True
+        if self.scale is not None:
+            kw["scale"] = self.scale
+        if self.group > 1:
+            kw["enable_gqa"] = True
+        return kw
+
+
+@st.composite
+def grad_cases(draw, *, mask=None, causal=None, group=None, strided=None) -> GradCase:
+    kv_heads = draw(st.integers(1, 2))
+    the_mask = draw(st.sampled_from(MASKS)) if mask is None else mask
+    is_causal = (draw(st.booleans()) if causal is None else causal) and the_mask == "none"
+    return GradCase(b=draw(st.integers(1, 2)), kv_heads=kv_heads,
+                    group=draw(st.integers(1, 2)) if group is None else group,
+                    l=draw(st.integers(1, 6)), s=draw(st.integers(1, 6)), e=draw(st.integers(1, 8)),
+                    ev=draw(st.integers(1, 6)), dtype=draw(dtypes()), mask=the_mask, causal=is_causal,
+                    scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), seed=draw(seeds),
+                    strided=draw(st.booleans()) if strided is None else strided)
+
+
+def backward(kernel, q, k, v, do, mask=None, **contract) -> tuple[torch.Tensor, dict]:
+    """The kernel's output and the gradients of sum(out ∘ dO) w.r.t. q, k, v (and a float mask that
+    requires grad); a skip if the kernel does not support autograd."""
+    __tracebackhide__ = True
+    leaves = {"query": q.detach().requires_grad_(), "key": k.detach().requires_grad_(),
+              "value": v.detach().requires_grad_()}
+    if mask is not None:
+        if mask.dtype != torch.bool and mask.requires_grad:
+            leaves["attn_mask"] = mask.detach().requires_grad_()
+            mask = leaves["attn_mask"]
+        contract["attn_mask"] = mask
+    out = kernel(leaves["query"], leaves["key"], leaves["value"], **contract)
+    if not out.requires_grad:
+        pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
+    try:
+        out.backward(do)
+    except NotImplementedError as exc:
+        pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
+    except Exception as exc:  # any failure of user code is a finding
+        raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
+    grads = {}
+    for name, leaf in leaves.items():
+        if leaf.grad is None:
+            raise KernelContractError(f"kernel {kernel.name}: no gradient reached {name}, which requires grad")
+        grads[name] = leaf.grad
+    return out, grads
+
+
+def _check_layout(grads: dict, leaves: dict) -> None:
+    for name, grad in grads.items():
+        assert tuple(grad.shape) == tuple(leaves[name].shape), \
+            f"d{name} has shape {tuple(grad.shape)}, the input {tuple(leaves[name].shape)}"
+
+
+def _bounds(case: GradCase, q, k, v, mask, causal_alignment):
+    return softmax_bounds(q, k, v, attn_mask=mask, is_causal=case.causal, enable_gqa=case.group > 1,
+                          scale=case.scale, causal_alignment=causal_alignment)
+
+
+# ------------------------------------------------------------------------------------------ ATTN-GRAD
+@clause("ATTN-GRAD")
+@example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))  # GQA, strided
+@example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))  # causal, l != s
+@example(case=GradCase(1, 1, 1, 2, 4, 3, 3, torch.bfloat16, "bool", False, None, True, 2))
+@given(case=grad_cases())
+def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, fully_masked, case):
+    q, k, v, do, mask = case.tensors(device)
+    if mask is not None and case.mask == "float-grad":
+        mask.requires_grad_()
+    bounds = _bounds(case, q, k, v, mask, causal_alignment)
+    if fully_masked != "zeros":
+        assume(not bool(bounds.reference.no_key_rows.any()))
+    _, grads = backward(kernel, q, k, v, do, mask, **{k_: v_ for k_, v_ in case.contract(None).items()})
+    _check_layout(grads, {"query": q, "key": k, "value": v, **({"attn_mask": mask} if "attn_mask" in grads else {})})
+    scale = default_scale(case.e) if case.scale is None else case.scale
+    oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, attn_mask=mask if "attn_mask" in grads else None)
+    for name, grad in grads.items():
+        assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
+                      reference="float64 chain rule")
+
+
+# ----------------------------------------------------------------------------------- ATTN-GRAD-MASKED
+@clause("ATTN-GRAD-MASKED")
+@example(case=GradCase(1, 1, 1, 3, 4, 3, 2, torch.float32, "bool", False, None, False, 0))
+@given(case=grad_cases(mask="bool"))
+def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_masked, case):
+    if fully_masked != "zeros":
+        pytest.skip(f"--fully-masked {fully_masked}: dQ of a query with no admissible key is not required to be 0")
+    q, k, v, do, _ = case.tensors(device)
+    g = derived_generator(case.seed, 7)
+    mask = random_bool_mask(g, (case.l, case.s), 0.6, keep_one=True)
+    mask[:, int(torch.randint(case.s, (1,), generator=g))] = False      # a key no query may attend
+    mask[int(torch.randint(case.l, (1,), generator=g))] = False         # a query with no admissible key
+    _, grads = backward(kernel, q, k, v, do, mask.to(device), **case.contract(None))
+    for name, grad in grads.items():
+        assert_all(torch.isfinite(to_float64(grad)), to_float64(grad), what=f"d{name} is finite")
+    unseen = ~mask.any(0)        # (s,) keys that no query attends
+    empty = ~mask.any(1)         # (l,) queries with no key
+    for name in ("key", "value"):
+        grad = to_float64(grads[name])[..., unseen, :]
+        assert_all(grad == 0, grad, what=f"d{name} is exactly 0 for keys no query may attend "
+                                          f"(keys {unseen.nonzero().flatten().tolist()})")
+    grad = to_float64(grads["query"])[..., empty, :]
+    assert_all(grad == 0, grad, what=f"dquery is exactly 0 for queries with no admissible key "
+                                     f"(queries {empty.nonzero().flatten().tolist()})")
+
+
+# ----------------------------------------------------------------------------------- ATTN-GRAD-CAUSAL
+@clause("ATTN-GRAD-CAUSAL")
+@example(case=GradCase(1, 1, 1, 4, 4, 3, 2, torch.float32, "none", True, None, False, 0), row=1)
+@example(case=GradCase(1, 1, 1, 3, 5, 3, 2, torch.float32, "none", True, None, True, 0), row=0)
+@given(case=grad_cases(mask="none", causal=True), row=st.integers(0, 5))
+def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alignment, case, row):
+    assume(row < case.l)
+    q, k, v, do, _ = case.tensors(device)
+    only_row = torch.zeros_like(do)
+    only_row[..., row, :] = do[..., row, :]
+    _, grads = backward(kernel, q, k, v, only_row, **case.contract(None))
+    later = ~causal_allowed(case.l, case.s, causal_alignment)[row]          # keys query `row` may not see
+    for name in ("key", "value"):
+        grad = to_float64(grads[name])[..., later, :]
+        assert_all(grad == 0, grad, what=f"d{name} of keys {later.nonzero().flatten().tolist()} after "
+                                          f"query {row} ({causal_alignment}) from dO at row {row} only")
+
+
+# ---------------------------------------------------------------------------------- ATTN-GRAD-DROPOUT
+@clause("ATTN-GRAD-DROPOUT")
+@example(case=GradCase(1, 1, 1, 3, 4, 3, 4, torch.float32, "none", False, None, False, 0), p=0.5)
+@given(case=grad_cases(mask="none", causal=False, group=1), p=st.floats(0.1, 0.7))
+def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
+    """V = I: the output is the realised weight matrix W̃ (dropped and rescaled), so the mask is known."""
+    case = GradCase(**{**case.__dict__, "ev": case.s})
+    q, k, _, do, _ = case.tensors(device)
+    v = torch.eye(case.s, dtype=case.dtype, device=device).expand(case.b, case.kv_heads, case.s, case.s)
+    bounds = _bounds(case, q, k, v, None, "top-left")
+    assume(bool((bounds.lower > 0).all()))   # every weight nonzero before dropout: a zero output means dropped
+    try:
+        with seeded_rng(device, case.seed):
+            out, grads = backward(kernel, q, k, v.contiguous(), do, dropout_p=p, **case.contract(None))
+    except KernelContractError as exc:
+        if isinstance(exc.__cause__, NotImplementedError):
+            pytest.skip(f"kernel {kernel.name}: no dropout ({exc.__cause__})")
+        raise
+    keep = to_float64(out) != 0
+    scale = default_scale(case.e) if case.scale is None else case.scale
+    oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, keep=keep, p=p)
+    for name, grad in grads.items():
+        assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name} with dropout",
+                      reference=f"the chain rule with the forward's realised mask (p={p:.3g})")
+
+
+# ------------------------------------------------------------------------------------- ATTN-GRAD-GQA
+@clause("ATTN-GRAD-GQA")
+@example(case=GradCase(1, 2, 2, 3, 4, 4, 3, torch.float32, "none", False, None, True, 0))
+@given(case=grad_cases(group=2))
+def test_shared_kv_head_gradient_is_the_sum_over_its_group(kernel, device, causal_alignment, fully_masked, case):
+    q, k, v, do, mask = case.tensors(device)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.detach()
+    bounds = _bounds(case, q, k, v, mask, causal_alignment)
+    if fully_masked != "zeros":
+        assume(not bool(bounds.reference.no_key_rows.any()))
+    contract = {k_: v_ for k_, v_ in case.contract(None).items()}
+    _, shared = backward(kernel, q, k, v, do, mask, **contract)
+    contract.pop("enable_gqa")
+    wide_k, wide_v = (t.repeat_interleave(case.group, dim=1) for t in (k, v))
+    _, per_head = backward(kernel, q, wide_k, wide_v, do, mask, **contract)
+    scale = default_scale(case.e) if case.scale is None else case.scale
+    oracle = gradient_oracle(bounds, q, k, v, do, scale=scale)
+    wide = gradient_oracle(_bounds(GradCase(**{**case.__dict__, "group": 1, "kv_heads": case.heads}),
+                                   q, wide_k, wide_v, mask, causal_alignment), q, wide_k, wide_v, do, scale=scale)
+    for name in ("key", "value"):
+        summed = group_sum(to_float64(per_head[name]), case.kv_heads)
+        bound = oracle.bound[name] + group_sum(wide.bound[name], case.kv_heads)
+        assert_within(to_float64(shared[name]), summed, bound, what=f"d{name} of the shared heads",
+                      reference=f"d{name} of the heads repeated, summed over each group of {case.group}")
