@@ -168,6 +168,10 @@ CATALOG: list[Entry] = [
     _module("residual_of_normed_input", "pre-norm residual carries the normalized input: h = Norm(x); h + Sublayer(h)",
             f"model=encoder_decoder norm_placement=pre model._target_={_M}.NormedResidualEncoderDecoder",
             "LAYER-PRE-NORM", "LAYER-RESIDUAL"),
+    _module("layernorm_backward_mean_term_dropped", "hand-written LayerNorm backward without the mean(g·dy) term",
+            f"norm=layernorm norm._target_={_M}.LayerNormMeanTermDropped", "NORM-GRAD"),
+    _module("ffn_down_weight_detached", "the second linear map applied with a detached weight (W2 gets no gradient)",
+            f"ffn._target_={_M}.FeedForwardDownDetached", "FFN-GRAD"),
     # ------------------------------------------------------------------------------------------- models
     _model("no_causal_mask", "the decoder's self-attention never receives is_causal",
            "MODEL-CAUSAL", "MODEL-FACTORISATION", "MODEL-KV-CACHE"),

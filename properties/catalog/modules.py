@@ -23,7 +23,8 @@ from zoo.nn.positional import SinusoidalPositions
 
 __all__ = ["SplitHeadsWithoutTranspose", "MergeHeadsTransposed", "GqaHeadsInterleaved", "ScaleByModelWidth",
            "LayerNormOverPositions", "FeedForwardWithoutActivation", "GeluTanhForExact", "SinCosSwapped",
-           "FrequencyExponentDoubled", "NoResidualEncoderDecoder", "NormedResidualEncoderDecoder"]
+           "FrequencyExponentDoubled", "NoResidualEncoderDecoder", "NormedResidualEncoderDecoder",
+           "LayerNormMeanTermDropped", "FeedForwardDownDetached"]
 
 
 class SplitHeadsWithoutTranspose(MultiHeadAttention):
@@ -173,3 +174,40 @@ class NoResidualEncoderDecoder(_WithResidual):
 class NormedResidualEncoderDecoder(_WithResidual):
     """The zoo's encoder-decoder whose pre-norm layers add the sub-layer to the normalized input."""
     residual = _NormedResidual
+
+
+class _LayerNormMeanTermDropped(torch.autograd.Function):
+    """LayerNorm with a hand-written backward, as fused norm kernels have: the forward is exact, the backward
+    forgets the mean of g∘dy, so dx = (ĝ − n·mean(ĝ∘n))/σ instead of (ĝ − mean(ĝ) − n·mean(ĝ∘n))/σ."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        mean = x.mean(-1, keepdim=True)
+        inv_std = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+        normed = (x - mean) * inv_std
+        ctx.save_for_backward(normed, inv_std, weight)
+        return normed * weight + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        normed, inv_std, weight = ctx.saved_tensors
+        g = dy * weight
+        dx = (g - normed * (g * normed).mean(-1, keepdim=True)) * inv_std   # mean(g) term missing
+        lead = tuple(range(dy.dim() - 1))
+        return dx, (dy * normed).sum(lead), dy.sum(lead), None
+
+
+class LayerNormMeanTermDropped(LayerNorm):
+    """Fused-norm bug: the backward drops the mean-correction term of dx (the forward is exact)."""
+
+    def forward(self, x):
+        return _LayerNormMeanTermDropped.apply(x, self.weight, self.bias, self.eps)
+
+
+class FeedForwardDownDetached(FeedForward):
+    """The second linear map applied with ``self.down.weight.detach()`` (a weight shared by copy, or wrapped in
+    no_grad to save memory): the forward is exact, W2 never learns."""
+
+    def forward(self, x):
+        hidden = self.activation(self.gate(x)) * self.up(x) if self.gate is not None else self.activation(self.up(x))
+        return F.linear(self.dropout(hidden), self.down.weight.detach(), self.down.bias)

@@ -30,7 +30,15 @@ def _only(choice):
     return applies
 
 
+def _only_not(choice):
+    def applies(part):
+        return f"pos={choice} has nothing to differentiate" if part.choice == choice else None
+    return applies
+
+
 def pytest_generate_tests(metafunc):
+    if "pos_any" in metafunc.fixturenames:
+        metafunc.parametrize("pos_any", part_params(metafunc.config, "pos", _only_not("none")))
     if "pos" in metafunc.fixturenames:
         choice = "rotary" if "rotary" in metafunc.function.__name__ else "sinusoidal"
         metafunc.parametrize("pos", part_params(metafunc.config, "pos", _only(choice)))
@@ -214,3 +222,64 @@ def test_rotary_scores_depend_on_offset_only(pos, device, p):
         assert_within(score, reference, error + reference_error,
                       what=f"q_m·k_n after rotate(., {offset}) (index b, h, m, n)",
                       reference=f"q_(m-n)·k_0 after rotate(., {p.offsets[0]})")
+
+
+# -------------------------------------------------------------------------------------------- POS-GRAD
+@clause("POS-GRAD")
+@module_settings
+@given(p=tables())
+def test_additive_positions_pass_gradients_through(pos_any, device, p):
+    if pos_any.choice == "rotary":
+        _rotary_gradient(pos_any, device, p)
+        return
+    module = build(pos_any, p, device)
+    x = inputs(p.seed, 1, (p.batch, p.l, p.d), p.dtype, device).requires_grad_(True)
+    dy = inputs(p.seed, 2, (p.batch, p.l, p.d), p.dtype, device)
+    for param in module.parameters():
+        param.grad = None
+    out = module(x, p.offset)
+    if not out.requires_grad:
+        import pytest
+        pytest.skip(f"{type(module).__qualname__}'s output does not require grad")
+    out.backward(dy)
+    assert_within(x.grad, dy, 0.0, what="dx", reference="dy (x + codes passes the gradient unchanged)")
+    params = dict(module.named_parameters())
+    if pos_any.choice == "sinusoidal":
+        assert not params, f"sinusoidal codes are fixed (paper 3.5), but the module has parameters {list(params)}"
+    for name, param in params.items():
+        if param.dim() != 2 or param.shape[-1] != p.d:
+            continue
+        expected = torch.zeros(param.shape, dtype=torch.float64)
+        expected[p.offset: p.offset + p.l] = to_float64(dy).sum(0)
+        bound = gamma(p.batch, unit_roundoff(p.dtype)) * torch.zeros_like(expected).index_add_(
+            0, torch.arange(p.offset, p.offset + p.l), to_float64(dy).abs().sum(0))
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        assert_within(grad, expected, bound, what=f"d{name}",
+                      reference=f"Σ_b dy at rows [{p.offset}, {p.offset + p.l}), 0 elsewhere")
+
+
+def _rotary_gradient(pos, device, p: Table):
+    """rotate is linear and orthogonal per position: dt = R̂ᵀ dy, R̂ read from the module (rotate of the basis)."""
+    heads = 1
+    require_dtype(device, p.dtype)
+    module = pos.build(device, p.dtype, p.seed, d_model=p.d, max_len=p.max_len, heads=heads)
+    log_base = math.log(float(pos.get("base", getattr(module, "base", 10000.0))))
+    t = inputs(p.seed, 1, (p.batch, heads, p.l, p.d), p.dtype, device).requires_grad_(True)
+    dy = inputs(p.seed, 2, (p.batch, heads, p.l, p.d), p.dtype, device)
+    out = module.rotate(t, p.offset)
+    if not out.requires_grad:
+        import pytest
+        pytest.skip(f"{type(module).__qualname__}.rotate's output does not require grad")
+    out.backward(dy)
+    basis = torch.eye(p.d, dtype=p.dtype, device=device).expand(p.l, p.d, p.d).transpose(0, 1)   # (d, l, d): e_j at every position
+    with torch.no_grad():
+        columns = to_float64(module.rotate(basis.contiguous(), p.offset))                        # (d, l, d): R̂ e_j
+    rotation = columns.permute(1, 2, 0)                                                            # (l, d_out, d_in)
+    expected = torch.einsum("lij,bhli->bhlj", rotation, to_float64(dy))                            # R̂ᵀ dy
+    positions = torch.arange(p.offset, p.offset + p.l, dtype=torch.float64)
+    c = rotary_pair_error(positions, torch.ones(()), log_base, p.dtype)                            # per unit norm
+    dy_norm = to_float64(dy).norm(dim=-1)
+    bound = (1 + math.sqrt(p.d)) * c[None, None, :] * dy_norm + gamma(p.d, U64) * dy_norm         # (b, h, l)
+    miss = (to_float64(t.grad) - expected).norm(dim=-1)
+    assert_within(miss, torch.zeros_like(miss), bound, what="|dt − R̂ᵀ dy| per position",
+                  reference="0 (the adjoint of a rotation is its inverse)")

@@ -1,0 +1,89 @@
+"""Model-level gradient clauses (properties/SPEC.md, "Gradients": MODEL-GRAD-PADDING, MODEL-GRAD-BATCH).
+
+Both compare two evaluations of one model, so they run on its float64 twin (``mut.precise``) with the
+comparison tolerance of properties/model/checks.py. The loss is Σ r ∘ f(x, m) over the real positions, with
+r Gaussian from the batch's seed.
+"""
+from __future__ import annotations
+
+import torch
+
+from properties import clause
+from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe, model_property,
+                                     requires, subject_args)
+from properties.model.test_models import _pad
+
+
+def _weights(s, src, tokens, mask, seed: int, length: int) -> torch.Tensor:
+    """r: Gaussian loss weights of shape (B, length, *output features), float64."""
+    with torch.no_grad():
+        tail = tuple(call_subject(s, *subject_args(src, tokens, mask)).shape[2:])
+    return torch.randn((tokens.shape[0], length, *tail), generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+
+
+def _loss(out, mask, r):
+    return (out * r[:, : out.shape[1]].to(out))[mask].sum()
+
+
+def _embedding_gradient(s, src, tokens, mask, r) -> torch.Tensor:
+    """d loss / d (the output of Subject.embedding for the target tokens), (B, L, d)."""
+    with torch.enable_grad(), embedding_probe(s.embedding, tokens) as deltas:
+        out = call_subject(s, *subject_args(src, tokens, mask))
+    assert len(deltas) == 1, (f"Subject.embedding was called {len(deltas)} times with the target tokens; "
+                              f"expected once (the module that embeds the tokens passed to forward)")
+    (grad,) = torch.autograd.grad(_loss(out, mask, r), deltas[0])
+    return grad
+
+
+# --------------------------------------------------------------------------------- MODEL-GRAD-PADDING
+@clause("MODEL-GRAD-PADDING")
+@model_property
+def test_padding_gets_no_gradient(mut, data):
+    s = mut.precise
+    requires(s, "embedding", "the embeddings' gradients cannot be read")
+    extra = 2
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, reserve=extra)
+    r = _weights(s, src, tokens, mask, b.seed, b.length + extra)
+    grad = _embedding_gradient(s, src, tokens, mask, r)
+    leaking = (grad[~mask] != 0).any(-1).nonzero().flatten().tolist()
+    assert not leaking, (f"the loss over real positions gives a non-zero gradient to the embeddings of "
+                         f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}): "
+                         f"padding is attended")
+    padded_tokens, padded_mask = _pad(tokens, mask, extra, s.pad_id, left=False)
+    padded_src = src and _pad(src[0], src[1], extra, s.pad_id, left=False)
+    grad_padded = _embedding_gradient(s, padded_src, padded_tokens, padded_mask, r)[:, : b.length]
+    assert_same_output(grad_padded[mask], grad[mask],
+                       f"gradient at real positions with {extra} padded positions appended vs without"
+                       + (" (to the target and the source)" if src is not None else ""))
+
+
+# ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
+@clause("MODEL-GRAD-BATCH")
+@model_property
+def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
+    s = mut.precise
+    requires(s, "module", "the parameters are unknown")
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=3)
+    r = _weights(s, src, tokens, mask, b.seed, b.length)
+    named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
+
+    def gradients(rows):
+        part_src = src and (src[0][rows], src[1][rows])
+        with torch.enable_grad():
+            out = call_subject(s, *subject_args(part_src, tokens[rows], mask[rows]))
+            grads = torch.autograd.grad(_loss(out, mask[rows], r[rows]), [p for _, p in named], allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(named, grads)]
+
+    together = gradients(slice(None))
+    alone = [gradients(slice(k, k + 1)) for k in range(b.size)]
+    # One scale for all parameters: a gradient that is 0 in exact arithmetic (the key bias's) is rounding
+    # noise of the size of the others' rounding, not of its own.
+    scale = max(float(g.abs().max()) for g in together if g.numel())
+    tolerance = comparison_tolerance(torch.tensor([scale], dtype=together[0].dtype))
+    for i, (name, _) in enumerate(named):
+        summed = sum(sample[i] for sample in alone)
+        diff = float((together[i] - summed).abs().nan_to_num(float("inf")).max()) if summed.numel() else 0.0
+        assert diff <= tolerance, (f"d{name} of the batch's summed loss vs the sum of the {b.size} samples' gradients "
+                                   f"computed alone: differs by {diff:.3e} (tolerance {tolerance:.3e} = 2^21 u "
+                                   f"max|gradient| over all parameters)")
