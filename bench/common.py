@@ -15,15 +15,15 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from zoo.io.atomic import write_text
 
-__all__ = ["CLOCKS", "synchronize", "interleaved", "forward_flops", "matmul_flops_per_s", "machine_info",
-           "write_json_atomic", "default_device"]
+__all__ = ["CLOCKS", "default_device", "forward_flops", "interleaved", "machine_info", "matmul_flops_per_s",
+           "synchronize", "write_json_atomic"]
 
 
 def default_device() -> str:

@@ -5,11 +5,10 @@ import gc
 
 import torch
 
-from bench.common import (interleaved)
-from zoo.nn.attention import KVCache
-from zoo.config.builder import build_model
-
+from bench.common import interleaved
 from bench.models import overrides
+from zoo.config.builder import build_model
+from zoo.nn.attention import KVCache
 
 
 def generate_cached(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -40,7 +39,7 @@ def bench_decode(args, device) -> list[dict]:
         prompt = torch.randint(1, model.vocab_size, (args.decode_batch, args.prompt), device=device)
         results = {}
 
-        def fn(name, generate, n):
+        def fn(name, generate, n, model=model, prompt=prompt, results=results):
             def run():
                 with torch.inference_mode():
                     results[name] = generate(model, prompt, n)
@@ -63,6 +62,6 @@ def bench_decode(args, device) -> list[dict]:
         print(f"decode {cell['dtype']:<8} {args.new_tokens} tokens: cached {s['cached']:.2f} s, "
               f"recompute {s['recompute']:.2f} s, speedup x{cell['speedup']:.1f}, "
               f"same tokens: {cell['same_tokens']}", flush=True)
-        del model
+        del model, fn, fns, warm  # the closures hold the model too
         gc.collect()
     return cells

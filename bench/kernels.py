@@ -1,13 +1,11 @@
 """The zoo's kernels against F.scaled_dot_product_attention called directly."""
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
-from bench.common import (interleaved)
+from bench.common import interleaved
 from zoo.nn.kernel import math_attention, torch_attention
-
 
 
 def bench_kernel(args, device) -> list[dict]:
@@ -17,7 +15,7 @@ def bench_kernel(args, device) -> list[dict]:
         for length in args.lengths:
             q, k, v = (torch.randn(args.batch, heads, length, head_dim, device=device).to(dtype) for _ in range(3))
             for causal in (False, True):
-                def fn(kernel):
+                def fn(kernel, q=q, k=k, v=v, causal=causal):
                     def run():
                         with torch.inference_mode():
                             kernel(q, k, v, is_causal=causal)

@@ -5,10 +5,9 @@ import gc
 
 import torch
 
-from bench.common import (BACKENDS, FAMILIES, TOY, forward_flops, interleaved)
+from bench.common import BACKENDS, FAMILIES, TOY, forward_flops, interleaved
 from bench.references import REFERENCE_NAMES, build_reference
 from zoo.config.builder import build_model, compose_config
-
 
 
 def overrides(family: str, args, *extra: str) -> list[str]:
@@ -20,13 +19,16 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 
 def model_inputs(family: str, vocab_size: int, batch: int, length: int, device) -> tuple:
-    tokens = lambda: torch.randint(1, vocab_size, (batch, length), device=device)  # noqa: E731
+    tokens = lambda: torch.randint(1, vocab_size, (batch, length), device=device)
     return (tokens(), tokens()) if family == "encoder_decoder" else (tokens(),)
 
 
 def zoo_call(family: str, model):
     if family == "encoder_only":  # hidden states and BERT's pooler, as BertModel returns both
-        return lambda tokens: (lambda h: [h, model.pool(h)])(model(tokens))
+        def call(tokens):
+            h = model(tokens)
+            return [h, model.pool(h)]
+        return call
     return lambda *inputs: [model(*inputs)]
 
 
@@ -34,7 +36,10 @@ def reference_call(family: str, model):
     if family == "decoder_only":
         return lambda tokens: [model(input_ids=tokens).logits]
     if family == "encoder_only":
-        return lambda tokens: (lambda o: [o.last_hidden_state, o.pooler_output])(model(input_ids=tokens))
+        def call(tokens):
+            o = model(input_ids=tokens)
+            return [o.last_hidden_state, o.pooler_output]
+        return call
     return lambda src, tgt: [model(src, tgt)]
 
 

@@ -9,10 +9,16 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import default_device
+from bench.common import FAMILIES, default_device
+from bench.models import (
+    forward_fn,
+    model_inputs,
+    overrides,
+    reference_call,
+    training_fn,
+    zoo_call,
+)
 from bench.references import build_reference
-from bench.run import (FAMILIES, forward_fn, model_inputs, overrides, reference_call, training_fn,
-                       zoo_call)
 from zoo.config.builder import build_model, compose_config
 
 

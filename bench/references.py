@@ -19,7 +19,7 @@ from torch import nn
 
 from zoo.nn.positional import sinusoidal_table
 
-__all__ = ["TorchTransformerLM", "build_reference", "REFERENCE_NAMES"]
+__all__ = ["REFERENCE_NAMES", "TorchTransformerLM", "build_reference"]
 
 REFERENCE_NAMES = {
     "encoder_decoder": "torch.nn.Transformer (batch_first, + embedding/positions/tied head)",
@@ -34,7 +34,7 @@ class TorchTransformerLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, heads: int, layers: int, decoder_layers: int, d_ff: int,
                  max_len: int, eps: float = 1e-5, *, device=None, dtype=None):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw = {"device": device, "dtype": dtype}
         self.embedding = nn.Embedding(vocab_size, d_model, **kw)
         self.register_buffer("positions", sinusoidal_table(max_len, d_model, device=device, dtype=dtype),
                              persistent=False)

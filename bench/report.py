@@ -1,24 +1,71 @@
-"""A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``."""
+"""A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``.
+
+``python -m bench.report bench/results.json --only training`` prints only that part's table.
+"""
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def _ratio(x: float) -> str:
     return f"{x:.2f}×"
 
 
-def markdown(results: dict) -> str:
+def _bytes(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _step_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def training_markdown(results: dict) -> list[str]:
+    """The attention training-step table (bench/training.py): peak memory and time per backend and L."""
+    t = results.get("training")
+    if not t or not t.get("cells"):
+        return []
+    run = (results.get("merged") or {}).get("training") or results  # the run that measured this part
+    m = run["machine"]
+    lines = [(f"One attention training step, `kernel(q, k, v).backward(grad)` and nothing else: q, k, v of shape "
+              f"({t['batch']}, {t['heads']}, L, {t['head_dim']}), {t['dtype']}, not causal, no mask. Device "
+              f"`{m['device']}` ({m['device_name']}), torch {m['torch']}, {t['threads']} torch thread(s), "
+              f"load average {m.get('load_average_at_start')} at start. Peak memory: {t['memory_method']}. "
+              f"Time: {t.get('clock', 'wall')} clock, median of the rounds after one warm-up round, the backends "
+              f"of one L interleaved."), "",
+             "| backend | L | peak memory | ÷ peak at the smallest L | time per step | rounds |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    first = {}
+    backends = list(dict.fromkeys(c["backend"] for c in t["cells"]))
+    for c in sorted(t["cells"], key=lambda c: (backends.index(c["backend"]), c["length"])):
+        if c.get("skipped"):
+            lines.append(f"| `{c['backend']}` | {c['length']} | {c['skipped']} | | | |")
+            continue
+        base = first.setdefault(c["backend"], c)
+        ratio = (f"{c['peak_bytes'] / base['peak_bytes']:.1f}× (L ×{c['length'] // base['length']})"
+                 if c["peak_bytes"] and base["peak_bytes"] and c is not base else "")
+        lines.append(f"| `{c['backend']}` | {c['length']} | {_bytes(c['peak_bytes'])} | {ratio} "
+                     f"| {_step_seconds(c['seconds'])} | {c['repeats']} |")
+    if t.get("growth"):
+        lines += ["", "Peak memory at the largest L ÷ at the smallest: " + "; ".join(
+            f"`{b}` {g['peak_ratio']:.1f}× for L {g['from_length']} → {g['to_length']} (linear would be "
+            f"{g['length_ratio']:.0f}×, quadratic {g['length_ratio'] ** 2:.0f}×; peak ∝ L^{g['exponent']:.2f})"
+            for b, g in t["growth"].items()) + "."]
+    return [*lines, ""]
+
+
+def markdown(results: dict, only: str | None = None) -> str:
+    if only == "training":
+        return "\n".join(training_markdown(results))
     m, s = results["machine"], results["settings"]
-    lines = [f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, device `{m['device']}` ({m['device_name']}), "
-             f"torch {m['torch']}, transformers {m.get('transformers')}, {s['threads']} torch thread(s), "
-             f"{s['timing'].get('clock', 'wall')} clock; load average {m.get('load_average_at_start')} at start, "
-             f"{m.get('load_average_at_end')} at end. Batch {s['batch']}, {s['layers_per_stack']} layers per stack. "
-             f"Wall time of the run: {results.get('wall_seconds', 0) / 60:.0f} min.", ""]
+    lines = [(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, device `{m['device']}` ({m['device_name']}), "
+              f"torch {m['torch']}, transformers {m.get('transformers')}, {s['threads']} torch thread(s), "
+              f"{s['timing'].get('clock', 'wall')} clock; load average {m.get('load_average_at_start')} at start, "
+              f"{m.get('load_average_at_end')} at end. Batch {s['batch']}, {s['layers_per_stack']} layers per "
+              f"stack. Wall time of the run: {results.get('wall_seconds', 0) / 60:.0f} min."), ""]
     if results.get("models"):
-        lines += ["| family | L | dtype | pass | reference tok/s | zoo `torch` tok/s | ratio | zoo `math` tok/s "
-                  "| ratio | forward FLOP/s ÷ matmul FLOP/s (zoo `torch`) | rounds |",
+        lines += [("| family | L | dtype | pass | reference tok/s | zoo `torch` tok/s | ratio | zoo `math` tok/s "
+                   "| ratio | forward FLOP/s ÷ matmul FLOP/s (zoo `torch`) | rounds |"),
                   "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for c in results["models"]:
             t, r = c["tokens_per_s"], c["ratio"]
@@ -32,8 +79,8 @@ def markdown(results: dict) -> str:
             f"{name} {v['flops_per_s'] / 1e9:,.0f} GFLOP/s (n={v['n']})" for name, v in results["matmul"].items()))
         lines.append("")
     if results.get("kernel"):
-        lines += ["| attention kernel shape | dtype | causal | `F.scaled_dot_product_attention` | zoo `torch` | "
-                  "zoo `math` |", "| --- | --- | --- | ---: | ---: | ---: |"]
+        lines += [("| attention kernel shape | dtype | causal | `F.scaled_dot_product_attention` | zoo `torch` | "
+                   "zoo `math` |"), "| --- | --- | --- | ---: | ---: | ---: |"]
         for c in results["kernel"]:
             lines.append(f"| {tuple(c['shape'])} | {c['dtype']} | {c['is_causal']} "
                          f"| {c['seconds']['sdpa'] * 1e3:.2f} ms | {_ratio(c['ratio']['zoo_torch'])} "
@@ -49,7 +96,7 @@ def markdown(results: dict) -> str:
                          f"| {c['speedup']:.1f}× | {c['same_tokens']} |")
         lines.append("")
     if results.get("suite"):
-        for name, run in results["suite"].items():
+        for run in results["suite"].values():
             wall = "n/a" if run["seconds"] is None else f"{run['seconds']:.0f} s wall"
             cpu = f", {run['cpu_seconds']:.0f} s CPU" if run.get("cpu_seconds") is not None else ""
             lines.append(f"- `{run['command']}`: {wall}{cpu} ({run['summary']})")
@@ -63,8 +110,16 @@ def markdown(results: dict) -> str:
         for t in results["targets"]:
             met = {True: "yes", False: "**no**", None: "—"}[t["met"]]
             lines.append(f"| {t['target']} | {t['value']} | {met} |")
+    training = training_markdown(results)  # the README gives it a section of its own, after the targets
+    if training:
+        lines += ["", *training]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(markdown(json.load(open(sys.argv[1] if len(sys.argv) > 1 else "bench/results.json"))))
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("path", nargs="?", default="bench/results.json")
+    p.add_argument("--only", choices=["training"], default=None, help="only this part's table")
+    args = p.parse_args()
+    with open(args.path) as f:
+        print(markdown(json.load(f), args.only))

@@ -7,14 +7,18 @@ Sections (``--parts``, all by default):
     decode   greedy decoding with a KVCache vs recomputing the whole prefix at every step
     suite    wall time of ``pytest properties/``, alone and with ``-n auto`` (subprocesses)
     mutation median time to the first failure over the mutation catalog, when one exists
+    training peak memory and time of an attention training step (forward + backward of the kernel alone) of the
+             memory_efficient, math and torch kernels at L = 1024, 4096, 8192 (bench/training.py)
 
-Results are printed as tables and written as JSON (``--out``). Ratios are zoo / reference
+Results are printed as tables and written as JSON (``--out``; ``--merge`` updates the parts run in an
+existing file and keeps the others). Ratios are zoo / reference
 throughput, so > 1 means the zoo is faster; every ratio comes from one interleaved measurement.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -23,15 +27,20 @@ import warnings
 
 import torch
 
-from bench.common import (FAMILIES, default_device, machine_info,
-                          matmul_flops_per_s, write_json_atomic)
-
+from bench.common import (
+    FAMILIES,
+    default_device,
+    machine_info,
+    matmul_flops_per_s,
+    write_json_atomic,
+)
 from bench.decode import bench_decode
 from bench.kernels import bench_kernel
 from bench.models import MODEL_HEADER, bench_models
 from bench.suite import bench_mutation, bench_suite
+from bench.training import LINEAR_EXPONENT_TARGET, bench_training
 
-PARTS = ("models", "kernel", "decode", "suite", "mutation")
+PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
 TARGETS = {"torch_vs_reference": 0.95, "decode_speedup": 5.0, "suite_seconds": 60.0, "first_failure_seconds": 2.0}
 
 
@@ -47,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens to decode (default 256; quick 32)")
     p.add_argument("--prompt", type=int, default=8, help="prompt length for decoding")
     p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded at once (default 1)")
+    p.add_argument("--train-lengths", default=None,
+                   help="sequence lengths of the training part (default 1024,4096,8192; quick 256,512,1024; "
+                        "toy 256,512)")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul size (default 4096; quick 1024)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -55,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model families")
     p.add_argument("--out", default="bench/results.json", help="JSON output path ('' to skip)")
+    p.add_argument("--merge", action="store_true",
+                   help="update --out in place: replace the parts run, keep the others (their machine and "
+                        "settings stay those of the file; this run's are recorded under 'merged')")
     args = p.parse_args(argv)
     quick = args.quick or args.toy
     args.lengths = [int(x) for x in (args.lengths or ("64" if quick else "128,512")).split(",")]
@@ -62,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.layers = args.layers or (1 if quick else 2)
     args.new_tokens = args.new_tokens or (32 if quick else 256)
     args.matmul_n = args.matmul_n or (1024 if quick else 4096)
+    args.train_lengths = [int(x) for x in (args.train_lengths or ("256,512" if args.toy else "256,512,1024"
+                                                                  if args.quick else "1024,4096,8192")).split(",")]
     args.dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     args.parts = args.parts.split(",")
     args.families = args.families.split(",")
@@ -74,9 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
         p.error("--clock cpu needs --device cpu --threads 1 (CPU time of several threads is not a duration)")
     # Repeats: budget_s of measuring per cell, at least min_repeats rounds (the big cells get only those).
-    args.timing = (dict(min_repeats=1, max_repeats=2, budget_s=0.1) if args.toy else
-                   dict(min_repeats=2, max_repeats=5, budget_s=1.0) if args.quick else
-                   dict(min_repeats=3, max_repeats=15, budget_s=6.0))
+    args.timing = ({"min_repeats": 1, "max_repeats": 2, "budget_s": 0.1} if args.toy else
+                   {"min_repeats": 2, "max_repeats": 5, "budget_s": 1.0} if args.quick else
+                   {"min_repeats": 3, "max_repeats": 15, "budget_s": 6.0})
     args.timing["clock"] = args.clock
     return args
 
@@ -98,6 +115,16 @@ def evaluate_targets(results: dict) -> list[dict]:
         worst = min(c["ratio"]["zoo_torch"] for c in kernel)
         out.append({"target": "zoo torch kernel >= 0.95x F.scaled_dot_product_attention, every shape",
                     "value": round(worst, 3), "met": worst >= TARGETS["torch_vs_reference"]})
+    training = results.get("training") or {}
+    me = (training.get("growth") or {}).get("memory_efficient")
+    if me:
+        quadratic = (training.get("growth") or {}).get("math")
+        out.append({"target": f"memory_efficient attention training step: peak memory ~ linear in L "
+                              f"(L^x, x <= {LINEAR_EXPONENT_TARGET}, L {me['from_length']} to {me['to_length']})",
+                    "value": f"x{me['peak_ratio']:.1f} for x{me['length_ratio']:.0f} L (exponent "
+                             f"{me['exponent']:.2f})", "met": me["exponent"] <= LINEAR_EXPONENT_TARGET,
+                    "note": None if quadratic is None else f"math: x{quadratic['peak_ratio']:.1f} "
+                                                           f"(exponent {quadratic['exponent']:.2f})"})
     decode = results.get("decode") or []
     if decode:
         worst = min(c["speedup"] for c in decode)
@@ -132,18 +159,28 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message=".*enable_nested_tensor.*")
     start = time.perf_counter()
-    results: dict = {"machine": machine_info(device),
-                     "settings": {"quick": args.quick, "toy": args.toy, "device": str(device),
-                                  "dtypes": [str(d).removeprefix("torch.") for d in args.dtypes],
-                                  "lengths": args.lengths, "batch": args.batch, "layers_per_stack": args.layers,
-                                  "new_tokens": args.new_tokens, "prompt": args.prompt,
-                                  "decode_batch": args.decode_batch, "threads": args.threads,
-                                  "timing": {**args.timing, "method": f"{args.clock} clock, device synchronised, "
-                                             "alternating rounds (ABC, CBA, ...), median per callable"},
-                                  "parts": args.parts, "families": args.families}}
-    print(f"device {device} ({results['machine']['device_name']}), torch {torch.__version__}, "
+    run: dict = {"machine": machine_info(device),
+                 "settings": {"quick": args.quick, "toy": args.toy, "device": str(device),
+                              "dtypes": [str(d).removeprefix("torch.") for d in args.dtypes],
+                              "lengths": args.lengths, "train_lengths": args.train_lengths,
+                              "batch": args.batch, "layers_per_stack": args.layers,
+                              "new_tokens": args.new_tokens, "prompt": args.prompt,
+                              "decode_batch": args.decode_batch, "threads": args.threads,
+                              "timing": {**args.timing, "method": f"{args.clock} clock, device synchronised, "
+                                         "alternating rounds (ABC, CBA, ...), median per callable"},
+                              "parts": args.parts, "families": args.families}}
+    results = run
+    if args.merge and args.out and os.path.exists(args.out):  # this run's parts into the file's results
+        with open(args.out) as f:
+            results = json.load(f)
+        for name in args.parts:
+            results.get("errors", {}).pop(name, None)
+            results.setdefault("merged", {})[name] = run  # the machine and settings these parts come from
+        if not results.get("errors"):
+            results.pop("errors", None)
+    print(f"device {device} ({run['machine']['device_name']}), torch {torch.__version__}, "
           f"{args.threads} threads, {args.clock} clock, "
-          f"load average {results['machine'].get('load_average_at_start')}", flush=True)
+          f"load average {run['machine'].get('load_average_at_start')}", flush=True)
 
     def models():
         results["matmul"] = {}
@@ -164,20 +201,21 @@ def main(argv=None) -> dict:
         return out
 
     sections = {"models": models, "kernel": lambda: bench_kernel(args, device),
-                "decode": lambda: bench_decode(args, device), "suite": bench_suite, "mutation": mutation}
+                "decode": lambda: bench_decode(args, device), "suite": bench_suite, "mutation": mutation,
+                "training": lambda: bench_training(args, device)}
     for name in args.parts:
         try:
             results[name] = sections[name]()
-        except Exception as exc:  # keep what the other sections measured
+        except Exception as exc:  # noqa: BLE001 -- keep what the other sections measured
             traceback.print_exc()
             results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
             gc.collect()
         if args.out:
             write_json_atomic(args.out, results)
     results["targets"] = evaluate_targets(results)
-    results["wall_seconds"] = time.perf_counter() - start
+    run["wall_seconds"] = time.perf_counter() - start  # with --merge, recorded with this run's parts
     if hasattr(os, "getloadavg"):
-        results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        run["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print("\ntargets")
     for t in results["targets"]:
         verdict = {True: "met", False: "MISSED", None: "-"}[t["met"]]
@@ -186,7 +224,7 @@ def main(argv=None) -> dict:
             print(f"           {line}")
     for name, error in results.get("errors", {}).items():
         print(f"  [ERROR ] {name}: {error}")
-    print(f"wall time {results['wall_seconds']:.0f} s")
+    print(f"wall time {run['wall_seconds']:.0f} s")
     if args.out:
         write_json_atomic(args.out, results)
         print(f"wrote {args.out}")

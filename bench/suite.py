@@ -12,9 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from bench.common import (fmt_seconds, ROOT)
-
+from bench.common import ROOT, fmt_seconds
 
 
 def _children_cpu_seconds() -> float:
@@ -27,7 +25,7 @@ def run_pytest(*extra: str, timeout: float = 1800) -> dict:
     command = [sys.executable, "-m", "pytest", "properties/", "-q", *extra]
     cpu_start, start = _children_cpu_seconds(), time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"command": " ".join(command[2:]), "seconds": None, "cpu_seconds": None, "returncode": None,
                 "summary": f"timed out after {timeout} s", "tests_ran": False}
@@ -57,14 +55,14 @@ def mutation_report_first_failure_times(timeout: float = 1800) -> dict[str, floa
     subprocess on the broken entries of properties.catalog.CATALOG and read its JSON rows. Its time to
     the first failure is the sum of the test durations up to and including the first failing test
     (process start-up excluded); None when the entry was not caught."""
-    names = subprocess.run([sys.executable, "-c", "from properties.catalog import CATALOG\n"
-                            "print('\\n'.join(e.name for e in CATALOG))"],
+    names = subprocess.run([sys.executable, "-c", ("from properties.catalog import CATALOG\n"
+                                                   "print('\\n'.join(e.name for e in CATALOG))")],
                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "mutation.json"
         only = [arg for name in names if name.strip() for arg in ("--only", name.strip())]
         done = subprocess.run([sys.executable, "-m", "properties.catalog.mutation_report", "--json", str(report), *only],
-                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
         if not report.exists():
             raise RuntimeError(f"properties.catalog.mutation_report exited {done.returncode} without a report: "
                                f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -80,7 +78,7 @@ def bench_mutation() -> dict:
     start = time.perf_counter()
     try:
         times = mutation_report_first_failure_times()
-    except Exception as exc:  # a broken catalog run must not cost the other results
+    except Exception as exc:  # noqa: BLE001 -- a broken catalog run must not cost the other results
         return {"available": False, "module": "properties.catalog.mutation_report",
                 "reason": f"{type(exc).__name__}: {exc}"}
     caught = [t for t in times.values() if t is not None]

@@ -13,11 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is a directory of the repository, not an installed package
 
-from bench.common import forward_flops, interleaved  # noqa: E402
-from bench.report import markdown  # noqa: E402
-import bench.suite  # noqa: E402
-from bench.common import FAMILIES, TOY  # noqa: E402
-from zoo.config.builder import build_model, compose_config  # noqa: E402
+import bench.suite
+import bench.training
+from bench.common import FAMILIES, TOY, forward_flops, interleaved
+from bench.report import markdown
+from zoo.config.builder import build_model, compose_config
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -55,7 +55,7 @@ def test_bench_command_writes_json(tmp_path):
         [sys.executable, "-m", "bench", "--toy", "--device", "cpu", "--threads", "1", "--dtypes", "float32",
          "--lengths", "16", "--batch", "1", "--new-tokens", "4", "--prompt", "3", "--matmul-n", "64",
          "--parts", "models,kernel,decode", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "targets" in done.stdout
     results = json.loads(out.read_text())
@@ -99,3 +99,43 @@ def test_mutation_summary(monkeypatch):
     monkeypatch.setattr(bench.suite, "mutation_report_first_failure_times", broken)
     absent = bench.suite.bench_mutation()
     assert absent["available"] is False and "no catalog entry ran" in absent["reason"]
+
+
+def test_training_part_measures_peak_memory(tmp_path):
+    # --toy: L = 256 and 512 (2 and 4 key blocks of the memory-efficient kernel), each cell's peak measured in
+    # its own subprocess. From 256 to 512 a linear peak grows 2x, a quadratic one 4x: the memory-efficient
+    # kernel must stay below the geometric middle (2.83x), and math must pass it, which shows that the
+    # measurement sees the (L, L) score matrices at all.
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--toy", "--device", "cpu", "--threads", "1", "--parts", "training",
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    training = json.loads(out.read_text())["training"]
+    assert (training["batch"], training["heads"], training["head_dim"], training["dtype"]) == (1, 8, 64, "float32")
+    cells = {(c["backend"], c["length"]): c for c in training["cells"]}
+    assert set(cells) == {(b, n) for b in ("memory_efficient", "math", "torch") for n in (256, 512)}
+    for cell in cells.values():
+        assert cell["skipped"] is None and cell["seconds"] > 0 and cell["peak_bytes"] > 0
+        assert cell["memory_method"] in ("rss_high_water", "rss_high_water_own_malloc", "ru_maxrss_growth")
+    growth = {b: cells[b, 512]["peak_bytes"] / cells[b, 256]["peak_bytes"] for b in ("memory_efficient", "math")}
+    assert growth["memory_efficient"] <= 2 ** 1.5 < growth["math"], growth
+    assert training["growth"]["memory_efficient"]["peak_ratio"] == pytest.approx(growth["memory_efficient"])
+
+    table = markdown(json.loads(out.read_text()), "training")
+    for backend in ("memory_efficient", "math", "torch"):
+        assert f"| `{backend}` | 256 |" in table and f"| `{backend}` | 512 |" in table
+    assert "Peak memory at the largest L ÷ at the smallest" in table
+    target = next(t for t in json.loads(out.read_text())["targets"] if t["target"].startswith("memory_efficient"))
+    assert target["met"] is True
+
+
+def test_training_skips_a_cell_that_would_not_fit(monkeypatch):
+    training = bench.training
+    monkeypatch.setattr(training, "available_bytes", lambda device: 8 * 2**30)
+    previous = {"length": 4096, "peak_bytes": 3.6 * 2**30, "seconds": 5.0}
+    reason = training.skip_reason(previous, 8192, torch.device("cpu"))
+    assert reason.startswith("skipped: would need ~14.4 GiB")
+    assert training.skip_reason(previous, 4096, torch.device("cpu")) is None
+    slow = {"length": 1024, "peak_bytes": 2**20, "seconds": 3.0}
+    assert "min" in training.skip_reason(slow, 8192, torch.device("cpu"))
