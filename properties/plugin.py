@@ -39,12 +39,42 @@ from zoo.config.plugins import PluginError
 
 # No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
 _PHASES = tuple(p for p in Phase if p != Phase.explain)
-settings.register_profile("default", max_examples=12, deadline=None, phases=_PHASES)
-settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True, print_blob=True)
-settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=400)
-# `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
-settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=3)
-settings.load_profile("default")  # Hypothesis' pytest plugin loads --hypothesis-profile after this
+_DEFAULT = settings(max_examples=12, deadline=None, phases=_PHASES)
+_PROFILES = {
+    "default": _DEFAULT,
+    "ci": settings(_DEFAULT, derandomize=True, print_blob=True),
+    "thorough": settings(_DEFAULT, max_examples=400),
+    # `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
+    "quick": settings(_DEFAULT, max_examples=3),
+}
+
+
+def _use_suite_profiles() -> None:
+    """Register the suite's profiles (``default`` among them, replacing Hypothesis' own) and load ``default``."""
+    for name, profile in _PROFILES.items():
+        settings.register_profile(name, profile)
+    settings.load_profile("default")
+
+
+def _targets_suite(config) -> bool:
+    """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
+    properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
+    an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
+    and profiles."""
+    from pathlib import Path
+    suite = Path(__file__).resolve().parent
+    for arg in config.args:
+        name = arg.split("::")[0]
+        if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):
+            return True
+        path = (Path(config.invocation_params.dir) / name).resolve()
+        if path == suite or suite in path.parents:
+            return True
+        if path in suite.parents:   # collected from above, unless it lies where pytest does not look
+            hidden = [p for p in suite.relative_to(path).parts if p.startswith(".") or p.endswith("-packages")]
+            if not hidden:
+                return True
+    return False
 
 _KERNELS = pytest.StashKey[list]()
 _DEVICES = pytest.StashKey[list]()
@@ -96,7 +126,10 @@ def _device_param(name: str):
     return pytest.param(name, marks=marks, id=name)
 
 
+@pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
+    if _targets_suite(config):
+        _use_suite_profiles()
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
         config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")

@@ -9,6 +9,9 @@ tolerance (FlashAttention 3's ``hopper/test_flash_attn.py``)::
     out_pt  = attention_ref(q, k, v, causal, upcast=False, reorder_ops=True)   # naive, in the input dtype
     fwd_atol = 2 * (out_ref + 0.3 - 0.3 - out_ref).abs().max()
     assert (out - out_ref).abs().max() <= 2 * (out_pt - out_ref).abs().max() + fwd_atol
+    # and, as FA's test does, for dq, dk, dv of one random upstream gradient (atol built the same way)
+
+A kernel whose output does not require grad gets the forward half only.
 
 As in FlashAttention's test: no masks beyond causal, no explicit scale, no dropout (FA checks dropout through
 the returned dropout mask, which an SDPA-signature kernel does not return), no adversarial magnitudes, and the
@@ -85,6 +88,7 @@ def check_case(kernel, case: Case) -> str | None:
     kwargs = {"is_causal": True} if case.causal else {}
     if kv_heads != HEADS:
         kwargs["enable_gqa"] = True
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     try:
         out = kernel(q, k, v, **kwargs)
     except Exception as exc:  # an exception fails the test, as in pytest
@@ -98,6 +102,22 @@ def check_case(kernel, case: Case) -> str | None:
     allowed = 2 * (out_pt.double() - out_ref.double()).abs().max().item() + fwd_atol
     if not error <= allowed:  # NaN fails
         return f"{case}: max |out - out_ref| = {error:.3g} > 2 * max |out_pt - out_ref| + fwd_atol = {allowed:.3g}"
+    if not out.requires_grad:
+        return None   # no autograd: FA's test would not reach its gradient half
+    # FA's gradient half: one random upstream gradient, each of dq, dk, dv within 2x the naive error (+ atol)
+    g = torch.randn_like(out)
+    try:
+        grads = torch.autograd.grad(out, (q, k, v), g)
+    except Exception as exc:
+        return f"{case}: backward raised {type(exc).__name__}: {exc}"
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), g)
+    grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
+    for name, d, d_ref, d_pt in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+        atol = 2 * (d_ref + 0.3 - 0.3 - d_ref).abs().max().item()
+        error = (d.double() - d_ref.double()).abs().max().item()
+        allowed = 2 * (d_pt.double() - d_ref.double()).abs().max().item() + atol
+        if not error <= allowed:
+            return f"{case}: max |{name} - {name}_ref| = {error:.3g} > 2 * max |{name}_pt - {name}_ref| + atol = {allowed:.3g}"
     return None
 
 
@@ -121,16 +141,15 @@ def run(kernel, name: str = "", *, stop_first: bool = False) -> Result:
         name, kernel = name or kernel, resolve_kernel(kernel)
     result = Result(name)
     start = time.perf_counter()
-    with torch.no_grad():
-        for case in GRID:
-            result.cases += 1
-            failure = check_case(kernel, case)
-            if failure is not None:
-                result.failures.append(failure)
-                if result.first_failure_s is None:
-                    result.first_failure_s = time.perf_counter() - start
-                if stop_first:
-                    break
+    for case in GRID:
+        result.cases += 1
+        failure = check_case(kernel, case)
+        if failure is not None:
+            result.failures.append(failure)
+            if result.first_failure_s is None:
+                result.first_failure_s = time.perf_counter() - start
+            if stop_first:
+                break
     result.time_s = time.perf_counter() - start
     return result
 

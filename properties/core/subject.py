@@ -56,7 +56,8 @@ class Subject:
     left_padding: True when prepending padded positions must leave the real positions'
         outputs unchanged (relative or no positions, or positions counted from the mask).
     extrapolates: True when inputs longer than max_len are valid (no length limit); False when
-        they must raise an exception (learned or tabulated positions).
+        they must raise an exception (learned or tabulated positions); None (the default): False for a
+        positional model, and for one without positions (positional=False) either outcome is accepted.
     """
     kind: str
     forward: Callable
@@ -68,7 +69,7 @@ class Subject:
     embedding: nn.Module | None = None
     decode_step: Callable | None = None
     left_padding: bool = False
-    extrapolates: bool = False
+    extrapolates: bool | None = None
 
     def __post_init__(self):
         check_subject(self)
@@ -90,8 +91,8 @@ def check_subject(s: Subject) -> None:
     if not isinstance(s.pad_id, int) or not 0 <= s.pad_id < s.vocab_size:
         fail("pad_id", s.pad_id, f"an int in [0, vocab_size={s.vocab_size})")
     for name in ("positional", "left_padding", "extrapolates"):
-        if not isinstance(getattr(s, name), bool):
-            fail(name, getattr(s, name), "a bool")
+        if not isinstance(getattr(s, name), bool) and not (name == "extrapolates" and s.extrapolates is None):
+            fail(name, getattr(s, name), "a bool" + (" or None" if name == "extrapolates" else ""))
     for name in ("module", "embedding"):
         if getattr(s, name) is not None and not isinstance(getattr(s, name), nn.Module):
             fail(name, getattr(s, name), "a torch.nn.Module or None")

@@ -18,7 +18,7 @@ from properties.core.tolerance import unit_roundoff
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "embedding_probe", "DRAW_LEN"]
+           "assert_same_output", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
 
@@ -105,6 +105,35 @@ def comparison_tolerance(reference: torch.Tensor) -> float:
     u = unit_roundoff(reference.dtype)
     scale = reference.detach().abs().max().item() if reference.numel() else 0.0
     return COMPARISON_FACTOR * u * max(scale, torch.finfo(reference.dtype).tiny)
+
+
+# Threshold for "must change" (MODEL-DEPENDENCE, MODEL-PERMUTATION): the equality tolerance above is a
+# worst case for two whole evaluations (12% of max|y| in float32) and says nothing about whether an effect is
+# real. An effect is real when it exceeds what rounding alone produces in this model: DIFFER_ROUNDINGS
+# roundings of the output's magnitude (a few dozen operations feed each logit's last rounding) and
+# DIFFER_NOISE times the subject's own measured noise (the same sample alone and inside its batch, which
+# are equal in exact arithmetic). A random-weight model's genuine dependence is orders of magnitude larger.
+DIFFER_ROUNDINGS = 64
+DIFFER_NOISE = 8
+
+
+def noise_floor(s: Subject, src: tuple | None, tgt: tuple) -> float:
+    """max |f(x)_0 - f(x_0)|: sample 0 inside its batch against alone, at its real positions (0 when the model
+    is bitwise reproducible there)."""
+    together = forward(s, src, tgt)[:1]
+    alone = forward(s, src and (src[0][:1], src[1][:1]), (tgt[0][:1], tgt[1][:1]))
+    real = tgt[1][:1] if tgt[1] is not None else torch.ones(tgt[0][:1].shape, dtype=torch.bool, device=tgt[0].device)
+    diff = (together.double() - alone.double()).abs()[real]
+    return float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
+
+
+def difference_threshold(s: Subject, reference: torch.Tensor, src: tuple | None, tgt: tuple) -> tuple[float, str]:
+    """(threshold, how it was set) above which a change of ``reference`` is an effect, not rounding."""
+    rounding = DIFFER_ROUNDINGS * unit_roundoff(reference.dtype) * float(reference.detach().abs().max())
+    noise = DIFFER_NOISE * noise_floor(s, src, tgt)
+    if noise > rounding:
+        return noise, f"{DIFFER_NOISE}x the model's measured noise (sample alone vs in its batch)"
+    return rounding, f"{DIFFER_ROUNDINGS} u max|y| in {reference.dtype}"
 
 
 def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

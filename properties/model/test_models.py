@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, assert_same_output, call_subject,
-                                     comparison_tolerance, draw_pair, embedding_probe, forward,
+                                     comparison_tolerance, difference_threshold, draw_pair, embedding_probe, forward,
                                      model_property, model_settings, only, subject_args, other_real_tokens, requires)
 
 
@@ -79,11 +79,11 @@ def test_every_target_depends_on_every_source(mut, data):
     changed[:, j] = other_real_tokens(src[:, j], sb.seed + 1, s)
     before = forward(s, (src, src_mask), (tgt, tgt_mask))
     after = forward(s, (changed, src_mask), (tgt, tgt_mask))
-    tol = comparison_tolerance(before)
+    tol, how = difference_threshold(s, before, (src, src_mask), (tgt, tgt_mask))
     change = (after - before).abs().amax(dim=-1)                       # (B, Lt)
     unaffected = ((change <= tol) & tgt_mask).nonzero().tolist()
     assert not unaffected, (f"changing source token {j} leaves the logits at (sample, target position) "
-                            f"{unaffected} unchanged (within {tol:.1e}): the decoder ignores its source there")
+                            f"{unaffected} unchanged (within {tol:.1e} = {how}): the decoder ignores its source there")
 
 
 # ---------------------------------------------------------------------------------- MODEL-PERMUTATION
@@ -100,10 +100,10 @@ def test_permutation(mut, data):
     if not s.positional:
         assert_same_output(permuted, out[:, perm], f"output for permuted tokens vs permuted output {order}")
         return
-    tol = comparison_tolerance(out)
+    tol, how = difference_threshold(s, out, None, (tokens, mask))
     assert (permuted - out[:, perm]).abs().max() > tol, (
-        f"permuting the tokens by {order} permutes the output (within {tol:.1e}) although Subject.positional "
-        f"is True: the model ignores token order")
+        f"permuting the tokens by {order} permutes the output (within {tol:.1e} = {how}) although "
+        f"Subject.positional is True: the model ignores token order")
 
 
 # ---------------------------------------------------------------------------------------- MODEL-BATCH
