@@ -8,8 +8,12 @@ Options (``pytest properties/ --help``, group "spec properties"):
                           'cuda' entry, skipped with a reason, when there is none)
   --dtype DTYPE           float32, float64, bfloat16, float16, repeatable; default: all four
   --causal-alignment A    top-left (PyTorch, default) or bottom-right (FlashAttention)
-  --fully-masked P        zeros (default) or nan: what a query with no admissible key must output
+  --fully-masked P        zeros (default), nan, mean or any: what a query with no admissible key must output
   --report-json PATH      write one record per (test, clause) for every test run
+  --kernel-api API        sdpa (default), flash, flash-varlen or flash-kvcache: the calling convention of
+                          --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
+                          API and no --kernel, the zoo's own kernels of that API (flash: all three)
+  --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
@@ -29,10 +33,12 @@ from hypothesis import Phase, settings
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
-from properties.kernel.guard import GuardedKernel
+from properties.kernel.guard import FULLY_MASKED_CONVENTIONS, GuardedKernel
 from properties.core.oracle import ALIGNMENTS
 from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
+from properties.core.flash import set_window_right_below_lk
+from properties.core.flash_guard import KERNEL_APIS, kernel_params
 from zoo.io.atomic import write_text
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.config.plugins import PluginError
@@ -77,6 +83,7 @@ def _targets_suite(config) -> bool:
     return False
 
 _KERNELS = pytest.StashKey[list]()
+_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.core.flash_guard.kernel_params)
 _DEVICES = pytest.StashKey[list]()
 _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
 
@@ -93,10 +100,17 @@ def pytest_addoption(parser):
     group.addoption("--causal-alignment", choices=ALIGNMENTS, default="top-left",
                     help="is_causal diagonal for L != S: top-left (PyTorch, default) or bottom-right "
                          "(FlashAttention)")
-    group.addoption("--fully-masked", choices=("zeros", "nan"), default="zeros",
-                    help="output required for a query with no admissible key (default: zeros)")
+    group.addoption("--fully-masked", choices=FULLY_MASKED_CONVENTIONS, default="zeros",
+                    help="output required for a query with no admissible key: zeros (default), nan, mean (of the "
+                         "values, as an additive finfo.min mask gives) or any (no requirement)")
     group.addoption("--report-json", metavar="PATH",
                     help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
+    group.addoption("--kernel-api", choices=KERNEL_APIS, default="sdpa",
+                    help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's "
+                         "flash, flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")
+    group.addoption("--window-right-below-lk", action="store_true",
+                    help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
+                         "follows its docstring)")
     subjects.add_options(parser)
 
 
@@ -137,13 +151,18 @@ def pytest_configure(config):
         load_clauses()
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
-    kernels = []
-    for spec in config.getoption("--kernel") or list(KERNELS):
+    kernels, api = [], config.getoption("--kernel-api")
+    for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
             kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
+    try:
+        config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
+    except PluginError as exc:
+        raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
+    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
     select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
     _records.clear()
@@ -154,9 +173,15 @@ def pytest_generate_tests(metafunc):
     if not in_suite(metafunc.definition):
         return
     # Session scope lets fixtures of any scope use them (Hypothesis rejects function-scoped fixtures).
-    if "kernel" in metafunc.fixturenames:
+    flash = metafunc.config.stash[_FLASH]
+    if "kernel" in metafunc.fixturenames and "kernel" in flash:   # --kernel-api flash*: SDPA clauses skipped
+        metafunc.parametrize("kernel", flash["kernel"], scope="session")
+    elif "kernel" in metafunc.fixturenames:
         kernels = metafunc.config.stash[_KERNELS]
         metafunc.parametrize("kernel", kernels, ids=[k.name for k in kernels], scope="session")
+    for fixture in set(flash) - {"kernel"}:
+        if fixture in metafunc.fixturenames:
+            metafunc.parametrize(fixture, flash[fixture], scope="session")
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", metafunc.config.stash[_DEVICES], scope="session")
     if "mut" in metafunc.fixturenames:  # the model clauses: once per model under test (zoo families, --model, --zoo)
@@ -188,6 +213,7 @@ def _levels_selected(config) -> set[str]:
     given); --zoo or --zoo-config checks the assembled model at every level; no plug-in option checks the zoo
     at every level."""
     kernel, model = config.getoption("--kernel", None), config.getoption("--model", None)
+    kernel = kernel or config.getoption("--kernel-api", "sdpa") != "sdpa"   # a flash API is a kernel option
     if zoo_run(config) is not None or not (kernel or model):
         return {"kernel", "module", "model"}
     return ({"kernel"} if kernel else set()) | ({"model"} if model else set())

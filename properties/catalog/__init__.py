@@ -117,6 +117,8 @@ CATALOG: list[Entry] = [
             "MASK-FULLY-MASKED"),
     _kernel("finite_mask_fill", "-1e4 added to masked scores (BERT's extended mask) instead of -inf: masked keys keep weight",
             "MASK-NO-INFLUENCE", "CAUSAL-NO-FUTURE", "MASK-FULLY-MASKED"),
+    _kernel("mask_added_in_input_dtype", "float mask added after casting the scores back to float16: score + finfo.min overflows to -inf",
+            "MASK-LOW-PRECISION"),
     _kernel("masked_fill_minus_1e9", "masked_fill(mask == 0, -1e9) (The Annotated Transformer): fully masked rows average the values",
             "MASK-FULLY-MASKED", "MASK-NO-INFLUENCE"),
     _kernel("dropout_always_on", "dropout with a fixed p = 0.1 whatever dropout_p says (also at inference)",

@@ -20,7 +20,7 @@ __all__ = [
     "softmax_over_queries", "scale_missing", "scale_inverted", "scale_applied_twice", "scale_by_model_width",
     "scale_by_value_width", "scale_by_head_count", "scale_argument_ignored", "causal_off_by_one",
     "causal_ignored", "causal_bottom_right", "bool_mask_inverted", "float_mask_ignored", "mask_after_softmax",
-    "fully_masked_rows_nan", "finite_mask_fill", "masked_fill_minus_1e9", "softmax_without_max", "scores_in_input_dtype",
+    "fully_masked_rows_nan", "finite_mask_fill", "mask_added_in_input_dtype", "masked_fill_minus_1e9", "softmax_without_max", "scores_in_input_dtype",
     "dropout_always_on", "dropout_not_rescaled", "dropout_mask_shared", "batch_and_heads_mixed", "flash_attention_tiles_dropped",
     "gqa_heads_tiled", "output_in_compute_dtype",
 ]
@@ -120,6 +120,19 @@ class _ScoresInInputDtype(StepwiseAttention):
 
 
 # ---------------------------------------------------------------------------------------------- masking
+class _MaskAddedInInputDtype(StepwiseAttention):
+    """Scores computed in float32 but cast back to the input dtype before the float mask is added (eager code
+    of the form ``attn_weights.to(query.dtype) + causal_mask``): in float16 a negative score plus finfo.min
+    overflows to −inf, so a row masked with finfo.min everywhere loses every key and outputs zeros instead of
+    the softmax of its finite scores."""
+
+    def admissible(self, scores, attn_mask, is_causal):
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            scores = (scores.to(attn_mask.dtype) + attn_mask).to(scores.dtype)
+            attn_mask = None
+        return super().admissible(scores, attn_mask, is_causal)
+
+
 class _CausalOffByOne(StepwiseAttention):
     """``tril(diagonal=1)``: every query also sees the next key (an off-by-one in the diagonal)."""
 
@@ -284,6 +297,7 @@ bool_mask_inverted = _BoolMaskInverted()
 float_mask_ignored = _FloatMaskIgnored()
 mask_after_softmax = _MaskAfterSoftmax()
 finite_mask_fill = _FiniteMaskFill()
+mask_added_in_input_dtype = _MaskAddedInInputDtype()
 masked_fill_minus_1e9 = _MaskedFillMinus1e9()
 dropout_always_on = _DropoutAlwaysOn()
 dropout_not_rescaled = _DropoutNotRescaled()

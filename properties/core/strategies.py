@@ -22,7 +22,7 @@ from zoo.config.options import DTYPES
 
 __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
            "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
-           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values"]
+           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit"]
 
 # DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
 # float32 unless the failure needs another dtype.
@@ -138,6 +138,19 @@ def random_bool_mask(generator: torch.Generator, shape, density: float, *, keep_
 
 def _largest_partial_sum(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:
     return (abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))).max().item()
+
+
+# The largest scaled attention score (and partial sum of one) that real activations reach. Trained models keep
+# scores within a few hundred; the unstable runs that QK-normalisation was introduced for (ViT-22B, Dehghani
+# et al. 2023) saw attention logits grow to about 5·10^4 before diverging. 2^16 covers that; beyond it a
+# model has already failed, so a kernel is not required to compute there.
+REALISTIC_SCORE = 2.0 ** 16
+
+
+def score_limit(dtype: torch.dtype) -> float:
+    """Largest scaled partial sum drawn for ``dtype``: the realistic range, and at most finfo.max/4 (room for
+    the max subtraction, a difference of two scores, and rounding)."""
+    return min(REALISTIC_SCORE, torch.finfo(dtype).max / 4)
 
 
 def scale_partial_sums(q: torch.Tensor, k: torch.Tensor, scale: float, target: float):

@@ -13,9 +13,10 @@ from typing import Callable
 import torch
 
 from properties.core.assertions import assert_all, assert_within
-from properties.core.oracle import to_float64
+from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.strategies import identity_values
-from properties.core.tolerance import SoftmaxBounds, output_bound, softmax_bounds
+from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, softmax_bounds,
+                                       unit_roundoff)
 
 __all__ = ["KernelContractError", "GuardedKernel", "describe_call",
            "check_against_oracle"]
@@ -58,6 +59,12 @@ class GuardedKernel:
         call = describe_call(query, key, value, kwargs)
         try:
             out = self.fn(query, key, value, **kwargs)
+        except NotImplementedError as exc:
+            if kwargs.get("dropout_p", 0.0):   # dropout is optional: a kernel may declare it unsupported
+                import pytest
+                pytest.skip(f"kernel {self.name} raises NotImplementedError for dropout_p > 0 ({exc}): "
+                            f"the dropout clauses do not apply")
+            raise KernelContractError(f"kernel {self.name} raised NotImplementedError: {exc}\n  in {call}") from exc
         except Exception as exc:  # any failure of user code is a finding, not a crash of the suite
             raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n"
                                       f"  in {call}") from exc
@@ -104,11 +111,44 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
     __tracebackhide__ = True
     bounds = softmax_bounds(query, key, value, causal_alignment=causal_alignment, **contract)
     no_key = bounds.reference.no_key_rows
-    out = kernel(query, key, value, nan_rows=no_key if fully_masked == "nan" else None, **contract)
+    mask = contract.get("attn_mask")
+    float_mask = mask is not None and mask.dtype != torch.bool
+    may_be_nan = fully_masked in NON_FINITE_CONVENTIONS or (fully_masked == "mean" and float_mask)
+    out = kernel(query, key, value, nan_rows=no_key if may_be_nan else None, **contract)
     actual = to_float64(out)
-    if fully_masked == "nan" and bool(no_key.any()):
-        assert_all(torch.isnan(actual[no_key]), actual[no_key],
-                   what="queries with no admissible key output NaN (--fully-masked nan)")
+    if fully_masked != "zeros" and bool(no_key.any()):
+        if fully_masked == "nan":
+            assert_all(torch.isnan(actual[no_key]), actual[no_key],
+                       what="queries with no admissible key output NaN (--fully-masked nan)")
+        elif fully_masked == "mean":
+            # a user's own all −inf float row cannot become finite scores: NaN there, else the mean
+            nan_rows = torch.isnan(actual).any(-1) if float_mask else torch.zeros_like(actual[..., 0], dtype=torch.bool)
+            check_fully_masked_mean(actual, value, no_key & ~nan_rows)
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
     assert_within(actual, bounds.reference.output, output_bound(bounds, value), what=what)
     return out, bounds
+
+
+# What a query with no admissible key may output (SPEC.md, MASK-FULLY-MASKED; --fully-masked): zeros (the
+# default, PyTorch >= 2.5), NaN (the textbook softmax of an all −inf row), the mean of the values over all keys
+# (an additive finfo.min mask: every score becomes finfo.min, the weights uniform; for a row that the caller's
+# own float mask sets to −inf, NaN), or any value at all.
+FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
+NON_FINITE_CONVENTIONS = ("nan", "any")
+
+
+def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor, no_key: torch.Tensor) -> None:
+    """Rows without an admissible key equal the mean of the values over all S keys: weights 1/S each within
+    the softmax's evaluation error, the weighted sum within γ(S + 2) of Σ|w v|, plus underflow."""
+    __tracebackhide__ = True
+    v = to_float64(value)
+    if v.dim() >= 3 and actual.dim() >= 3 and v.shape[-3] != actual.shape[-3]:
+        v = expand_kv_heads(v, actual.shape[-3])
+    s = v.shape[-2]
+    u = unit_roundoff(value.dtype) + unit_roundoff(torch.float64)
+    mean = torch.broadcast_to(v.mean(-2, keepdim=True), actual.shape)
+    bound = torch.broadcast_to((evaluation_error(s, value.dtype) + gamma(s + 2, u)) * v.abs().mean(-2, keepdim=True)
+                               + s * torch.finfo(value.dtype).tiny, actual.shape)
+    rows = torch.broadcast_to(no_key.cpu(), actual.shape[:-1])
+    assert_within(actual[rows], mean[rows], bound[rows], what="output of a query with no admissible key",
+                  reference="mean of the values (--fully-masked mean)")

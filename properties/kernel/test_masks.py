@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_identical, assert_within
-from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import (cases, huge_values, on, random_bool_mask, rescale_keys,
+from properties.core.strategies import (Case, cases, huge_values, require_dtype, scale_partial_sums, score_limit,
+                                        selected_dtypes, identity_values, on, random_bool_mask, rescale_keys,
                                    with_pinned_cases)
 from properties.core.tolerance import output_bound
 
@@ -121,11 +121,25 @@ def test_mask_broadcasts_over_batch_and_heads(kernel, device, case, shape, kind)
     check_against_oracle(kernel, q, k, v, attn_mask=_as_kind(mask.to(device), kind, case.dtype))
 
 
+_HALF = torch.float16 if torch.float16 in selected_dtypes() else selected_dtypes()[0]
+
+
 @clause("MASK-LOW-PRECISION")
-@with_pinned_cases(density=0.5)
-@given(case=cases(), density=densities)
-def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density):
-    q, k, v = case.qkv(device)
+@with_pinned_cases(density=0.5, magnitude=0.0, opposed=False)
+@example(case=Case(lead=(1, 1), l=2, s=3, e=8, ev=2, dtype=_HALF, seed=0), density=0.5, magnitude=0.75,
+         opposed=True)
+@given(case=cases(), density=densities, magnitude=st.floats(0.0, 1.0), opposed=st.booleans())
+def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density, magnitude, opposed):
+    """magnitude: the scores' size, a fraction of the realistic exponent range of ATTN-LARGE-SCORES. opposed:
+    the keys point against query 0, so that its whole row of scores is large and negative; row 0 is always
+    masked with finfo.min everywhere. The pinned float16 example has row-0 scores near −2^10: score + finfo.min
+    leaves float16's range if a kernel adds the mask in float16."""
+    require_dtype(device, case.dtype)
+    q, k, v = case.qkv64()
+    if opposed:
+        k = -q[..., :1, :] + 0.1 * k
+    q, k = scale_partial_sums(q, k, 1 / math.sqrt(case.e), 2.0 ** round(magnitude * math.log2(score_limit(case.dtype))))
+    q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
     g = case.generator(1)
     info = torch.finfo(case.dtype)
     choice = torch.randint(2, _mask_shape(case), generator=g)
@@ -134,5 +148,14 @@ def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density
                                  torch.tensor(-info.max / 2, dtype=torch.float64))
     mask64 = torch.where(masked, torch.zeros_like(large_negative), large_negative)
     all_min = torch.rand(*case.lead, case.l, generator=g, dtype=torch.float64) < 0.25
+    all_min[..., 0] = True
     mask64 = torch.where(all_min[..., None], torch.full_like(mask64, info.min), mask64)
-    check_against_oracle(kernel, q, k, v, attn_mask=on(mask64, case.dtype, device))
+    mask = on(mask64, case.dtype, device)
+    check_against_oracle(kernel, q, k, v, attn_mask=mask)
+    # Every row has a finite score: its weights sum to 1 (ATTN-ROWSUM), which an overflow to −inf breaks even
+    # where the output bound, wide at these magnitudes, would not notice.
+    w, bounds = check_against_oracle(kernel, q, k, identity_values(case.lead, case.s, case.dtype, device),
+                                     attn_mask=mask, what="weights")
+    row_sums = to_float64(w).sum(-1)
+    assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error, what="sum over keys of the weights",
+                  reference="1 (no row is fully masked: score + finfo.min is finite)")

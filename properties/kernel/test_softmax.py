@@ -8,11 +8,10 @@ from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import (Case, cases, identity_values, on, random_bool_mask, scale_partial_sums,
-                                   selected_dtypes, with_pinned_cases)
+from properties.core.strategies import (Case, cases, identity_values, on, random_bool_mask, require_dtype,
+                                        scale_partial_sums, score_limit, selected_dtypes, with_pinned_cases)
 from properties.core.tolerance import output_bound, rowsum_error, softmax_bounds
 
 # Score spread: q is multiplied by 2**spread, so scores range from a quarter to 16 times standard normal.
@@ -93,14 +92,14 @@ def test_larger_score_never_gets_smaller_weight(kernel, device, case, spread):
 @given(case=cases(max_e=128), magnitude=st.floats(0.0, 1.0), aligned=st.booleans())
 def test_scores_up_to_the_dtype_range_do_not_overflow(kernel, device, case, magnitude, aligned):
     """magnitude is the fraction of the admissible exponent range: the largest scaled partial sum is
-    2**round(magnitude * log2(finfo.max / 4)).  Head sizes up to 128, as in real models: an unscaled
+    2**round(magnitude * log2(score_limit(dtype))), score_limit = min(2^16, finfo.max / 4).  Head sizes up to 128, as in real models: an unscaled
     q.k exceeds the scaled score by sqrt(E)."""
     require_dtype(device, case.dtype)
     q, k, v = case.qkv64()
     if aligned:  # the largest dot products a given partial-sum bound allows
         n = min(case.l, case.s)
         k[..., :n, :] = q[..., :n, :]
-    exponent = round(magnitude * math.log2(torch.finfo(case.dtype).max / 4))
+    exponent = round(magnitude * math.log2(score_limit(case.dtype)))
     q, k = scale_partial_sums(q, k, 1 / math.sqrt(case.e), 2.0**exponent)
     q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
     assume(bool(torch.isfinite(q).all() and torch.isfinite(k).all()))  # extreme ratios |q_e|/|k_e| only

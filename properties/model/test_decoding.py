@@ -2,6 +2,7 @@
 (SPEC.md, "Models": MODEL-FACTORISATION, MODEL-KV-CACHE, MODEL-LENGTH)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,16 +37,13 @@ def test_autoregressive_factorisation(mut, data):
                                f"(tolerance {tol:.1e}); totals {steps.sum(1).tolist()} vs {one_pass.sum(1).tolist()}")
 
 
-@clause("MODEL-KV-CACHE")
-@model_property
-def test_cached_decoding(mut, data):
-    s = only(mut.precise, *DECODERS)
-    requires(s, "decode_step", "the model offers no cached incremental decoding")
-    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
-    cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
+def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
+    """Decode ``tokens`` in chunks [0, c1), [c1, c2), ... with ``decode_step`` and compare each chunk's logits
+    at real positions with the full forward pass."""
+    length = tokens.shape[1]
     full = forward(s, src, (tokens, mask))
     state = None
-    for start, end in zip([0, *cuts], [*cuts, b.length]):
+    for start, end in zip([0, *cuts], [*cuts, length]):
         def step(*args):
             nonlocal state
             logits, state = s.decode_step(*args, state)
@@ -55,8 +53,60 @@ def test_cached_decoding(mut, data):
             logits = call_subject(s, *subject_args(src, *chunk), fn=step)
         real = mask[:, start:end]
         assert_same_output(logits[real], full[:, start:end][real],
-                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, b.length]}) "
+                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
                            f"vs the full forward pass")
+
+
+@clause("MODEL-KV-CACHE")
+@model_property
+def test_cached_decoding(mut, data):
+    s = only(mut.precise, *DECODERS)
+    requires(s, "decode_step", "the model offers no cached incremental decoding")
+    src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
+    cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
+    _check_cached_decoding(s, src, tokens, mask, cuts)
+
+
+def _left_padded(tokens, mask, pad_id):
+    """Each row's real prefix moved to the end: the same samples, left-padded."""
+    out_tokens, out_mask = torch.full_like(tokens, pad_id), torch.zeros_like(mask)
+    for row, n in enumerate(mask.sum(1).tolist()):
+        out_tokens[row, tokens.shape[1] - n:] = tokens[row, :n]
+        out_mask[row, tokens.shape[1] - n:] = True
+    return out_tokens, out_mask
+
+
+# The shapes that real decode-path bugs need, drawn every run (SPEC.md, MODEL-KV-CACHE): a prefill followed by
+# chunks of several tokens (a mask dropped or a causal diagonal misaligned once keys are cached), mixed real
+# lengths, and the same batch left-padded (positions counted from column 0 under a cache).
+PINNED_DECODING = {
+    "prefill-then-chunks": dict(real=(8, 5), cuts=(4, 6), left=False),
+    "prefill-then-one-token-steps": dict(real=(8, 6), cuts=(5, 6, 7), left=False),
+    "left-padded-mixed-lengths": dict(real=(8, 3, 6), cuts=(4, 6), left=True),
+}
+
+
+@clause("MODEL-KV-CACHE")
+@pytest.mark.parametrize("shape", list(PINNED_DECODING))
+def test_cached_decoding_pinned_shapes(mut, shape):
+    s = only(mut.precise, *DECODERS)
+    requires(s, "decode_step", "the model offers no cached incremental decoding")
+    spec = PINNED_DECODING[shape]
+    if spec["left"] and not s.left_padding:
+        pytest.skip("Subject.left_padding is False: the model does not claim left-padding invariance")
+    length = min(8, s.max_len)
+    real = tuple(min(r, length) for r in spec["real"])
+    cuts = tuple(c for c in spec["cuts"] if c < length)
+    target = Batch(len(real), length, real, seed=7)
+    tokens, mask = target.tokens(s, mut.device), target.mask(mut.device)
+    if spec["left"]:
+        tokens, mask = _left_padded(tokens, mask, s.pad_id)
+    src = None
+    if s.kind == "encoder_decoder":
+        source = Batch(len(real), length, tuple(reversed(real)), seed=2**17 + 7)
+        src = (source.tokens(s, mut.device), source.mask(mut.device))
+    _check_cached_decoding(s, src, tokens, mask, cuts, note=f", pinned shape {shape}: real lengths {real}"
+                           + (", left-padded" if spec["left"] else ""))
 
 
 # --------------------------------------------------------------------------------------- MODEL-LENGTH
