@@ -20,6 +20,8 @@ __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "by_name"]
 
 _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "properties.catalog.models"
 _B = "properties.catalog.backward"
+_FA = "properties.catalog.flash_bugs"
+_FLASH_OPTIONS = ("--kernel-api=flash", "--kernel-api=flash-varlen", "--kernel-api=flash-kvcache")
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,12 @@ class Entry:
     def __post_init__(self):
         if self.level not in LEVELS:
             raise ValueError(f"Entry {self.name}: level {self.level!r} not in {LEVELS}")
-        if self.option not in ("--kernel", "--zoo", "--model", ""):  # "": no plug-in option (the zoo itself)
+        # "": no plug-in option (the zoo itself); "--kernel-api=API" (argument "--kernel=SPEC"): a kernel with
+        # FlashAttention's API API; "--kernel-api" (argument API): the zoo's own kernels of that API.
+        if self.option not in ("--kernel", "--zoo", "--model", "", "--kernel-api", *_FLASH_OPTIONS):
             raise ValueError(f"Entry {self.name}: option {self.option!r}")
+        if self.option in _FLASH_OPTIONS and not self.argument.startswith("--kernel="):
+            raise ValueError(f"Entry {self.name}: {self.option} takes the argument '--kernel=SPEC'")
 
     @property
     def needs_source_tree(self) -> bool:
@@ -69,6 +75,13 @@ def _kernel(name, mechanism, *expected):
 def _backward(name, *expected):
     from properties.catalog.backward import BUGS
     return Entry(name, "kernel", f"exact forward, wrong backward: {BUGS[name]}", expected, "--kernel", f"{_B}:{name}")
+
+
+def _flash(name):
+    """A FlashAttention-API bug of flash_bugs.py, plugged in as ``--kernel-api=API --kernel=SPEC``."""
+    from properties.catalog.flash_bugs import BUGS
+    api, mechanism, expected = BUGS[name]
+    return Entry(name, "kernel", mechanism, expected, f"--kernel-api={api}", f"--kernel={_FA}:{name}")
 
 
 def _module(name, mechanism, overrides, *expected):
@@ -145,6 +158,16 @@ CATALOG: list[Entry] = [
     _backward("gqa_kv_gradient_not_summed", "ATTN-GRAD", "ATTN-GRAD-GQA"),
     _backward("float_mask_gradient_before_softmax", "ATTN-GRAD"),
     _backward("assumes_contiguous_grad_out", "ATTN-GRAD"),
+    # ------------------------------------ kernels with FlashAttention's API (--kernel-api flash|flash-varlen|...)
+    *(_flash(name) for name in (
+        "window_left_off_by_one", "window_right_off_by_one", "window_sides_swapped", "window_top_left",
+        "causal_top_left", "softcap_after_mask", "softcap_before_scale", "softcap_after_alibi", "alibi_sign_flipped",
+        "alibi_distance_top_left", "alibi_without_abs", "alibi_batch_row_ignored", "gqa_heads_tiled_flash",
+        "fully_masked_rows_nan_flash", "backward_without_window", "varlen_reads_one_key_past_the_end",
+        "varlen_cross_sequence_leak", "varlen_causal_global_offset", "varlen_alibi_row0",
+        "kvcache_seqlens_off_by_one", "kvcache_stale_slots_attended", "kvcache_append_off_by_one",
+        "kvcache_paged_block_table_ignored", "kvcache_batch_idx_ignored_on_read", "kvcache_leftpad_ignored",
+        "kvcache_causal_top_left")),
     # ------------------------------------------------------------------------------------------ modules
     _module("split_heads_without_transpose", "heads split with view(b, h, l, e) instead of view(b, l, h, e).transpose",
             f"attention._target_={_M}.SplitHeadsWithoutTranspose", "MHA-ORACLE", "MHA-PERMUTATION"),
@@ -211,6 +234,8 @@ CORRECT: list[Entry] = [
           f"{_B}:straightforward"),
     Entry("zoo memory_efficient", "kernel", "the zoo's FlashAttention-2 style kernel with its own backward", (),
           "--kernel", "memory_efficient"),
+    Entry("zoo flash-API kernels", "kernel", "zoo/nn/flash.py: reference, tiled, varlen loop and packed, kvcache "
+          "gather and paged", (), "--kernel-api", "flash"),
     Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks: every block path runs", (),
           "--kernel", "properties.catalog.correct:memory_efficient_block3"),
     Entry("flash in the zoo", "module", "the zoo's attention on the flash kernel", (), "--zoo",

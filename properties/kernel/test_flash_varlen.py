@@ -1,0 +1,75 @@
+"""Varlen clauses (SPEC.md, "The FlashAttention API"): ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+max_seqlen_q, max_seqlen_k, ...)`` with sequences packed end to end. Run with ``--kernel-api flash-varlen`` or
+``flash`` (fixture ``varlen_kernel``): every sequence must be the ``flash`` problem of its own slice."""
+from __future__ import annotations
+
+import torch
+from hypothesis import assume, example, given
+
+from properties import clause
+from properties.core.assertions import assert_all, assert_within
+from properties.core.flash import FlashCase
+from properties.core.flash_cases import VarlenCase, varlen_cases
+from properties.core.flash_guard import skip_unsupported
+from properties.core.oracle import to_float64
+from properties.core.strategies import selected_dtypes
+
+F32 = selected_dtypes()[0]
+
+
+def _base(n, lq, lk, **kw) -> FlashCase:
+    return FlashCase(n, lq, lk, kw.pop("kv_heads", 1), kw.pop("group", 2), kw.pop("d", 4), F32, **kw)
+
+
+def _call(kernel, case: VarlenCase, q, k, v, slopes, args):
+    with skip_unsupported(kernel, f"{case!r}"):
+        return kernel(q, k, v, *args, **case.flash.kwargs(slopes))
+
+
+def _check_sequences(out, case: VarlenCase, q, k, v, slopes, *, what: str, factor: float = 1.0, only=None):
+    __tracebackhide__ = True
+    out = to_float64(out)
+    for index, (q0, q1) in enumerate(zip(case.cu_q, case.cu_q[1:])):
+        if (only is not None and index != only) or q1 == q0:
+            continue
+        bounds = case.sequence_bounds(q, k, v, slopes, index)
+        assert_within(out[q0:q1], bounds.output[0], factor * bounds.output_bound()[0],
+                      what=f"{what} rows {q0}..{q1 - 1} (sequence {index})",
+                      reference=f"flash oracle of sequence {index} alone",
+                      note=f"; index (i, h, d) within the sequence; {case!r}")
+
+
+@clause("VARLEN-EQUALS-PADDED")
+@example(case=VarlenCase((2, 3), (3, 2), _base(2, 3, 3, causal=True)))            # per-sequence offsets +1, -1
+@example(case=VarlenCase((3, 0, 2), (2, 4, 0), _base(3, 3, 4, alibi="batch")))    # empty sequences, alibi row b
+@example(case=VarlenCase((2, 2), (4, 4), _base(2, 2, 4, window=(1, 0), softcap=2.5)))
+@given(case=varlen_cases())
+def test_each_packed_sequence_is_its_own_flash_problem(varlen_kernel, device, case):
+    case = case.without(varlen_kernel.unsupported(device))
+    q, k, v, slopes, args = case.tensors(device)
+    out = _call(varlen_kernel, case, q, k, v, slopes, args)
+    _check_sequences(out, case, q, k, v, slopes, what="out")
+
+
+@clause("VARLEN-INDEPENDENT")
+@example(case=VarlenCase((2, 3, 2), (2, 3, 2), _base(3, 3, 3, causal=True)))
+@example(case=VarlenCase((3, 3), (3, 3), _base(2, 3, 3)))
+@given(case=varlen_cases())
+def test_a_sequence_ignores_its_neighbours(varlen_kernel, device, case):
+    case = case.without(varlen_kernel.unsupported(device))
+    assume(len(case.lens_q) > 1)
+    q, k, v, slopes, args = case.tensors(device)
+    g = torch.Generator().manual_seed(case.flash.seed)
+    candidates = [i for i, n in enumerate(case.lens_q) if n > 0]
+    index = candidates[int(torch.randint(len(candidates), (1,), generator=g))]
+    q2, k2, v2, _, _ = case.tensors(device, stream=4)
+    (q0, q1), (k0, k1) = case.cu_q[index:index + 2], case.cu_k[index:index + 2]
+    q2[q0:q1], k2[k0:k1], v2[k0:k1] = q[q0:q1], k[k0:k1], v[k0:k1]
+    first = to_float64(_call(varlen_kernel, case, q, k, v, slopes, args))
+    second = to_float64(_call(varlen_kernel, case, q2, k2, v2, slopes, args))
+    bounds = case.sequence_bounds(q, k, v, slopes, index)
+    assert_all(torch.isfinite(second), second, what="out is finite")
+    assert_within(second[q0:q1], first[q0:q1], 2 * bounds.output_bound()[0],
+                  what=f"sequence {index}'s rows with fresh neighbours", reference="the same rows before",
+                  note=f"; {case!r}")
+    _check_sequences(first, case, q, k, v, slopes, what="out", only=index)
