@@ -14,6 +14,8 @@ Options (``pytest properties/ --help``, group "spec properties"):
                           --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
                           API and no --kernel, the zoo's own kernels of that API (flash: all three)
   --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
+  --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
+  --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
@@ -33,6 +35,7 @@ from hypothesis import Phase, settings
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
+from properties import reference  # --reference / --reference-kernel: what the differential clauses compare with
 from properties.kernel.guard import FULLY_MASKED_CONVENTIONS, GuardedKernel
 from properties.core.oracle import ALIGNMENTS
 from properties.core.spec import SpecError, load_clauses
@@ -112,6 +115,7 @@ def pytest_addoption(parser):
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
     subjects.add_options(parser)
+    reference.add_options(parser)
 
 
 def _default_devices() -> list[str]:
@@ -134,16 +138,59 @@ def _device_param(name: str):
     elif device.type != "cpu":
         try:
             torch.empty(1, device=device)
-        except Exception as exc:  # any backend may refuse in its own way
-            reason = f"{name} not available: {exc}"
+        except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend)
+            reason = f"{name} not available on this machine"
     marks = [pytest.mark.skip(reason=reason)] if reason else []
     return pytest.param(name, marks=marks, id=name)
+
+
+def _report_path_problem(path: str) -> str | None:
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    import os
+    from pathlib import Path
+    target = Path(path).absolute()
+    if target.is_dir():
+        return "is a directory"
+    ancestor = next((p for p in target.parents if p.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        return f"{ancestor} is not a directory"
+    if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "is not writable"
+    return None
+
+
+_SIGTERM = pytest.StashKey[object]()
+
+
+def _interrupt_on_sigterm(config) -> None:
+    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt): fixtures tear down and pytest-xdist stops its
+    workers, instead of the process vanishing and leaving its children running. Restored at unconfigure."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        config.stash[_SIGTERM] = signal.signal(signal.SIGTERM, interrupt)
+
+
+def pytest_unconfigure(config):
+    if _SIGTERM in config.stash:
+        import signal
+        signal.signal(signal.SIGTERM, config.stash[_SIGTERM])
 
 
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
     if _targets_suite(config):
         _use_suite_profiles()
+        _interrupt_on_sigterm(config)
+    report_json = config.getoption("--report-json", None)
+    if report_json and (problem := _report_path_problem(report_json)):
+        raise pytest.UsageError(f"--report-json {report_json}: cannot be written: {problem}")
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
         config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
@@ -167,6 +214,7 @@ def pytest_configure(config):
     select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
     _records.clear()
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
+    reference.configure(config)  # after the model under test, which a reference factory may copy
 
 
 def pytest_generate_tests(metafunc):
@@ -259,6 +307,8 @@ def pytest_runtest_makereport(item, call):
     ids = _clause_ids(item) if in_suite(item) else []
     report.level = level_of(item)
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
+    mut = getattr(item, "funcargs", {}).get("mut")
+    report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
@@ -297,7 +347,8 @@ def pytest_runtest_logreport(report):
         return
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
-                                                "message": "", "counterexample": ""})
+                                                "message": "", "counterexample": "",
+                                                "resolution": getattr(report, "resolution", "")})
     record["duration_s"] += report.duration
     if report.failed:
         status = "failed" if report.when == "call" else "error"
@@ -315,6 +366,6 @@ def pytest_sessionfinish(session):
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
-             "counterexample": r["counterexample"]}
+             "counterexample": r["counterexample"], "resolution": r["resolution"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     write_text(path, json.dumps(rows, indent=1))

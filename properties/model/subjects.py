@@ -7,14 +7,19 @@ position scheme. properties.plugin calls ``add_options`` and ``configure``, and 
 from __future__ import annotations
 
 import copy
+import shlex
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from properties.core.tolerance import unit_roundoff
 from properties.core.zoo_config import zoo_run
+from properties.model.checks import Precision, precision_of, register_precision
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, zoo_subject
 
@@ -40,8 +45,16 @@ class ModelUnderTest:
     precise_note: str = ""
 
     def __repr__(self) -> str:  # Hypothesis prints it in every counterexample: keep it short
-        precision = "float64" if self.precise is not self.native else "own dtype"
-        return f"<{self.name}: {self.native.kind}, comparisons in {precision}>"
+        precision = precision_of(self.precise)
+        where = "float64" if precision is None or not precision.own else (
+            f"own precision ({str(precision.compute_dtype).removeprefix('torch.')})")
+        return f"<{self.name}: {self.native.kind}, comparisons in {where}>"
+
+    @property
+    def resolution(self) -> str:
+        """For reports: how the comparison clauses compare, and the smallest effect they could detect."""
+        precision = precision_of(self.precise)
+        return precision.describe() if precision is not None else ""
 
     def _repr_pretty_(self, printer, cycle):  # Hypothesis' printer would list every field
         printer.text(repr(self))
@@ -77,12 +90,33 @@ def _device_dtype(config):
     return torch.device(devices[0]), getattr(torch, dtypes[0])
 
 
+def _unavailable(device: torch.device) -> str:
+    """Why no tensor can be made on `device` here ('' when one can): CUDA absent, MPS absent, ..."""
+    if device.type == "cpu":
+        return ""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA not available"
+    try:
+        torch.empty(1, device=device)
+    except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend it has)
+        return f"{device.type} not available on this machine"
+    return ""
+
+
 def configure(config) -> None:
     """Check --model and --zoo at startup: an unusable model is a one-line UsageError."""
+    text = config.getoption("zoo", None)
+    if text:
+        try:  # an unbalanced quote would otherwise surface as an INTERNALERROR
+            shlex.split(text)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--zoo {text!r}: {exc} (the overrides are split as a shell would: "
+                                    f"balance the quotes, e.g. --zoo \"heads=8 'attention.kernel=a b.py:f'\")") from None
     device, dtype = _device_dtype(config)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    reason = _unavailable(device)
+    if reason:
         config.stash[_KEY] = {}
-        config.stash[_SKIP] = f"--device {device}: CUDA not available, model clauses not run"
+        config.stash[_SKIP] = f"--device {device}: {reason}, model clauses not run"
         return
     config.stash[_SKIP] = ""
     sources: dict[str, _Source] = {}
@@ -136,8 +170,61 @@ def model_under_test(config, key: str) -> ModelUnderTest:
         native = source.make()
         device = _device_of(native, config)
         precise, note = _float64_twin(source.make, device)
-        source.built = ModelUnderTest(key, native, precise or native, device, note)
+        precise = precise or native
+        for subject in {id(native): native, id(precise): precise}.values():
+            register_precision(subject, measure_precision(subject, device))
+        source.built = ModelUnderTest(key, native, precise, device, note)
     return source.built
+
+
+_FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    """Records the floating dtypes of every operation's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t) and t.dtype in _FLOATING:
+                self.seen.add(t.dtype)
+        return out
+
+
+def _probe_batch(subject: Subject, device, size: int):
+    """Forward arguments for ``size`` copies of one fixed all-real sample of length min(8, max_len)."""
+    length = min(8, subject.max_len)
+    g = torch.Generator().manual_seed(12345)
+    ids = torch.randint(0, subject.vocab_size - 1, (1, length), generator=g)
+    ids = torch.where(ids >= subject.pad_id, ids + 1, ids).to(device).expand(size, -1)
+    mask = torch.ones(size, length, dtype=torch.bool, device=device)
+    return (ids, ids, mask, mask) if subject.kind == "encoder_decoder" else (ids, mask)
+
+
+def measure_precision(subject: Subject, device) -> Precision:
+    """The coarsest floating dtype among a forward pass's intermediate tensors, and the relative noise of the
+    same input evaluated twice (nondeterministic kernels). Nothing that changes the batch, the padding or the
+    positions: a leak between samples or positions would show there and be taken for noise."""
+    one = _probe_batch(subject, device, 1)
+    recorder = _DtypeRecorder()
+    try:
+        with torch.no_grad():
+            with recorder:
+                first = subject.forward(*one)
+            again = subject.forward(*one)
+    except Exception:   # the model's own clauses report how it fails; measure nothing here
+        return Precision(torch.float64 if subject.module is not None else torch.float32, 0.0)
+    if not all(torch.is_tensor(t) and t.is_floating_point() for t in (first, again)):
+        return Precision(torch.float64, 0.0)
+    coarsest = max(recorder.seen or {first.dtype}, key=unit_roundoff)
+    coarsest = max((coarsest, first.dtype), key=unit_roundoff)
+    scale = float(first.double().abs().max()) or 1.0
+    noise = float((again.double() - first.double()).abs().max()) / scale
+    return Precision(coarsest, noise if noise == noise else float("inf"))
 
 
 def _device_of(subject: Subject, config) -> torch.device:

@@ -29,7 +29,7 @@ def test_autoregressive_factorisation(mut, data):
     steps = torch.stack([_log_p(forward(s, src, (y[:, :k], mask[:, :k]))[:, -1], y[:, k])
                          for k in range(1, b.length)], dim=1)
     # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
-    tol = 2 * comparison_tolerance(full)
+    tol = 2 * comparison_tolerance(full, subject=s)
     diff = (steps - one_pass).abs()
     assert diff.max() <= tol, (f"log p(y_k | y_<k) from prefix y_<k differs from the one-pass value by "
                                f"{diff.max().item():.3e} at (sample, k - 1) = "
@@ -54,7 +54,7 @@ def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
         real = mask[:, start:end]
         assert_same_output(logits[real], full[:, start:end][real],
                            f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
-                           f"vs the full forward pass")
+                           f"vs the full forward pass", subject=s)
 
 
 @clause("MODEL-KV-CACHE")

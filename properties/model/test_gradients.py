@@ -55,7 +55,7 @@ def test_padding_gets_no_gradient(mut, data):
     grad_padded = _embedding_gradient(s, padded_src, padded_tokens, padded_mask, r)[:, : b.length]
     assert_same_output(grad_padded[mask], grad[mask],
                        f"gradient at real positions with {extra} padded positions appended vs without"
-                       + (" (to the target and the source)" if src is not None else ""))
+                       + (" (to the target and the source)" if src is not None else ""), subject=s)
 
 
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
@@ -80,7 +80,7 @@ def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
     # One scale for all parameters: a gradient that is 0 in exact arithmetic (the key bias's) is rounding
     # noise of the size of the others' rounding, not of its own.
     scale = max(float(g.abs().max()) for g in together if g.numel())
-    tolerance = comparison_tolerance(torch.tensor([scale], dtype=together[0].dtype))
+    tolerance = comparison_tolerance(torch.tensor([scale], dtype=together[0].dtype), subject=s)
     for i, (name, _) in enumerate(named):
         summed = sum(sample[i] for sample in alone)
         diff = float((together[i] - summed).abs().nan_to_num(float("inf")).max()) if summed.numel() else 0.0

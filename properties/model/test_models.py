@@ -46,7 +46,7 @@ def test_causal_perturbation(mut, data):
     before = forward(s, src, (tokens, mask))
     after = forward(s, src, (changed, mask))
     assert_same_output(after[:, : i + 1], before[:, : i + 1],
-                       f"logits at positions <= {i} after changing the tokens after {i}")
+                       f"logits at positions <= {i} after changing the tokens after {i}", subject=s)
 
 
 @clause("MODEL-CAUSAL")
@@ -98,7 +98,7 @@ def test_permutation(mut, data):
     out = forward(s, None, (tokens, mask))
     permuted = forward(s, None, (tokens[:, perm], mask))
     if not s.positional:
-        assert_same_output(permuted, out[:, perm], f"output for permuted tokens vs permuted output {order}")
+        assert_same_output(permuted, out[:, perm], f"output for permuted tokens vs permuted output {order}", subject=s)
         return
     tol, how = difference_threshold(s, out, None, (tokens, mask))
     assert (permuted - out[:, perm]).abs().max() > tol, (
@@ -118,7 +118,7 @@ def test_batch_independence(mut, data):
         alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
         real = mask[k]
         assert_same_output(together[k][real], alone[0][real],
-                           f"sample {k} inside a batch of {b.size} vs alone (real positions)")
+                           f"sample {k} inside a batch of {b.size} vs alone (real positions)", subject=s)
 
 
 # -------------------------------------------------------------------------------------- MODEL-PADDING
@@ -143,7 +143,7 @@ def _padding_case(mut, data, left: bool):
     after = after[:, k_tgt:] if left else after[:, : b.length]
     side = "prepending" if left else "appending"
     assert_same_output(after[mask], before[mask], f"real positions after {side} {k_tgt} padded positions"
-                       + (f" to the target and {k_src} to the source" if src is not None else ""))
+                       + (f" to the target and {k_src} to the source" if src is not None else ""), subject=s)
 
 
 @clause("MODEL-PADDING")
@@ -167,7 +167,7 @@ def test_mask_none_means_all_real(mut, data):
     src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
     with_mask = forward(s, src, (tokens, mask))
     without = forward(s, src and (src[0], None), (tokens, None))
-    assert_same_output(without, with_mask, "mask=None vs an all-True mask")
+    assert_same_output(without, with_mask, "mask=None vs an all-True mask", subject=s)
 
 
 # ---------------------------------------------------------------------------------- MODEL-DETERMINISM
