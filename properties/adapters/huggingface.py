@@ -76,7 +76,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     "encoder_only" (the rest: last_hidden_state, or logits of a head). pad_id: config.pad_token_id, else 0.
     max_len: max_position_embeddings / n_positions, T5's relative_attention_max_distance.
     left_padding: decoders True (position ids from the mask, or positions that are relative), encoders and
-    encoder-decoders only when their positions are relative (T5; BERT's are counted from column 0).
+    encoder-decoders only when their positions are relative (T5) or counted over the non-pad tokens (RoBERTa;
+    BERT's, BART's and Marian's are counted from column 0).
     extrapolates: True for rotary and relative positions (no table to run past). decode=False: no
     decode_step (MODEL-KV-CACHE is then skipped).
     """
@@ -87,13 +88,19 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     config = model.config
     kind = kind or _kind(model)
     relative = _rotary(model) or _relative(config)
-    max_len = max_len or _max_len(config)
+    # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
+    counted = getattr(getattr(getattr(model, "base_model", model), "embeddings", None), "padding_idx", None)
+    if left_padding is None and counted is not None:
+        left_padding = True
+    table = _max_len(config)
+    max_len = max_len or (table - counted - 1 if counted is not None and table else table)
     if max_len is None:
         raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length; pass max_len=")
     pad = config.pad_token_id if pad_id is None else pad_id
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
                   pad_id=0 if pad is None else pad, module=model,
-                  extrapolates=relative if extrapolates is None else extrapolates)
+                  # None for a model without positions: the suite then accepts either outcome past max_len.
+                  extrapolates=(relative or (False if positional else None)) if extrapolates is None else extrapolates)
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     if kind == "encoder_only":

@@ -1,0 +1,170 @@
+"""Hugging Face architectures at a tiny size, random weights, no download: the conformance run's models.
+
+    pytest properties/ -m model --model examples/conformance.py:llama_eager
+    python -m properties.adapters.conformance          # every factory below, as a table
+
+Every public function here is a factory (the conformance runner lists them): hidden size 32, 2 layers,
+vocabulary 64, at most 16 to 32 positions. The ``*_bf16`` variants are the same models in bfloat16 (the
+clauses that compare two evaluations still run on a float64 copy). Weights are drawn from a fixed seed, so
+the suite's float64 twin (a second call) is the same model.
+"""
+from __future__ import annotations
+
+import torch
+
+from properties.adapters import hf_subject, require_transformers
+
+t = require_transformers()
+
+F32, BF16 = torch.float32, torch.bfloat16
+VOCAB, MAX_LEN = 64, 16
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=32, **SPECIAL)
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=MAX_LEN,
+               decoder_start_token_id=2, **SPECIAL)
+
+
+def _build(model_class, config, dtype, **init):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = model_class(config, **init)
+    return hf_subject(model.to(dtype).eval())
+
+
+# ------------------------------------------------------------------------------------------ decoders
+def gpt2(dtype=F32):
+    return _build(t.GPT2LMHeadModel, t.GPT2Config(vocab_size=VOCAB, n_positions=MAX_LEN, n_embd=32, n_layer=2,
+                                                  n_head=2, **SPECIAL), dtype)
+
+
+def llama_eager(dtype=F32, attn="eager"):
+    return _build(t.LlamaForCausalLM, t.LlamaConfig(**DECODER, num_key_value_heads=2, attn_implementation=attn), dtype)
+
+
+def llama_sdpa(dtype=F32):
+    return llama_eager(dtype, attn="sdpa")
+
+
+def mistral(dtype=F32):
+    return _build(t.MistralForCausalLM, t.MistralConfig(**DECODER, num_key_value_heads=2), dtype)
+
+
+def qwen2(dtype=F32):
+    return _build(t.Qwen2ForCausalLM, t.Qwen2Config(**DECODER, num_key_value_heads=2), dtype)
+
+
+def gpt_neox(dtype=F32):
+    return _build(t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**DECODER), dtype)
+
+
+def opt(dtype=F32):
+    return _build(t.OPTForCausalLM, t.OPTConfig(vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64,
+                                                num_hidden_layers=2, num_attention_heads=2,
+                                                max_position_embeddings=MAX_LEN, **SPECIAL), dtype)
+
+
+def phi(dtype=F32):
+    return _build(t.PhiForCausalLM, t.PhiConfig(**DECODER), dtype)
+
+
+def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a window of 4 positions
+    return _build(t.GPTNeoForCausalLM, t.GPTNeoConfig(vocab_size=VOCAB, max_position_embeddings=MAX_LEN, hidden_size=32,
+                                                      num_layers=2, num_heads=2, intermediate_size=64, window_size=4,
+                                                      attention_types=[[["global", "local"], 1]], **SPECIAL), dtype)
+
+
+# ------------------------------------------------------------------------------------------ encoders
+def bert(dtype=F32):
+    return _build(t.BertModel, t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=64, max_position_embeddings=MAX_LEN, type_vocab_size=1,
+                                            pad_token_id=0), dtype, add_pooling_layer=False)  # no pooler: unused
+
+
+def distilbert(dtype=F32):
+    return _build(t.DistilBertModel, t.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                                        max_position_embeddings=MAX_LEN, pad_token_id=0), dtype)
+
+
+def roberta(dtype=F32):  # positions padding_idx + 1 ... over the real tokens: 16 + 2 rows
+    return _build(t.RobertaModel, t.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=2, intermediate_size=64, type_vocab_size=1,
+                                                  max_position_embeddings=MAX_LEN + 2, pad_token_id=1), dtype,
+                  add_pooling_layer=False)
+
+
+# ---------------------------------------------------------------------------------- encoder-decoders
+def t5(dtype=F32):
+    return _build(t.T5ForConditionalGeneration, t.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+        relative_attention_max_distance=MAX_LEN, decoder_start_token_id=0, **SPECIAL), dtype)
+
+
+def bart(dtype=F32):
+    return _build(t.BartForConditionalGeneration, t.BartConfig(**SEQ2SEQ, forced_eos_token_id=None), dtype)
+
+
+def marian(dtype=F32):
+    return _build(t.MarianMTModel, t.MarianConfig(**SEQ2SEQ), dtype)
+
+
+# ------------------------------------------------------------------------------------ bfloat16 twins
+def gpt2_bf16():
+    return gpt2(BF16)
+
+
+def llama_eager_bf16():
+    return llama_eager(BF16)
+
+
+def llama_sdpa_bf16():
+    return llama_sdpa(BF16)
+
+
+def mistral_bf16():
+    return mistral(BF16)
+
+
+def qwen2_bf16():
+    return qwen2(BF16)
+
+
+def gpt_neox_bf16():
+    return gpt_neox(BF16)
+
+
+def opt_bf16():
+    return opt(BF16)
+
+
+def phi_bf16():
+    return phi(BF16)
+
+
+def gpt_neo_bf16():
+    return gpt_neo(BF16)
+
+
+def bert_bf16():
+    return bert(BF16)
+
+
+def distilbert_bf16():
+    return distilbert(BF16)
+
+
+def roberta_bf16():
+    return roberta(BF16)
+
+
+def t5_bf16():
+    return t5(BF16)
+
+
+def bart_bf16():
+    return bart(BF16)
+
+
+def marian_bf16():
+    return marian(BF16)

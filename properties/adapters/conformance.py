@@ -1,0 +1,132 @@
+"""The model clauses over many models, as one table: ``python -m properties.adapters.conformance``.
+
+    python -m properties.adapters.conformance [--jobs 2] [--out DIR] [--factories FILE] [--only NAME ...]
+                                              [-- PYTEST_OPTION ...]
+
+For every factory of FILE (default: the repository's examples/conformance.py; every public top-level
+function is one) it runs, ``--jobs`` at a time, in its own process::
+
+    python -m pytest <properties> -m model -q -p no:cacheprovider --model FILE:NAME --report-json DIR/json/NAME.json
+
+and writes DIR/conformance.md (one row per model, one column per clause: pass, skip or FAIL, with the
+reasons as numbered notes under the table) and DIR/conformance.json (every record, by model). The exit
+status is 1 when any clause failed or a run did not finish, else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import properties
+
+SUITE = Path(properties.__file__).resolve().parent
+DEFAULT_FACTORIES = SUITE.parent / "examples" / "conformance.py"
+
+
+def factories(path: Path) -> list[str]:
+    """The public top-level functions of `path`, in order (read without importing it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+
+
+def run_one(path: Path, name: str, out: Path, timeout: float, extra: list[str]) -> dict:
+    report = out / "json" / f"{name}.json"
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", str(SUITE), "-m", "model", "-q", "-p", "no:cacheprovider",
+               "--model", f"{path}:{name}", "--report-json", str(report), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; the runs share the machine
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail, code = [line for line in lines if line.startswith(("ERROR", "E "))][:1] or lines[-1:], proc.returncode
+    except subprocess.TimeoutExpired:
+        tail, code = [f"timed out after {timeout:.0f} s"], None
+    seconds = round(time.perf_counter() - start, 1)
+    records = json.loads(report.read_text()) if report.is_file() else []
+    error = "" if records else (tail[0] if tail else f"exit status {code}")
+    return {"model": name, "seconds": seconds, "exit_status": code, "error": error, "records": records}
+
+
+def _short(text: str, width: int) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def cell(records: list[dict], notes: dict[str, int]) -> str:
+    """pass / skip / FAIL for one model and clause, over the clause's tests; reasons become numbered notes."""
+    def note(text: str) -> str:
+        return f"[{notes.setdefault(text, len(notes) + 1)}]"
+    failed = [r for r in records if r["status"] in ("failed", "error")]
+    if failed:
+        return "FAIL " + " ".join(sorted({note(_short(f"{r['nodeid'].split('::')[-1]}: {r['message']}", 220))
+                                          for r in failed}))
+    skipped = [r for r in records if r["status"] == "skipped"]
+    reasons = " ".join(sorted({note(_short(r["message"], 90)) for r in skipped}))
+    if len(skipped) == len(records):
+        return f"skip {reasons}"
+    return f"pass, skip {reasons}" if skipped else "pass"
+
+
+def table(results: list[dict]) -> str:
+    clauses = sorted({r["clause"] for result in results for r in result["records"]})
+    notes: dict[str, int] = {}
+    lines = ["| model | " + " | ".join(clauses) + " | s |", "|---" * (len(clauses) + 2) + "|"]
+    for result in results:
+        by_clause = {c: [r for r in result["records"] if r["clause"] == c] for c in clauses}
+        if result["error"]:
+            cells = [f"no report [{notes.setdefault(_short(result['error'], 220), len(notes) + 1)}]"] * len(clauses)
+        else:
+            cells = [cell(by_clause[c], notes) if by_clause[c] else "–" for c in clauses]
+        lines.append(f"| {result['model']} | " + " | ".join(cells) + f" | {result['seconds']:.0f} |")
+    lines += ["", "Notes:", ""] + [f"{n}. {text}" for text, n in notes.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m properties.adapters.conformance", description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/conformance"), help="default outputs/conformance")
+    parser.add_argument("--factories", type=Path, default=DEFAULT_FACTORIES, help="file of factories (default "
+                        "examples/conformance.py)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these factories only")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per model (default 900)")
+    parser.add_argument("pytest_args", nargs="*", help="after --: more pytest options, e.g. -- --hypothesis-profile ci")
+    args = parser.parse_args(argv)
+    path = args.factories.resolve()
+    if not path.is_file():
+        parser.error(f"--factories {args.factories}: no such file")
+    names = factories(path)
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        parser.error(f"--only: {', '.join(unknown)} not in {path.name} ({', '.join(names)})")
+    names = [n for n in names if not args.only or n in args.only]
+    (args.out / "json").mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = []
+        for result in pool.map(lambda n: run_one(path, n, args.out, args.timeout, args.pytest_args), names):
+            failed = sum(r["status"] in ("failed", "error") for r in result["records"])
+            summary = result["error"] or f"{len(result['records'])} records, {failed} failed"
+            print(f"{result['model']:<20} {result['seconds']:6.1f} s  {summary}", flush=True)
+            results.append(result)
+    wall = time.perf_counter() - start
+    header = (f"# Conformance: model clauses over {len(results)} models\n\n`{path.name}`, {args.jobs} job(s), "
+              f"{wall:.0f} s wall time. Cells: pass, skip [note] or FAIL [note] over the clause's tests "
+              f"(a clause may have several); s: seconds per model run.\n\n")
+    (args.out / "conformance.md").write_text(header + table(results) + "\n")
+    (args.out / "conformance.json").write_text(json.dumps({"wall_s": round(wall, 1), "results": results}, indent=1))
+    print(f"{args.out / 'conformance.md'} ({wall:.0f} s)")
+    bad = any(r["error"] or any(x["status"] in ("failed", "error") for x in r["records"]) for r in results)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

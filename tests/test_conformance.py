@@ -1,0 +1,89 @@
+"""hf_subject (properties/adapters/huggingface.py) reads a Hugging Face model right: kind, vocabulary, pad id,
+length, padding claim, and a decode_step whose state carries over to the next step. A few factories of
+examples/conformance.py, built and called directly (the conformance run itself takes minutes)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers not installed (pip install 'transformer-zoo[hf]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def conformance():
+    spec = importlib.util.spec_from_file_location("_conformance_examples", ROOT / "examples" / "conformance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# (factory, kind, pad_id, max_len, left_padding, extrapolates)
+CASES = [
+    ("llama_sdpa", "decoder_only", 0, 32, True, True),      # rotary; position ids from the mask
+    ("gpt2", "decoder_only", 0, 16, True, False),           # learned table; position ids from the mask
+    ("roberta", "encoder_only", 1, 16, True, False),        # positions counted over non-pad tokens, from 2
+    ("bart", "encoder_decoder", 0, 16, False, False),
+]
+
+
+@pytest.mark.parametrize("name,kind,pad,max_len,left,extrapolates", CASES, ids=[c[0] for c in CASES])
+def test_hf_subject_fields(conformance, name, kind, pad, max_len, left, extrapolates):
+    s = getattr(conformance, name)()
+    assert (s.kind, s.vocab_size, s.pad_id, s.max_len) == (kind, 64, pad, max_len)
+    assert (s.left_padding, s.extrapolates) == (left, extrapolates)
+    assert s.module is not None and not s.module.training
+    assert s.embedding in set(s.module.modules())
+    assert (s.decode_step is None) == (kind == "encoder_only")
+
+
+def _inputs(b: int, length: int, seed: int):
+    tokens = torch.randint(3, 64, (b, length), generator=torch.Generator().manual_seed(seed))
+    return tokens, torch.ones(b, length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("name", ["llama_sdpa", "bart"])
+def test_decode_step_state_carries_over(conformance, name):
+    s = conformance.__dict__[name]()
+    tgt, mask = _inputs(2, 5, 0)
+    src, src_mask = _inputs(2, 4, 1)
+    with torch.no_grad():
+        if s.kind == "encoder_decoder":
+            full = s.forward(src, tgt, src_mask, mask)
+            first, state = s.decode_step(src, tgt[:, :3], src_mask, mask[:, :3], None)
+            second, state = s.decode_step(src, tgt[:, 3:], src_mask, mask, state)
+        else:
+            full = s.forward(tgt, mask)
+            first, state = s.decode_step(tgt[:, :3], mask[:, :3], None)
+            second, state = s.decode_step(tgt[:, 3:], mask, state)
+    assert first.shape == (2, 3, 64) and second.shape == (2, 2, 64)
+    torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_left_padding_positions_from_the_mask(conformance):
+    s = conformance.llama_sdpa()
+    tokens, mask = _inputs(1, 4, 2)
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), tokens], 1)
+    padded_mask = torch.cat([torch.zeros(1, 2, dtype=torch.bool), mask], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(s.forward(padded, padded_mask)[:, 2:], s.forward(tokens, mask),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_not_a_transformers_model():
+    from properties.adapters import hf_subject
+    from properties.core.subject import SubjectError
+    with pytest.raises(SubjectError, match="PreTrainedModel"):
+        hf_subject(torch.nn.Linear(2, 2))
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    import sys
+    from properties.adapters import require_transformers
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(ImportError, match=r"transformer-zoo\[hf\]"):
+        require_transformers()
