@@ -217,6 +217,9 @@ def test_every_parameter_gets_a_gradient(mut, data):
     # Two real positions at least: with one key, softmax weights are constant and the query and key
     # projections get exactly zero gradient although they are used.
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False)
+    # And two different tokens: without positions, equal tokens give equal keys, constant weights again.
+    if bool(tokens[0, 1] == tokens[0, 0]):
+        tokens[0, 1] = other_real_tokens(tokens[0, :1], b.seed, s)[0]
     named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
     with torch.enable_grad():
         out = call_subject(s, *subject_args(src, tokens, mask))
