@@ -65,6 +65,33 @@ def _use_suite_profiles() -> None:
     settings.load_profile("default")
 
 
+_SEED = pytest.StashKey[int]()
+
+
+def _fix_seed(config) -> None:
+    """Every suite run has one Hypothesis seed, printed in the header and after failures, so that a failure
+    reproduces with --hypothesis-seed=N (given, it is honoured; otherwise one is drawn)."""
+    seed = getattr(config.option, "hypothesis_seed", None)
+    if seed is None:
+        import random
+        seed = random.SystemRandom().randrange(2**31)
+        config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
+    config.stash[_SEED] = seed
+
+
+def pytest_report_header(config):
+    if _SEED in config.stash:
+        seed = config.stash[_SEED]
+        return f"spec suite: Hypothesis seed {seed} (reproduce with --hypothesis-seed={seed})"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SEED in config.stash and terminalreporter.stats.get("failed"):
+        seed = config.stash[_SEED]
+        terminalreporter.write_line(f"spec suite: reproduce these failures with --hypothesis-seed={seed} "
+                                    f"(the counterexamples above are also kept in .hypothesis/)")
+
+
 def _targets_suite(config) -> bool:
     """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
     properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
@@ -187,6 +214,7 @@ def pytest_unconfigure(config):
 def pytest_configure(config):
     if _targets_suite(config):
         _use_suite_profiles()
+        _fix_seed(config)
         _interrupt_on_sigterm(config)
     report_json = config.getoption("--report-json", None)
     if report_json and (problem := _report_path_problem(report_json)):
