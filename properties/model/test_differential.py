@@ -1,0 +1,263 @@
+"""Differential clauses (SPEC.md, "Decoding and differential clauses"): the model under test against the model
+``--reference`` names — outputs (MODEL-DIFF-FORWARD), parameter gradients (MODEL-DIFF-GRADIENT) and cached decoding
+(MODEL-DIFF-DECODE). Skipped, with the reason, without ``--reference``.
+
+Each clause runs twice: on the float64 twins (both models cast to float64, where a defect of a percent stands far
+above rounding) and on the models as built (where a fast path that only the narrow dtype takes shows). The bound is
+the sum of what each model's own precision allows: its comparison tolerance (2^21 u max|y| for a float64
+computation, else 16 u_eff max|y| or 16 times its noise measured at start-up; properties/model/checks.py) plus 16
+times its noise measured on the very input of the example (each sample inside the batch against alone).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from properties import clause
+from properties.model.checks import (DECODERS, EXAMPLES, OWN_NOISE, Batch, batches, call_subject,
+                                     comparison_tolerance, model_settings, only, real_tokens, subject_args)
+from properties.reference import reference_of
+
+DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)
+ARRANGEMENTS = ("float64", "as-built")
+
+
+@pytest.fixture(scope="session")
+def reference(pytestconfig):
+    ref = reference_of(pytestconfig)
+    if ref is None:
+        pytest.skip("no --reference given: the differential clauses compare the model with a reference model")
+    return ref
+
+
+def _pair(mut, reference, arrangement: str):
+    """(model under test, reference) in the arrangement; a skip when it does not exist."""
+    if arrangement == "as-built":
+        return mut.native, reference.native
+    if mut.precise is mut.native or reference.precise is reference.native:
+        pytest.skip(f"no float64 pair ({mut.precise_note or reference.note or 'no float64 twin'}): "
+                    f"the models are compared as built")
+    return mut.precise, reference.precise
+
+
+def _common_ids(ids: torch.Tensor, mask: torch.Tensor, a, r) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids each model sees: real ids that are neither model's pad id, each model's own pad id elsewhere."""
+    if a.pad_id != r.pad_id:
+        third = next(i for i in range(3) if i not in (a.pad_id, r.pad_id))
+        ids = torch.where(ids == r.pad_id, torch.full_like(ids, third), ids)
+    pad = lambda s: torch.where(mask, ids, torch.full_like(ids, s.pad_id))  # noqa: E731
+    return pad(a), pad(r)
+
+
+def _draw_inputs(data, a, r, device, *, min_len=1, max_size=3):
+    """Per model (src, tgt) as (tokens, mask); src None unless encoder-decoder; the Batch of the target."""
+    limit = min(8, a.max_len, r.max_len)
+    tb = data.draw(batches(limit, min_len=min_len, max_size=max_size), label="batch")
+    sb = data.draw(batches(limit, size=tb.size), label="source") if a.kind == "encoder_decoder" else None
+
+    def sides(b: Batch, offset: int):
+        ids = real_tokens(torch.Generator().manual_seed(b.seed + offset), (b.size, b.length), a, device)
+        return _common_ids(ids, b.mask(device), a, r) + (b.mask(device),)
+    ta, tr, tm = sides(tb, 0)
+    if sb is None:
+        return (None, (ta, tm)), (None, (tr, tm)), tb
+    sa, sr, sm = sides(sb, 2**17)
+    return ((sa, sm), (ta, tm)), ((sr, sm), (tr, tm)), tb
+
+
+def _run(s, src, tgt, rows=slice(None)):
+    part = src and (src[0][rows], src[1][rows])
+    return call_subject(s, *subject_args(part, tgt[0][rows], tgt[1][rows]))
+
+
+def _noise(s, src, tgt) -> float:
+    """max |f(batch)_b - f(sample b alone)| over samples and real positions: rounding no defect can cause."""
+    with torch.no_grad():
+        together = _run(s, src, tgt).double()
+        worst = 0.0
+        for b in range(tgt[0].shape[0]):
+            alone = _run(s, src, tgt, slice(b, b + 1)).double()[0]
+            diff = (together[b] - alone).abs()[tgt[1][b]]
+            worst = max(worst, float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0)
+    return worst
+
+
+def _bound(a, r, ya, yr, noise_a, noise_r) -> tuple[float, str]:
+    ta, tr = comparison_tolerance(ya, a), comparison_tolerance(yr, r)
+    bound = ta + tr + OWN_NOISE * (noise_a + noise_r)
+    return bound, (f"{ta:.1e} + {tr:.1e} (each model's own tolerance) + {OWN_NOISE} x ({noise_a:.1e} + "
+                   f"{noise_r:.1e}) (their noise measured on this input)")
+
+
+def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
+    """The first index (in row-major order) where diff exceeds bound, or None."""
+    over = (diff.nan_to_num(float("inf")) > bound).nonzero()
+    return tuple(int(i) for i in over[0]) if len(over) else None
+
+
+# --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD
+@clause("MODEL-DIFF-FORWARD")
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+@model_settings
+@given(data=st.data())
+def test_outputs_agree_with_the_reference(mut, reference, arrangement, data):
+    a, r = _pair(mut, reference, arrangement)
+    (src_a, tgt_a), (src_r, tgt_r), b = _draw_inputs(data, a, r, mut.device)
+    with torch.no_grad():
+        ya, yr = _run(a, src_a, tgt_a), _run(r, src_r, tgt_r)
+    if ya.shape != yr.shape:
+        raise AssertionError(f"output shapes differ: {tuple(ya.shape)} (model under test) vs {tuple(yr.shape)} "
+                             f"(reference {reference.spec})")
+    mask = tgt_a[1]
+    bound, how = _bound(a, r, ya[mask], yr[mask], _noise(a, src_a, tgt_a), _noise(r, src_r, tgt_r))
+    diff = (ya.double() - yr.double()).abs().amax(-1).masked_fill(~mask, 0)      # (B, L)
+    first = _first_parting(diff, bound)
+    if first is not None:
+        worst = float(diff.nan_to_num(float("inf")).max())
+        raise AssertionError(
+            f"{arrangement}: the outputs part from the reference {reference.spec} first at (sample, position) "
+            f"{first} by {float(diff[first]):.3e} (largest difference {worst:.3e}, max|y| "
+            f"{float(yr[mask].abs().max()):.3e}); bound {bound:.3e} = {how} [batch of real lengths {b.real}]")
+
+
+# -------------------------------------------------------------------------------------- MODEL-DIFF-GRADIENT
+def _loss_gradients(s, src, tgt, r, rows=slice(None)) -> dict[str, torch.Tensor]:
+    named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        out = _run(s, src, tgt, rows)
+        loss = (out * r[rows, : out.shape[1]].to(out))[tgt[1][rows]].sum()
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {n: (torch.zeros_like(p) if g is None else g).double() for (n, p), g in zip(named, grads)}
+
+
+def _gradient_noise(s, src, tgt, r, names) -> tuple[dict, float]:
+    """The batch's gradients and max |batch gradient - sum of the samples' gradients| over ``names``."""
+    together = _loss_gradients(s, src, tgt, r)
+    alone = [_loss_gradients(s, src, tgt, r, slice(b, b + 1)) for b in range(tgt[0].shape[0])]
+    worst = 0.0
+    for n in names:
+        diff = (together[n] - sum(sample[n] for sample in alone)).abs()
+        worst = max(worst, float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0)
+    return together, worst
+
+
+@clause("MODEL-DIFF-GRADIENT")
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+@settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@given(data=st.data())
+def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
+    a, r = _pair(mut, reference, arrangement)
+    for s, who in ((a, "the model under test"), (r, f"the reference {reference.spec}")):
+        if s.module is None:
+            pytest.skip(f"Subject.module is None for {who}: its parameters are unknown")
+    params_a = {n: p for n, p in a.module.named_parameters() if p.requires_grad}
+    params_r = {n: p for n, p in r.module.named_parameters() if p.requires_grad}
+    common = [n for n in params_r if n in params_a and params_a[n].shape == params_r[n].shape]
+    unmatched = sorted(set(params_a) ^ set(params_r)) + [n for n in params_r if n in params_a and n not in common]
+    listing = f"{len(unmatched)} parameter(s) not matched by name and shape: {unmatched[:12]}" if unmatched else ""
+    if not common:
+        pytest.skip(f"no parameter name is shared with the reference: {listing}")
+    (src_a, tgt_a), (src_r, tgt_r), b = _draw_inputs(data, a, r, mut.device, min_len=2)
+    with torch.no_grad():
+        shape = tuple(_run(r, src_r, tgt_r).shape)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
+    ga, noise_a = _gradient_noise(a, src_a, tgt_a, weights, common)
+    gr, noise_r = _gradient_noise(r, src_r, tgt_r, weights, common)
+    # One scale for all parameters (MODEL-GRAD-BATCH): a gradient that is 0 in exact arithmetic carries the
+    # rounding of the others, not of its own size.
+    scale = max(float(gr[n].abs().max()) for n in common if gr[n].numel())
+    dtype_a, dtype_r = next(iter(params_a.values())).dtype, next(iter(params_r.values())).dtype
+    bound, how = _bound(a, r, torch.tensor([scale], dtype=dtype_a), torch.tensor([scale], dtype=dtype_r),
+                        noise_a, noise_r)
+    for n in common:
+        diff = (ga[n] - gr[n]).abs()
+        first = _first_parting(diff, bound)
+        if first is not None:
+            raise AssertionError(
+                f"{arrangement}: d{n} parts from the reference's first at index {first}: {float(ga[n][first]):.4e} vs "
+                f"{float(gr[n][first]):.4e} (difference {float(diff[first]):.3e}, largest in d{n} "
+                f"{float(diff.nan_to_num(float('inf')).max()):.3e}; max |gradient| {scale:.3e}); bound {bound:.3e} = "
+                f"{how}" + (f"; {listing}" if listing else "") + f" [batch of real lengths {b.real}]")
+    if unmatched:
+        warnings.warn(f"MODEL-DIFF-GRADIENT compared {len(common)} parameters; {listing}")
+
+
+# ---------------------------------------------------------------------------------------- MODEL-DIFF-DECODE
+@st.composite
+def decode_schedules(draw, length: int) -> tuple[int, tuple[int, ...]]:
+    """(prefill, chunk sizes) covering ``length`` positions: drawn chunks, then one-token steps to the end."""
+    prefill = draw(st.integers(1, min(8, length - 1)), label="prefill")
+    room, chunks = length - prefill, []
+    for c in draw(st.lists(st.integers(1, 8), max_size=6), label="first chunk sizes"):
+        if c > room:
+            break
+        chunks.append(c)
+        room -= c
+    return prefill, tuple(chunks) + (1,) * room
+
+
+@clause("MODEL-DIFF-DECODE")
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+@settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@given(data=st.data())
+def test_cached_decoding_agrees_with_the_reference(mut, reference, arrangement, data):
+    a, r = _pair(mut, reference, arrangement)
+    only(a, *DECODERS)
+    for s, who in ((a, "the model under test"), (r, f"the reference {reference.spec}")):
+        if s.decode_step is None:
+            pytest.skip(f"Subject.decode_step is None for {who}: no cached decoding to compare")
+    length = min(a.max_len, r.max_len, DIFF_DECODE_LEN)
+    if length < 2:
+        pytest.skip(f"max_len {length}: nothing to decode after a prefill")
+    prefill, chunks = data.draw(decode_schedules(length), label="schedule")
+    size = data.draw(st.integers(1, 2), label="batch size")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    ids = real_tokens(torch.Generator().manual_seed(seed), (size, length), a, mut.device)
+    ones = torch.ones(size, length, dtype=torch.bool, device=mut.device)
+    ta, tr = _common_ids(ids, ones, a, r)
+    src_a = src_r = None
+    if a.kind == "encoder_decoder":
+        sb = data.draw(batches(min(8, a.max_len, r.max_len), size=size), label="source")
+        sa, sr = _common_ids(real_tokens(torch.Generator().manual_seed(sb.seed), (size, sb.length), a, mut.device),
+                             sb.mask(mut.device), a, r)
+        src_a, src_r = (sa, sb.mask(mut.device)), (sr, sb.mask(mut.device))
+    cuts = [0, prefill, *(prefill + c for c in torch.tensor(chunks).cumsum(0).tolist())]
+
+    def decode(s, src, tokens):
+        out, state = [], None
+        for start, end in zip(cuts, cuts[1:]):
+            def step(*args):
+                nonlocal state
+                logits, state = s.decode_step(*args, state)
+                return logits
+            with torch.no_grad():
+                out.append(call_subject(s, *subject_args(src, tokens[:, start:end], ones[:, :end]), fn=step))
+        return out
+    da, dr = decode(a, src_a, ta), decode(r, src_r, tr)
+    bound, how = _bound(a, r, torch.cat(da, 1), torch.cat(dr, 1),
+                        _noise(a, src_a, (ta, ones)), _noise(r, src_r, (tr, ones)))
+    for step, (x, y) in enumerate(zip(da, dr)):
+        diff = (x.double() - y.double()).abs().amax(-1)                 # (B, n)
+        first = _first_parting(diff, bound)
+        if first is not None:
+            position = cuts[step] + first[1]
+            raise AssertionError(
+                f"{arrangement}: cached decoding parts from the reference {reference.spec} first at step {step} "
+                f"(positions {cuts[step]}..{cuts[step + 1] - 1}), sample {first[0]}, position {position}, by "
+                f"{float(diff[first]):.3e}; bound {bound:.3e} = {how} [prefill {prefill}, then chunks "
+                f"{_runs(chunks)} up to {length} positions]")
+
+
+def _runs(chunks) -> str:
+    """(1, 1, 1, 3, 1, 1) -> '1 x3, 3, 1 x2': a schedule in one short line."""
+    out, i = [], 0
+    while i < len(chunks):
+        j = i
+        while j < len(chunks) and chunks[j] == chunks[i]:
+            j += 1
+        out.append(f"{chunks[i]}" + (f" x{j - i}" if j - i > 1 else ""))
+        i = j
+    return ", ".join(out)
