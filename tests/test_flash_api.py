@@ -158,3 +158,30 @@ def test_flash_attn_adapter_passes_the_flash_clauses(tmp_path):  # pragma: no co
                    "--dtype", "float16", "--dtype", "bfloat16", "--window-right-below-lk",
                    "--kernel", "examples/flash_attn_adapter.py:flash_attn_func", "--hypothesis-profile", "quick")
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_window_right_below_lk_restricts_the_drawn_windows():
+    from hypothesis import given, settings, strategies as st
+
+    from properties.core.flash import set_window_right_below_lk, windows
+
+    @settings(max_examples=200, database=None)
+    @given(data=st.data(), lk=st.integers(1, 9))
+    def draws(data, lk):
+        left, right = data.draw(windows(lk, bounded=True))
+        assert 0 <= right < lk and left >= -1
+
+    set_window_right_below_lk(True)
+    try:
+        draws()
+    finally:
+        set_window_right_below_lk(False)
+
+
+def test_flash_example_based_baseline_passes_the_reference_and_catches_a_bug():
+    from properties.catalog import flash_example_based
+
+    correct = flash_example_based.run(flash.flash_attn_varlen_packed, "flash-varlen")
+    assert correct.cases == len(flash_example_based.GRID) and not correct.failures, correct.failures[:3]
+    broken = flash_example_based.run(flash_bugs.kvcache_leftpad_ignored, "flash-kvcache", stop_first=True)
+    assert broken.caught and "leftpad" in broken.failures[0], broken.failures[:1]
