@@ -13,8 +13,10 @@ oracle's scores are exactly the flash scores and the SDPA rounding model applies
 bias cost a kernel a few more roundings than the model's E + 5 (the division by c, ``tanh`` within 4u, the
 multiplication by c, the ALiBi product and its addition: at most 16u·(σ Σ|q k| + |m|) together, since
 c·tanh(x/c) is 1-Lipschitz and |c·tanh(x/c)| ≤ |x|); they are counted by lengthening the dot product by
-``FEATURE_ROUNDINGS`` zero features, which changes no score and raises γ(E + 5) to γ(E + 21). Without softcap
-and ALiBi the bound is exactly the SDPA one.
+``FEATURE_ROUNDINGS`` zero features, which changes no score and raises γ(E + 5) to γ(E + 21). The slopes are
+float32 (the API's dtype) and a kernel may form the bias in float32 whatever the inputs' dtype (flash-attn does; so
+does plain ``slopes * distance`` with an integer distance): with ALiBi, a float64 kernel is held to float32's u.
+Without softcap and ALiBi the bound is exactly the SDPA one.
 """
 from __future__ import annotations
 
@@ -118,6 +120,8 @@ def flash_bounds(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, 
         target = target + alibi_bias(alibi_slopes, b, h, lq, lk)
     allowed = flash_allowed(lq, lk, causal=causal, window_size=tuple(window_size))
     mask = torch.where(allowed, target - raw, torch.full_like(raw, -math.inf))
+    if alibi_slopes is not None and torch.finfo(dtype).eps < torch.finfo(torch.float32).eps:
+        dtype = torch.float32   # the bias may be formed in its slopes' float32 (module docstring)
     bounds = softmax_bounds(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True, dtype=dtype)
     output = bounds.reference.output.transpose(1, 2)
     return FlashBounds(bounds, output, bounds.reference.no_key_rows.transpose(1, 2), vh)

@@ -3,8 +3,8 @@
 A ``FlashKernel`` is the user's function with one of the three APIs (``flash``, ``flash-varlen``,
 ``flash-kvcache``; properties/plugin.py's ``--kernel-api``). Every call goes through it: an exception, an output
 of the wrong shape, dtype or device, or NaN/Inf becomes an ``AssertionError`` (a failure of the clause the property
-is bound to), except that a kernel may decline a feature: ``NotImplementedError``, or a ``RuntimeError`` whose
-message says the combination is not supported (flash-attn's own wording, e.g. "Paged KVcache does not support
+is bound to), except that a kernel may decline a feature: ``NotImplementedError``, a ``TypeError`` for an optional
+feature's keyword (an older signature without ``cache_leftpad``, say), or a ``RuntimeError`` whose message says the combination is not supported (flash-attn's own wording, e.g. "Paged KVcache does not support
 cache_batch_idx", "Softcapping does not support dropout"), is ``Unsupported``. The clauses of that feature are then
 skipped with the kernel's message, and drawn problems of the other clauses leave the feature out
 (``FlashKernel.unsupported``, probed once per device on a tiny problem), so the report lists what was not covered.
@@ -38,9 +38,17 @@ class Unsupported(Exception):
     """The kernel declined a feature (NotImplementedError, or flash-attn's 'does not support' RuntimeError)."""
 
 
+# Keywords of optional features: a kernel whose signature lacks one (TypeError "unexpected keyword argument")
+# declines that feature, as GQA-HEADS treats enable_gqa.
+OPTIONAL_KEYWORDS = ("dropout_p", "window_size", "softcap", "alibi_slopes", "k", "v", "cache_batch_idx",
+                     "cache_leftpad", "block_table")
+
+
 def _is_unsupported(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
+    if isinstance(exc, TypeError):
+        return any(f"unexpected keyword argument '{kw}'" in str(exc) for kw in OPTIONAL_KEYWORDS)
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _UNSUPPORTED_WORDS)
 
 
