@@ -37,6 +37,7 @@ class Entry:
     expected: tuple[str, ...]
     option: str       # --kernel | --zoo | --model ("" for the plain run on the zoo's own parts)
     argument: str
+    extra: tuple[str, ...] = ()   # further words after OPTION ARGUMENT, e.g. ("--reference", "pkg.module:factory")
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -56,7 +57,7 @@ class Entry:
     @property
     def plug_in(self) -> list[str]:
         """The command-line words that plug the implementation in."""
-        return [self.option, self.argument] if self.option else []
+        return ([self.option, self.argument] if self.option else []) + list(self.extra)
 
     def resolved_argument(self, root: Path | None) -> str | None:
         """The argument with a relative ``.py`` path made absolute against ``root`` (None if absent)."""
@@ -92,6 +93,21 @@ def _module(name, mechanism, overrides, *expected):
 
 def _model(name, mechanism, *expected):
     return Entry(name, "model", mechanism, expected, "--model", f"{_Z}:{name}")
+
+
+_DB, _DIFF = "properties.catalog.decode_bugs", "properties.catalog.differential"
+
+
+def _decode_bug(name):
+    """A model whose cached decoding of a left-padded batch is wrong and whose forward pass is right."""
+    from properties.catalog.decode_bugs import BUGS
+    return Entry(name, "model", BUGS[name], ("MODEL-BATCHED-DECODING",), "--model", f"{_DB}:{name}")
+
+
+def _fast(name, *expected):
+    """A "fast" model that differs from its reference (differential.reference: the same weights, the zoo's math)."""
+    from properties.catalog.differential import BUGS
+    return Entry(name, "model", BUGS[name], expected, "--model", f"{_DIFF}:{name}", ("--reference", f"{_DIFF}:reference"))
 
 
 CATALOG: list[Entry] = [
@@ -220,6 +236,13 @@ CATALOG: list[Entry] = [
            "MODEL-KV-CACHE"),
     _model("positions_not_added", "position codes computed but never added to the embeddings",
            "MODEL-PERMUTATION"),
+    # ------------------------- decode-path bugs (MODEL-BATCHED-DECODING) and fast models vs a reference (MODEL-DIFF-*)
+    *(_decode_bug(name) for name in ("one_token_positions_from_columns", "one_token_step_attends_padding",
+                                     "cache_keeps_last_block", "long_chunk_causal_top_left")),
+    _fast("softmax_scale_off", "MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE"),
+    _fast("attention_bias_dropped", "MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE"),
+    _fast("one_layer_wrong_backward", "MODEL-DIFF-GRADIENT"),
+    _fast("split_kv_decode_drops_last_block", "MODEL-DIFF-DECODE"),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
@@ -251,6 +274,12 @@ CORRECT: list[Entry] = [
     Entry("HF GPT-2", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:gpt2"),
     Entry("HF BERT", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bert"),
     Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
+    Entry("HF-style decoder", "model", "decode_bugs.TinyLM, the model the decode-path bugs vary", (), "--model",
+          f"{_DB}:tiny_lm"),
+    Entry("memory_efficient vs math", "model", "the zoo's memory-efficient kernel (16-key blocks) against the math "
+          "kernel, the same weights", (), "--model", f"{_DIFF}:memory_efficient", ("--reference", f"{_DIFF}:reference")),
+    Entry("torch vs math (enc-dec)", "model", "an encoder-decoder on PyTorch's SDPA against the math kernel, the same "
+          "weights", (), "--model", f"{_DIFF}:torch_encoder_decoder", ("--reference", f"{_DIFF}:reference")),
 ]
 
 

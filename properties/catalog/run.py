@@ -109,7 +109,7 @@ def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence
     if argument is None:
         return None
     cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
-           *([entry.option, argument] if entry.option else []), "--report-json", str(report)]
+           *([entry.option, argument] if entry.option else []), *entry.extra, "--report-json", str(report)]
     if level and entry.option == "--zoo":  # --zoo runs every level; the kernel tests then check the default kernels
         cmd += ["--catalog-level", entry.level]
     for clause in clauses:
