@@ -49,15 +49,39 @@ def test_verify_prints_the_table_and_writes_every_report(tmp_path):
         assert f"]({picture})" in markdown
 
 
+# The same slip in a kernel that also has no mask support: it raises on every call with a mask, the attention
+# picture's among them.
+BROKEN_KERNEL_WITHOUT_MASKS = BROKEN_KERNEL + '''
+
+_scaled_wrongly = attention
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None:
+        raise NotImplementedError("this kernel has no mask support")
+    return _scaled_wrongly(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
+'''
+
+
 def test_a_failing_clause_gives_status_1_and_its_counterexample(tmp_path):
-    (tmp_path / "broken.py").write_text(BROKEN_KERNEL)
+    # A relative kernel path: the suite's child process, which runs elsewhere, must still find the file.
+    (tmp_path / "broken.py").write_text(BROKEN_KERNEL_WITHOUT_MASKS)
     out = tmp_path / "out"
-    result = zoo("model=encoder_only", f"attention.kernel={tmp_path / 'broken.py'}:attention", "task=verify",
+    result = zoo("model=encoder_only", "attention.kernel=broken.py:attention", "task=verify",
                  "task.profile=quick", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr
     report = json.loads((out / "report.json").read_text())
     failed = {row["clause"]: row for row in report["clauses"] if row["status"] == "failed"}
-    assert "SCALE-DEFAULT" in failed
+    assert "SCALE-DEFAULT" in failed and report["status"] == "failed" and report["exit_status"] == 1
+    # The picture the kernel cannot draw is noted; the others are drawn; the report is whole.
+    assert list(report["figure_notes"]) == ["Attention weights of each layer type"]
+    assert "NotImplementedError: this kernel has no mask support" in report["figure_notes"][
+        "Attention weights of each layer type"]
+    markdown = (out / "report.md").read_text()
+    assert "- Attention weights of each layer type: not drawn: NotImplementedError" in markdown
+    assert "](positional.png)" in markdown and (out / "positional.png").is_file()
+    assert "<testsuite" in (out / "junit.xml").read_text()
     assert "Case(" in failed["SCALE-DEFAULT"]["counterexample"]
     assert "SCALE-DEFAULT" in result.stdout and "failed" in result.stdout
 
@@ -85,11 +109,14 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
         if line.startswith("verifying:") or time.monotonic() > deadline:
             break
     time.sleep(3)
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert children, "the suite's child process is not running"
     os.killpg(process.pid, signal.SIGINT)
-    process.communicate(timeout=120)
-    assert process.returncode != 0
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130 and output.strip().splitlines()[-1] == "zoo: interrupted", output[-2000:]
     assert not [p.name for p in out.glob("report*")] + [p.name for p in out.glob(".report*")]
     assert not (out / "junit.xml").exists()
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
 
 
 def test_default_command_shows_the_card_then_a_quick_verification(tmp_path):

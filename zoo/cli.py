@@ -1,21 +1,26 @@
 """``python -m zoo [overrides]``: compose the config, check it, and run the chosen task."""
 from __future__ import annotations
 
+import os
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from zoo.config.builder import compose_config, model_from_config
-from zoo.config.schema import ConfigError, validate
+from zoo.config.builder import ModelTooLarge, check_fits, compose_config, model_from_config
+from zoo.config.schema import ConfigError, integral_overrides, validate
 from zoo.io.checkpoint import CheckpointError
 from zoo.tasks.generate import generate_task
+from zoo.tasks.interrupts import Interrupted, stop_on_sigterm
 from zoo.tasks.summary import model_card, random_inputs, timed_forward
 from zoo.tasks.train import train_task
 
 __all__ = ["main"]
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch < 2.5: cuda's
 
 # Flags after which Hydra itself answers (help, config printing) or sweeps: no pre-check then.
 _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-m", "--multirun",
@@ -84,6 +89,8 @@ def project_help() -> str:
         "                                           (also path/to/file.py:fn)",
         "  attention._target_=pkg.mod.MyAttention   your class in place of a part (likewise ffn., norm., pos._target_),",
         "                                           called with the node's keys plus device= and dtype=",
+        "  allow_plugins=true                       let task=generate / task.resume=true import the plug-in paths a",
+        "                                           checkpoint names (by default only the zoo's own classes and kernels)",
         "",
         "verify your own implementation with the spec suite (pytest; python -m properties ... is the same):",
         f"  pytest --pyargs properties --kernel pkg.mod:fn          the kernel clauses (or {'|'.join(sorted(KERNELS))})",
@@ -116,6 +123,7 @@ def _verify(cfg: DictConfig, model, profile: str) -> None:
 
 
 def run(cfg: DictConfig) -> None:
+    check_fits(cfg)
     torch.manual_seed(cfg.seed)
     model = model_from_config(cfg)
     print(model_card(cfg, model))
@@ -130,6 +138,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def verify_task(cfg: DictConfig) -> None:
+    check_fits(cfg)
     torch.manual_seed(cfg.seed)
     model = model_from_config(cfg)
     print(model_card(cfg, model) + "\n")
@@ -176,20 +185,117 @@ def _hydra_main(cfg: DictConfig) -> None:
         _exit_with(error)
     try:  # a task finds some problems only once it runs (data vs model, a checkpoint): still one line
         TASKS[cfg.task.name](cfg)
+    except ModelTooLarge as error:
+        print(f"zoo: model too large: {error}", file=sys.stderr)
+        sys.exit(2)
     except ConfigError as error:
         _exit_with(error)
     except CheckpointError as error:
         print(f"zoo: bad checkpoint: {error}", file=sys.stderr)
         sys.exit(2)
+    except (_OUT_OF_MEMORY, MemoryError) as error:
+        print(f"zoo: out of memory: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
+              file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as error:  # the CPU allocator says it this way
+        if "can't allocate memory" not in str(error):
+            raise
+        print(f"zoo: out of memory: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as error:  # a file or directory that cannot be read or written
+        where = f": {error.filename}" if error.filename else ""
+        print(f"zoo: {error.strerror or type(error).__name__}{where}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _fits(cfg: DictConfig) -> None:
+    """Refuse a model too large for its device before Hydra starts (and before a byte of it is allocated)."""
+    if cfg.task.name in ("run", "verify"):
+        check_fits(cfg)
+    elif cfg.task.name == "train":
+        from zoo.tasks.train import fit_config_to_data
+        check_fits(fit_config_to_data(cfg)[0], training=True)
+
+
+def _given(arguments: list[str], key: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in arguments if a.split("=", 1)[0].lstrip("+~") == key and "=" in a]
+    return values[-1] if values else None
+
+
+def _unique_output_dirs(arguments: list[str]) -> list[str]:
+    """Hydra's default output directory (outputs/DATE/TIME) is shared by two runs started in the same second;
+    unless one is given, name it after the time to the microsecond and the process id, which no two running
+    processes share (likewise a sweep's multirun/DATE/TIME)."""
+    now = datetime.now()
+    stamp = f"{now:%H-%M-%S}-{now:%f}-{os.getpid()}"
+    extra = []
+    if _given(arguments, "hydra.run.dir") is None:
+        extra.append(f"hydra.run.dir=outputs/{now:%Y-%m-%d}/{stamp}")
+    if _given(arguments, "hydra.sweep.dir") is None:
+        extra.append(f"hydra.sweep.dir=multirun/{now:%Y-%m-%d}/{stamp}")
+    return extra
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a directory cannot be created or written into, or None."""
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        if not target.is_dir():
+            return f"{target} exists and is not a directory"
+        if not os.access(target, os.W_OK | os.X_OK):
+            return f"{target} is not writable"
+        return None
+    ancestor = next((p for p in target.parents if p.exists()), None)
+    if ancestor is None:
+        return None
+    if not ancestor.is_dir():
+        return f"cannot create {target}: {ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create {target}: {ancestor} is not writable"
+    return None
+
+
+def _check_output_dir(arguments: list[str]) -> None:
+    value = _given(arguments, "hydra.run.dir")
+    if value is None:
+        return
+    from omegaconf import OmegaConf
+    try:  # a literal path or one with ${now:...}; other interpolations only Hydra can resolve
+        path = str(OmegaConf.create({"dir": value.strip("'\"")}).dir)
+    except Exception:
+        return
+    problem = _unwritable(path)
+    if problem:
+        print(f"zoo: hydra.run.dir={value}: the output directory cannot be written: {problem}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
-    arguments = sys.argv[1:]
+    stop_on_sigterm()
+    try:
+        _main()
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line (the task's own, if it said where it stopped)
+        message = str(stop) if isinstance(stop, Interrupted) else "interrupted"
+        print(f"zoo: {message}", file=sys.stderr, flush=True)
+        sys.exit(getattr(stop, "status", 130))
+
+
+def _main() -> None:
+    arguments = integral_overrides(sys.argv[1:])
     if "--help" in arguments or "-h" in arguments:
         print(project_help(), flush=True)
-    if not any(a.split("=")[0] in _HYDRA_FLAGS for a in arguments):
+    hydra_flags = any(a.split("=")[0] in _HYDRA_FLAGS for a in arguments)
+    if not hydra_flags:
         try:  # Hydra's own errors span several lines; compose first to say them in one
-            compose_config(arguments)
+            _fits(compose_config(arguments))
+        except ModelTooLarge as error:
+            print(f"zoo: model too large: {error}", file=sys.stderr)
+            sys.exit(2)
         except ConfigError as error:
             _exit_with(error)
+        _check_output_dir(arguments)
+    if not any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+               for a in arguments):
+        arguments = arguments + _unique_output_dirs(arguments)
+    sys.argv[1:] = arguments
     _hydra_main()

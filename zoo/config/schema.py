@@ -9,6 +9,7 @@ line naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -26,8 +27,8 @@ from zoo.config.options import DTYPES, PARTS
 from zoo.config.plugins import PluginError, locate
 from zoo.tasks.data import DATA_TASKS
 
-__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype"]
-
+__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
+           "integral_overrides"]
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,10 @@ class ZooSchema:
     pos: Any = MISSING
     task: Any = MISSING
     data: Any = MISSING  # conf/data: the synthetic task that task=train and task=generate use
+    # Loading a checkpoint (task=generate, task=train task.resume=true) imports and calls only the zoo's own
+    # classes and kernels; true (on the command line: the file's own value is never read) accepts the
+    # plug-in paths (_target_, attention.kernel) the checkpoint's config names.
+    allow_plugins: bool = False
 
 
 PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin.py
@@ -228,29 +233,99 @@ def _positive(cfg: DictConfig, *keys: str) -> None:
             _fail(key, cfg[key], "must be a positive integer")
 
 
+def _divisors(n: int, limit: int = 12) -> list[int]:
+    """The smallest `limit` divisors of n, in O(sqrt(n)) steps (d_model may be 1e9)."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+            if len(small) >= limit:
+                break
+    return sorted(small + large)[:limit]
+
+
+def _allowed_divisors(n: int) -> str:
+    shown = _divisors(n, 13)
+    return ", ".join(map(str, shown[:12])) + (", ..." if len(shown) > 12 else "")
+
+
+def _check_device(name: str, task: str | None) -> None:
+    """A device this machine has: cpu, an available cuda (index in range), or another available backend."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        _fail("device", name, "not a device (allowed: cpu, cuda, cuda:N)")
+    if device.type == "cpu":
+        return
+    if device.type == "meta":
+        if task == "summary":
+            return
+        _fail("device", name, "the meta device holds no data, so nothing can run on it; task=summary builds "
+                              "the model card there by itself (allowed: cpu, cuda, cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            _fail("device", name, "CUDA is not available on this machine (allowed: cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            _fail("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s) "
+                                  f"(allowed: cpu, cuda, cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        return
+    backend = getattr(torch.backends, device.type, None) or getattr(torch, device.type, None)
+    try:
+        available = bool(backend.is_available()) if backend is not None else False
+    except Exception:  # a backend that cannot even say
+        available = False
+    if not available:
+        _fail("device", name, f"{device.type} is not available on this machine (allowed: cpu"
+                              f"{', cuda' if torch.cuda.is_available() else ''})")
+
+
+# Parameters of part nodes checked by name, whatever the class (the zoo's or a plug-in's): sizes, probabilities,
+# and the constants a norm or a position scheme divides by.
+_PART_SIZES = ("d_model", "heads", "d_ff", "layers", "decoder_layers", "vocab_size", "max_len")
+_PART_COUNTS = ("head_classes", "type_vocab_size", "pad_id")
+
+
+def _check_part_values(path: str, node: DictConfig) -> None:
+    for key in node:
+        value = node[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        where = f"{path}.{key}"
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(where, value, "must be a finite number")
+        if key == "dropout" and not 0.0 <= value < 1.0:
+            _fail(where, value, "must lie in [0, 1)")
+        if key in ("eps", "base") and not value > 0:
+            _fail(where, value, "must be positive")
+        if key in _PART_SIZES and value < 1:
+            _fail(where, value, "must be a positive integer")
+        if key in _PART_COUNTS and value < 0:
+            _fail(where, value, "must be a non-negative integer")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError (one line) for the first value that cannot be used."""
+    known = {f.name for f in fields(ZooSchema)}
+    for key in cfg:
+        if key not in known and key != "hydra":
+            _fail(key, cfg[key], f"unknown key (allowed: {', '.join(sorted(known))})")
     _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
     if cfg.d_model % cfg.heads:
-        divisors = [h for h in range(1, cfg.d_model + 1) if cfg.d_model % h == 0]
-        _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {', '.join(map(str, divisors[:12]))}{', ...' if len(divisors) > 12 else ''})")
+        _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
     if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
-        divisors = [k for k in range(1, cfg.heads + 1) if cfg.heads % k == 0]
-        _fail("kv_heads", cfg.kv_heads, f"must divide heads={cfg.heads} (allowed: null, {', '.join(map(str, divisors))})")
-    if not 0.0 <= cfg.dropout < 1.0:
+        _fail("kv_heads", cfg.kv_heads, f"must divide heads={cfg.heads} (allowed: null, {_allowed_divisors(cfg.heads)})")
+    if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
         _fail("dropout", cfg.dropout, "must lie in [0, 1)")
     if cfg.norm_placement not in NORM_PLACEMENTS:
         _fail("norm_placement", cfg.norm_placement, f"unknown placement (allowed: {', '.join(NORM_PLACEMENTS)})")
     torch_dtype(cfg.dtype)
-    try:
-        device = torch.device(cfg.device)
-    except RuntimeError:
-        _fail("device", cfg.device, "not a device (allowed: cpu, cuda, cuda:N, meta)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        _fail("device", cfg.device, "CUDA is not available on this machine (allowed: cpu)")
+    _check_device(str(cfg.device), cfg.task.get("name") if isinstance(cfg.get("task"), DictConfig) else None)
 
     for part in ("model", *PARTS):
         _check_part(part, cfg[part])
+        _check_part_values(part, cfg[part])
     if cfg.ffn.get("activation") is not None and _is_subclass(cfg.ffn._target_, FeedForward) \
             and cfg.ffn.activation not in ACTIVATIONS:
         _fail("ffn.activation", cfg.ffn.activation, f"unknown activation (allowed: {', '.join(ACTIVATIONS)})")
@@ -283,9 +358,20 @@ def validate(cfg: DictConfig) -> None:
     for f in fields(schema):
         if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
             _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
+    for key in cfg.task:
+        if OmegaConf.is_interpolation(cfg.task, key):  # out_dir=${hydra:...}: resolved only inside a Hydra run
+            continue
+        value = cfg.task[key]
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(f"task.{key}", value, "must be a finite number")
     for key, (ok, allowed) in _TASK_RANGES.items():
         if key in cfg.task and not ok(cfg.task[key]):
             _fail(f"task.{key}", cfg.task[key], allowed)
+    if "seq_len" in cfg.task:
+        limit, limit_key = (cfg.task.max_len, "task.max_len") if "max_len" in cfg.task else (cfg.max_len, "max_len")
+        if cfg.task.seq_len > limit:
+            _fail("task.seq_len", cfg.task.seq_len, f"beyond {limit_key}={limit}, the longest sequence the model's "
+                                                    f"positions cover (lower task.seq_len or raise {limit_key})")
     if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
         _check_data(cfg.data)
 
@@ -307,3 +393,52 @@ def _check_data(data: DictConfig) -> None:
             _fail(f"data.{key}", data[key], "must be a positive integer")
     if data.max_len < data.min_len:
         _fail("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")
+
+
+def zoo_targets() -> frozenset[str]:
+    """The import paths of the zoo's own parts and models: every `_target_` of the packaged config groups
+    (conf/model, conf/attention, conf/ffn, conf/norm, conf/pos), under its current and its pre-split module path
+    (zoo.attention.MultiHeadAttention names zoo.nn.attention.MultiHeadAttention)."""
+    from importlib.resources import files
+
+    import zoo
+
+    moved = {new: old for old, new in zoo._MOVED.items()}
+    found = set()
+    for group in ("model", *PARTS):
+        for entry in (files("zoo.conf") / group).iterdir():
+            if entry.name.endswith(".yaml"):
+                target = OmegaConf.create(entry.read_text()).get("_target_")
+                if isinstance(target, str):
+                    found.add(target)
+                    module, _, name = target.rpartition(".")
+                    if module in moved:
+                        found.add(f"zoo.{moved[module]}.{name}")
+    return frozenset(found)
+
+
+def _int_fields() -> set[str]:
+    keys = {f.name for f in fields(ZooSchema) if f.type in (int, "int", Optional[int], "Optional[int]")}
+    for schema in TASK_SCHEMAS.values():
+        keys |= {f"task.{f.name}" for f in fields(schema) if f.type in (int, "int", Optional[int], "Optional[int]")}
+    keys |= {f"data.{f.name}" for f in fields(DataOptions) if f.type in (int, "int")}
+    return keys
+
+
+def integral_overrides(overrides: list[str]) -> list[str]:
+    """`d_model=1e9` (an integral number written as a float) for an integer key becomes `d_model=1000000000`;
+    anything else is left for Hydra and validate to judge."""
+    ints = _int_fields()
+    out = []
+    for word in overrides:
+        key, sep, value = word.partition("=")
+        bare = key.lstrip("+~")
+        if sep and bare in ints and any(c in value for c in "eE.") and not value.startswith(("${", "'", '"')):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+            if number is not None and math.isfinite(number) and number == int(number):
+                word = f"{key}={int(number)}"
+        out.append(word)
+    return out

@@ -11,12 +11,31 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from zoo.nn.attention import KVCache
-from zoo.config.builder import model_from_config
-from zoo.io.checkpoint import read_state, load_weights, resolve_checkpoint
+from zoo.config.builder import check_fits, model_from_config
+from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
-from zoo.config.schema import ConfigError, torch_dtype
+from zoo.config.schema import ConfigError, ZooSchema, torch_dtype, validate
 
-__all__ = ["generate", "pick_next", "generate_task"]
+__all__ = ["generate", "pick_next", "generate_task", "saved_config"]
+
+
+def saved_config(state: dict, checkpoint, *, allow_plugins: bool = False, device: str | None = None) -> DictConfig:
+    """The config a checkpoint was trained with, checked (what it may name, then every value) before use;
+    ``device`` (the command line's) replaces the one it was trained on."""
+    where = f"{checkpoint}/state.json"
+    plain = check_config(state["config"], where, allow_plugins=allow_plugins)
+    if device is not None:
+        plain["device"] = device
+    try:
+        saved = OmegaConf.merge(OmegaConf.structured(ZooSchema), plain)
+        validate(saved)
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: its config is not valid: {exc}") from None
+    except Exception as exc:  # a key missing or of the wrong type
+        key = getattr(exc, "full_key", None)
+        raise CheckpointError(f"{where}: not a zoo config ({f'{key}: ' if key else ''}"
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    return saved
 
 
 def pick_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -98,8 +117,10 @@ def generate_task(cfg: DictConfig) -> None:
         raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
     checkpoint = resolve_checkpoint(opts.checkpoint)
     state = read_state(checkpoint)
-    saved = OmegaConf.create(state["config"])
-    # The checkpoint fixes model and data; the command line says where to run and how to decode.
+    # The checkpoint fixes model and data; the command line says where to run and how to decode. Its config is
+    # checked before anything in it is imported: only the zoo's own classes and kernels, unless allow_plugins.
+    saved = saved_config(state, checkpoint, allow_plugins=bool(cfg.get("allow_plugins", False)), device=cfg.device)
+    check_fits(saved, device=cfg.device)
     model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
     load_weights(model, checkpoint)
     model.eval()

@@ -102,28 +102,54 @@ def _save(figure, path: Path) -> None:
         figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
 
 
-def write_figures(model: nn.Module, d_model: int, out_dir: Path) -> dict[str, Path]:
-    """attention.png, positional.png, score_variance.png in out_dir; returns {title: path}."""
+def write_figures(model: nn.Module, d_model: int, out_dir: Path, *,
+                  notes: dict[str, str] | None = None) -> dict[str, Path]:
+    """attention.png, positional.png, score_variance.png in out_dir; returns {title: path}.
+
+    With `notes` (a dict), a picture that cannot be drawn (a plugged kernel that raises on a mask, say) is
+    recorded there as {title: reason} and the others are still drawn; without, the error propagates."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written: dict[str, Path] = {}
-    maps = attention_maps(model)
-    if maps:
-        figure, axes = plt.subplots(1, len(maps), figsize=(5 * len(maps), 4.4), squeeze=False,
-                                    layout="constrained")
-        for axis, (title, weights) in zip(axes[0], maps.items()):
-            image = axis.imshow(weights.numpy(), cmap="viridis", vmin=0, vmax=float(weights.max()))
-            axis.set_title(title, fontsize=10)
-            axis.set_xlabel("key position (last 3 are padding)")
-            axis.set_ylabel("query position")
-            figure.colorbar(image, ax=axis, fraction=0.046)
-        figure.suptitle("Attention weights, layer 0, head 0")
-        _save(figure, out_dir / "attention.png")
-        plt.close(figure)
-        written["Attention weights of each layer type"] = out_dir / "attention.png"
+    for title, name, draw in (("Attention weights of each layer type", "attention.png", _attention_figure),
+                              ("Sinusoidal positional encoding", "positional.png", _positional_figure),
+                              ("Score variance against d_k", "score_variance.png", _variance_figure)):
+        figure = None
+        try:
+            figure = draw(plt, model, d_model)
+            if figure is None:
+                continue
+            _save(figure, out_dir / name)
+            written[title] = out_dir / name
+        except Exception as exc:
+            if notes is None:
+                raise
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            notes[title] = f"{type(exc).__name__}: {message}"[:300]
+        finally:
+            if figure is not None:
+                plt.close(figure)
+    return written
 
+
+def _attention_figure(plt, model: nn.Module, d_model: int):
+    maps = attention_maps(model)
+    if not maps:
+        return None
+    figure, axes = plt.subplots(1, len(maps), figsize=(5 * len(maps), 4.4), squeeze=False, layout="constrained")
+    for axis, (title, weights) in zip(axes[0], maps.items()):
+        image = axis.imshow(weights.numpy(), cmap="viridis", vmin=0, vmax=float(weights.max()))
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("key position (last 3 are padding)")
+        axis.set_ylabel("query position")
+        figure.colorbar(image, ax=axis, fraction=0.046)
+    figure.suptitle("Attention weights, layer 0, head 0")
+    return figure
+
+
+def _positional_figure(plt, model: nn.Module, d_model: int):
     table = sinusoidal_table(min(model.max_len, 128), d_model)
     figure, axis = plt.subplots(figsize=(7, 4))
     image = axis.imshow(table.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1)
@@ -131,10 +157,10 @@ def write_figures(model: nn.Module, d_model: int, out_dir: Path) -> dict[str, Pa
     axis.set_ylabel("position")
     axis.set_title(f"Sinusoidal positional encoding (d_model = {d_model})")
     figure.colorbar(image, ax=axis)
-    _save(figure, out_dir / "positional.png")
-    plt.close(figure)
-    written["Sinusoidal positional encoding"] = out_dir / "positional.png"
+    return figure
 
+
+def _variance_figure(plt, model: nn.Module, d_model: int):
     attention = next((m for m in model.modules() if isinstance(m, MultiHeadAttention)), None)
     d_ks, before, after = score_variance(attention.kernel if attention is not None else torch_attention)
     figure, axis = plt.subplots(figsize=(6, 4))
@@ -146,7 +172,4 @@ def write_figures(model: nn.Module, d_model: int, out_dir: Path) -> dict[str, Pa
     axis.set_ylabel("variance of the score")
     axis.set_title("Score variance before and after scaling (q, k ~ N(0, 1))")
     axis.legend()
-    _save(figure, out_dir / "score_variance.png")
-    plt.close(figure)
-    written["Score variance against d_k"] = out_dir / "score_variance.png"
-    return written
+    return figure

@@ -29,11 +29,24 @@ def parameters_by_part(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 def _short(target: str) -> str:
     return target.rsplit(".", 1)[-1]
 
 
 def model_card(cfg: DictConfig, model: nn.Module) -> str:
+    """The card; the precision line names the device the model was built on (meta: nothing allocated)."""
+    built_on = next((t.device for t in (*model.parameters(), *model.buffers())), None)
+    where = str(built_on) if built_on is not None else str(cfg.device)
+    if where == "meta":
+        where = "meta (shapes only, nothing allocated)"
     kv = cfg.kv_heads if cfg.kv_heads is not None else cfg.heads
     attention = f"{_short(cfg.attention._target_)}(kernel={cfg.attention.get('kernel', '?')})"
     ffn = f"{_short(cfg.ffn._target_)}({cfg.ffn.get('activation', '')})"
@@ -43,7 +56,7 @@ def model_card(cfg: DictConfig, model: nn.Module) -> str:
         f"d_ff={cfg.d_ff} vocab_size={cfg.vocab_size} max_len={cfg.max_len} dropout={cfg.dropout}",
         f"parts      attention={attention} ffn={ffn} norm={_short(cfg.norm._target_)} "
         f"({cfg.norm_placement}-norm) pos={_short(cfg.pos._target_)}",
-        f"precision  {cfg.dtype} on {cfg.device}",
+        f"precision  {cfg.dtype} on {where}",
         "",
         f"{'part':<12}{'parameters':>14}",
     ]
@@ -54,6 +67,10 @@ def model_card(cfg: DictConfig, model: nn.Module) -> str:
     total = sum(counts.values())
     lines.append(f"{'total':<12}{total:>14,}")
     lines.append(f"{'w/o embed.':<12}{total - counts['embeddings']:>14,}")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    lines.append(f"{'memory':<12}{_bytes(weights + buffers):>14} weights and buffers in {cfg.dtype} "
+                 f"(training: about {_bytes(4 * weights + buffers)} with gradients and AdamW moments)")
     tied = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)
             and any(module.weight is e.weight for e in model.modules() if isinstance(e, nn.Embedding))]
     if tied:

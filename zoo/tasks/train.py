@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,9 +24,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from zoo.config.builder import model_from_config
-from zoo.io.checkpoint import (CheckpointError, checkpoints_in, latest_checkpoint, load_training_state, read_state,
-                            save_training_checkpoint)
+from zoo.config.builder import check_fits, model_from_config
+from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, latest_checkpoint, load_training_state,
+                               read_state, save_training_checkpoint)
+from zoo.tasks.interrupts import Interrupted
 from zoo.tasks.data import IGNORE, SyntheticTask, task_from_config
 from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
@@ -183,16 +185,24 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
     with open_dict(cfg):
         cfg.task.out_dir = str(out_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
+    allow_plugins = bool(config.pop("allow_plugins", False))  # a command-line switch, never saved in a checkpoint
     device = torch.device(cfg.device)
 
-    resume_from = None
+    resume_from, state = None, None
     if opts.resume:
         resume_from = latest_checkpoint(out_dir)
         if resume_from is None:
             raise ConfigError(f"task.resume=true: no checkpoint in {out_dir} (pass the earlier run's task.out_dir)")
+        # Checked before the model is built; nothing the checkpoint names is imported (the model is built from
+        # the command line's config, which must match the saved one).
+        state = read_state(resume_from)
+        state["config"] = check_config(state["config"], f"{resume_from}/state.json", allow_plugins=allow_plugins,
+                                       asked=config)
     elif checkpoints_in(out_dir):
         raise ConfigError(f"task.out_dir={out_dir}: holds checkpoints of an earlier run; pass task.resume=true "
                           f"to continue it or choose another task.out_dir (nothing was overwritten)")
+    _check_writable(out_dir)
+    check_fits(cfg, training=True)
 
     torch.manual_seed(cfg.seed)
     model = model_from_config(cfg)
@@ -201,7 +211,6 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
     start = 0
     progress = _Progress(quiet=quiet)
     if resume_from is not None:
-        state = read_state(resume_from)
         differences = _config_differences(state["config"], config)
         fatal = [d for d in differences if not d[0].startswith("task.") and d[0] != "device"]
         if fatal:
@@ -220,6 +229,39 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
                   f"checkpoints in {out_dir}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     started, cpu_started, smoothed, result = time.monotonic(), time.process_time(), None, None
+    try:
+        result, smoothed = _loop(model, optimizer, params, data, held_out, opts, out_dir, config, device, start,
+                                 progress, started)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run can be continued from
+        latest = latest_checkpoint(out_dir)
+        where = (f"the last checkpoint, {latest}, is intact: continue with task.resume=true "
+                 f"task.out_dir={out_dir}" if latest is not None else "no checkpoint had been written yet")
+        raise Interrupted(f"{str(stop) if isinstance(stop, Interrupted) else 'interrupted'} during training; "
+                          f"{where}", getattr(stop, "status", 130)) from None
+
+    if result is None:  # resumed at the end: nothing left to train, report the checkpoint's model
+        result = evaluate(model, held_out)
+    seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
+    # CPU time too: on a shared machine the wall time also counts the waits for a free core.
+    progress.line(f"held-out exact match: {100 * result['exact']:.2f}% of {result['sequences']} sequences "
+                  f"(token accuracy {100 * result['token_acc']:.2f}%) after {opts.steps} steps, "
+                  f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU)")
+    return {**result, "seconds": seconds, "cpu_seconds": cpu_seconds, "model": model, "out_dir": out_dir,
+            "config": cfg}
+
+
+def _check_writable(out_dir: Path) -> None:
+    """task.out_dir must be a directory this process can create and write into: checked before training."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"task.out_dir={out_dir}: cannot be created ({exc.strerror})") from None
+    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"task.out_dir={out_dir}: not a writable directory")
+
+
+def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, device, start, progress, started):
+    smoothed, result = None, None
     for step in range(start, opts.steps):
         lr = learning_rate(step, lr=opts.lr, warmup=opts.warmup, steps=opts.steps, min_lr_ratio=opts.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -245,16 +287,7 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
         if done % opts.checkpoint_every == 0 or done == opts.steps:
             save_training_checkpoint(out_dir, done, model, optimizer, config,
                                      metrics={"train_loss": smoothed, **(result or {})}, keep=opts.keep)
-
-    if result is None:  # resumed at the end: nothing left to train, report the checkpoint's model
-        result = evaluate(model, held_out)
-    seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
-    # CPU time too: on a shared machine the wall time also counts the waits for a free core.
-    progress.line(f"held-out exact match: {100 * result['exact']:.2f}% of {result['sequences']} sequences "
-                  f"(token accuracy {100 * result['token_acc']:.2f}%) after {opts.steps} steps, "
-                  f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU)")
-    return {**result, "seconds": seconds, "cpu_seconds": cpu_seconds, "model": model, "out_dir": out_dir,
-            "config": cfg}
+    return result, smoothed
 
 
 def train_task(cfg: DictConfig) -> None:

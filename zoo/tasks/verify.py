@@ -5,26 +5,40 @@ properties/`` — with ``--zoo-config`` naming the config this run composed (sav
 never composes it again), ``--kernel`` set to the attention kernel of the config, and
 ``--report-json``/``--junitxml`` pointed at a private temporary directory. The zoo never imports the suite:
 it names it to pytest as the plugin ``properties.plugin``. Only when the run has finished are report.json, report.md and junit.xml moved into the output
-directory, each by an atomic rename: an interrupted run leaves the previous reports or none, never half.
+directory, each by an atomic rename: an interrupted run (Ctrl-C, SIGTERM) leaves none, never half.
+
+A report is always written once the suite has run, whatever happened: clauses that fail give exit status 1, a
+run that broke (pytest's usage or internal error, a crashed child) a report saying so and exit status 2, and
+a picture that cannot be drawn (a plugged kernel that raises on masks, say) a note in the report. Nothing is
+written over an existing report: when the output directory already holds one (a hydra.run.dir given twice),
+this run's files get the first free suffix (report-2.json, report-2.md, junit-2.xml, attention-2.png, ...),
+chosen under a lock so two runs finishing together cannot pick the same one. The child pytest ends with this
+process: it is stopped on Ctrl-C, SIGTERM or any error here, and on Linux the kernel sends it SIGTERM if this
+process dies in any other way (PR_SET_PDEATHSIG), so no suite is left running unattended.
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.io.atomic import write_text
+from zoo.io.atomic import replacing, write_text
 from zoo.tasks.plots import PLOTS_HINT, plots_available, write_figures
 
 __all__ = ["run_suite", "summarize", "write_reports", "verify", "SweepSummary", "suite_dir"]
@@ -40,21 +54,88 @@ def suite_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+# The child's first lines: ask the kernel for SIGTERM when the parent dies (Linux), give up if it already has,
+# then run pytest exactly as `python -m pytest` would.
+_CHILD = """\
+import os, signal, sys
+parent = int(sys.argv.pop(1))
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+if os.getppid() != parent:
+    sys.exit(2)
+import runpy
+runpy.run_module("pytest", run_name="__main__", alter_sys=True)
+"""
+
+PYTEST_STATUS = {0: "all tests passed", 1: "tests failed", 2: "interrupted", 3: "pytest internal error",
+                 4: "pytest usage error", 5: "no tests collected"}
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _child_env() -> dict[str, str]:
+    """The child runs in a scratch directory: the modules `python -m zoo` found from the user's directory (its
+    sys.path[0]) and relative PYTHONPATH entries must stay importable there, so both are passed as absolute paths."""
+    here = os.getcwd()
+    paths = [here] + [os.path.join(here, p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def absolute_kernel_path(kernel):
+    """'dir/file.py:fn' relative to this directory -> the same file as an absolute path (the child's directory
+    differs); names, module paths and absolute paths are returned as they are."""
+    if not isinstance(kernel, str) or ":" not in kernel:
+        return kernel
+    where, _, name = kernel.rpartition(":")
+    if (where.endswith(".py") or "/" in where or "\\" in where) and not os.path.isabs(where) \
+            and os.path.isfile(where):
+        return f"{os.path.abspath(where)}:{name}"
+    return kernel
+
+
 def run_suite(config_path: Path, kernel: str | None, *, device: str, profile: str, workdir: Path,
-              echo=True) -> tuple[int, Path, Path, float]:
-    """Run pytest on the suite in a child process; returns (exit status, report json, junit xml, seconds)."""
+              echo=True) -> tuple[int, Path, Path, float, str]:
+    """Run pytest on the suite in a child process, echoing its output; returns (exit status, report json,
+    junit xml, seconds, the last lines of its output). The child never outlives this call."""
     report, junit = workdir / "report.json", workdir / "junit.xml"
     suite = suite_dir()
-    command = [sys.executable, "-m", "pytest", "-p", "properties.plugin", str(suite), "-p", "no:cacheprovider",
+    command = [sys.executable, "-c", _CHILD, str(os.getpid()),
+               "-p", "properties.plugin", str(suite), "-p", "no:cacheprovider",
                "--rootdir", str(suite.parent), "-q", "--no-header", "-rN", "--color=no",
                f"--hypothesis-profile={profile}", "--device", device, "--zoo-config", str(config_path),
                "--report-json", str(report), "--junitxml", str(junit)]
     if kernel is not None:
         command += ["--kernel", kernel]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=workdir, stdout=None if echo else subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT if not echo else None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return result.returncode, report, junit, time.perf_counter() - start
+    tail = bytearray()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=_child_env())
+    try:
+        while chunk := os.read(process.stdout.fileno(), 1 << 16):
+            if echo:
+                sys.stdout.write(decoder.decode(chunk))
+                sys.stdout.flush()
+            tail += chunk
+            del tail[:-6000]
+        status = process.wait()
+    finally:  # Ctrl-C, SIGTERM (zoo.tasks.interrupts) or an error here: the suite stops too
+        _stop(process)
+        process.stdout.close()
+    text = tail.decode("utf-8", errors="replace")
+    return status, report, junit, time.perf_counter() - start, "\n".join(text.splitlines()[-40:])
 
 
 def summarize(records: list[dict]) -> "OrderedDict[str, dict]":
@@ -98,12 +179,17 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
-def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overrides: list[str]) -> str:
+def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overrides: list[str], *,
+              notes: dict[str, str] | None = None, problem: str = "", output_tail: str = "") -> str:
     out = ["# Verification report", "",
            f"`python -m zoo {' '.join(overrides)}` — "
            f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped "
-           f"in {totals['seconds']:.1f} s (torch {torch.__version__}).", "",
-           "| clause | status | time (s) | counterexample / reason |", "| --- | --- | ---: | --- |"]
+           f"in {totals['seconds']:.1f} s (torch {torch.__version__}).", ""]
+    if problem:
+        out += [f"**The run broke: {problem}.** The table holds what was recorded before it did.", ""]
+        if output_tail:
+            out += ["The last lines pytest printed:", "", "```text", output_tail.rstrip(), "```", ""]
+    out += ["| clause | status | time (s) | counterexample / reason |", "| --- | --- | ---: | --- |"]
     for row in rows.values():
         detail = _detail(row).replace("|", "\\|")
         out.append(f"| {row['clause']} | {row['status']} | {row['time_s']:.2f} | "
@@ -111,31 +197,77 @@ def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overri
     out += ["", "## Pictures", ""]
     if figures:
         out += [f"![{title}]({name})" for title, name in figures.items()]
-    else:
+    if figures and notes:
+        out.append("")
+    for title, note in (notes or {}).items():
+        out.append(f"- {title}: not drawn: {note}")
+    if not figures and not notes:
         out.append(f"No pictures: {PLOTS_HINT}.")
     out += ["", "## Configuration", "", "```yaml", cfg_yaml.rstrip(), "```", ""]
     return "\n".join(out)
 
 
+def _suffixed(name: str, suffix: str) -> str:
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}{suffix}.{ext}" if dot else f"{name}{suffix}"
+
+
+REPORT_FILES = ("report.json", "report.md", "junit.xml")
+
+
 def write_reports(out_dir: Path, *, cfg: DictConfig, overrides: list[str], records: list[dict], junit: Path,
-                  seconds: float, status: int, figures: dict[str, str]) -> dict:
+                  seconds: float, status: int, figures: dict[str, str], suffix: str = "",
+                  notes: dict[str, str] | None = None, problem: str = "", output_tail: str = "") -> dict:
+    """report.json, report.md and junit.xml (with `suffix` before the extension), each written atomically.
+    `status` is the exit status of the run: 0 passed, 1 clauses failed, 2 the run broke (`problem` says how)."""
     rows = summarize(records)
     totals = {s: sum(1 for r in rows.values() if r["status"] == s) for s in STATUS_ORDER}
     totals["seconds"] = round(seconds, 2)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=False)
     report = {
         "overrides": overrides, "config": OmegaConf.to_container(cfg, resolve=False),
-        "status": "passed" if status == 0 else "failed", "exit_status": status, "totals": totals,
-        "clauses": list(rows.values()), "tests": records, "figures": figures,
+        "status": "passed" if status == 0 else "failed" if status == 1 else "broken", "exit_status": status,
+        "problem": problem, "totals": totals,
+        "clauses": list(rows.values()), "tests": records, "figures": figures, "figure_notes": notes or {},
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "suite": _suite_version()},
     }
+    if problem:
+        report["output_tail"] = output_tail
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
-    write_text(out_dir / "report.md", _markdown(cfg_yaml, rows, totals, figures, overrides))
     if junit.exists():
-        write_text(out_dir / "junit.xml", junit.read_text(encoding="utf-8"))
+        write_text(out_dir / _suffixed("junit.xml", suffix), junit.read_text(encoding="utf-8"))
+    write_text(out_dir / _suffixed("report.md", suffix),
+               _markdown(cfg_yaml, rows, totals, figures, overrides, notes=notes, problem=problem,
+                         output_tail=output_tail))
+    write_text(out_dir / _suffixed("report.json", suffix), json.dumps(report, indent=1, default=str))
     return report
+
+
+@contextlib.contextmanager
+def _reports_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock on out_dir's reports (flock on a hidden file; released by the kernel if we die)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the suffix check alone
+        yield
+        return
+    with open(out_dir / ".zoo-reports.lock", "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def free_suffix(out_dir: Path, names) -> str:
+    """'' if none of `names` exists in out_dir, else the first '-N' (N = 2, 3, ...) free for all of them."""
+    for n in itertools.count(1):
+        suffix = "" if n == 1 else f"-{n}"
+        if not any((out_dir / _suffixed(name, suffix)).exists() for name in names):
+            return suffix
+    raise AssertionError("unreachable")
 
 
 def _suite_version() -> str:
@@ -158,37 +290,76 @@ def configured_kernel(cfg: DictConfig) -> str | None:
     return kernel if isinstance(kernel, str) else None
 
 
+def _draw(model, d_model: int, where: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """The pictures, drawn into `where`; one that cannot be drawn is a note, never a lost report."""
+    notes: dict[str, str] = {}
+    if model is None or not plots_available():
+        return {}, notes
+    try:
+        return write_figures(model, d_model, where, notes=notes), notes
+    except Exception as exc:  # matplotlib itself failing: note it, keep the report
+        notes["pictures"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return {}, notes
+
+
 def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_dir: Path, *, profile: str,
            model=None) -> int:
-    """Run the suite on the configured model, print the clause table, write the reports; the exit status."""
+    """Run the suite on the configured model, print the clause table, write the reports; the exit status:
+    0 every clause passed, 1 a clause failed, 2 the run broke (its report says how)."""
     kernel = configured_kernel(cfg)
     print(f"verifying: pytest properties/ --zoo-config config.yaml{f' --kernel {kernel}' if kernel else ''} "
           f"--hypothesis-profile={profile}  (python -m zoo {' '.join(overrides)})", flush=True)
+    kernel = absolute_kernel_path(kernel)
+    saved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if isinstance(saved.attention.get("kernel"), str):
+        saved.attention.kernel = absolute_kernel_path(saved.attention.kernel)
     with tempfile.TemporaryDirectory(prefix="zoo-verify-") as scratch:
         config_path = Path(scratch) / "config.yaml"  # the config composed once, for the child to load,
-        OmegaConf.save(cfg, config_path, resolve=True)  # with Hydra's record of the options chosen beside it
+        OmegaConf.save(saved, config_path)  # with Hydra's record of the options chosen beside it
         OmegaConf.save({"hydra": {"runtime": {"choices": choices}}}, Path(scratch) / "hydra.yaml")
-        status, report_path, junit, seconds = run_suite(config_path, kernel, device=cfg.device, profile=profile,
-                                                        workdir=Path(scratch))
-        if status not in (0, 1) or not report_path.exists():  # usage error, interrupt or crash: no report
-            print(f"zoo: verify: the suite did not run to the end (pytest exit status {status}); "
-                  "no report written", file=sys.stderr)
-            return status or 1
-        records = json.loads(report_path.read_text(encoding="utf-8"))
-        figures: dict[str, str] = {}
-        if plots_available() and model is not None:
-            figures = {title: path.name for title, path in write_figures(model, cfg.d_model, out_dir).items()}
-        report = write_reports(out_dir, cfg=cfg, overrides=overrides, records=records, junit=junit,
-                               seconds=seconds, status=status, figures=figures)
+        # A KeyboardInterrupt (Ctrl-C, SIGTERM) propagates from here: an interrupted run writes no report.
+        status, report_path, junit, seconds, tail = run_suite(config_path, kernel, device=cfg.device,
+                                                              profile=profile, workdir=Path(scratch))
+        records, problem = [], ""
+        if report_path.exists():
+            try:
+                records = json.loads(report_path.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                problem = f"the suite's record is unreadable ({exc})"
+        if status not in (0, 1):
+            meaning = PYTEST_STATUS.get(status, f"killed by signal {-status}" if status < 0 else "unknown")
+            problem = f"the suite did not run to the end (pytest exit status {status}: {meaning})"
+        elif not report_path.exists():
+            problem = "the suite wrote no record of its tests"
+        exit_status = 2 if problem else status
+        pictures = Path(scratch) / "pictures"
+        pictures.mkdir()
+        drawn, notes = _draw(model, cfg.d_model, pictures)
+        with _reports_lock(out_dir):
+            names = [*REPORT_FILES, *(path.name for path in drawn.values())]
+            suffix = free_suffix(out_dir, names)
+            figures = {}
+            for title, path in drawn.items():
+                with replacing(out_dir / _suffixed(path.name, suffix)) as temporary:
+                    shutil.copyfile(path, temporary)
+                figures[title] = _suffixed(path.name, suffix)
+            report = write_reports(out_dir, cfg=cfg, overrides=overrides, records=records, junit=junit,
+                                   seconds=seconds, status=exit_status, figures=figures, suffix=suffix, notes=notes,
+                                   problem=problem, output_tail=tail if problem else "")
     rows = summarize(records)
     print()
     print(_table(rows))
     totals = report["totals"]
+    where = out_dir if not suffix else f"{out_dir} ({_suffixed('report.md', suffix)}: the directory already held a report)"
     print(f"\n{totals['passed']} clauses passed, {totals['failed'] + totals['error']} failed, "
-          f"{totals['skipped']} skipped in {seconds:.1f} s; reports in {out_dir}")
-    if not figures:
+          f"{totals['skipped']} skipped in {seconds:.1f} s; reports in {where}")
+    for title, note in notes.items():
+        print(f"(picture not drawn: {title}: {note})")
+    if not figures and not notes:
         print(f"(no pictures: {PLOTS_HINT})")
-    return 0 if status == 0 else 1
+    if problem:
+        print(f"zoo: verify: {problem}; report in {out_dir / _suffixed('report.md', suffix)}", file=sys.stderr)
+    return exit_status
 
 
 class SweepSummary(Callback):
@@ -202,7 +373,11 @@ class SweepSummary(Callback):
             return
         jobs, groups = [], OrderedDict()
         for path in reports:
-            report = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                report = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:  # one unreadable report must not cost the summary of the others
+                print(f"zoo: sweep summary: {path} skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
             cells: dict[str, str] = {}
             for row in report["clauses"]:
                 group = group_of(row["clause"])
@@ -213,10 +388,12 @@ class SweepSummary(Callback):
                 else:
                     cells.setdefault(group, before)
             jobs.append((report["overrides"], report["status"], cells))
+        if not jobs:
+            return
         common = set.intersection(*(set(overrides) for overrides, _, _ in jobs))  # show what the sweep varies
         jobs = [(" ".join(o for o in overrides if o not in common) or "(defaults)", verdict, cells)
                 for overrides, verdict, cells in jobs]
-        mark = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "-"}
+        mark = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "-", "broken": "BROKEN"}
         header = ["config", "verdict", *groups]
         lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         for name, verdict, cells in jobs:
