@@ -237,21 +237,20 @@ def _unique_output_dirs(arguments: list[str]) -> list[str]:
 
 
 def _unwritable(path: str) -> str | None:
-    """Why a directory cannot be created or written into, or None."""
+    """Why a directory cannot be created or written into, or None. It is created here (Hydra would create it
+    next), and a file is made and removed in it: only trying says so for sure (a read-only file system, /proc,
+    a path under a file)."""
+    import tempfile
+
     target = Path(path).expanduser().absolute()
-    if target.exists():
-        if not target.is_dir():
-            return f"{target} exists and is not a directory"
-        if not os.access(target, os.W_OK | os.X_OK):
-            return f"{target} is not writable"
-        return None
-    ancestor = next((p for p in target.parents if p.exists()), None)
-    if ancestor is None:
-        return None
-    if not ancestor.is_dir():
-        return f"cannot create {target}: {ancestor} is not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"cannot create {target}: {ancestor} is not writable"
+    if target.exists() and not target.is_dir():
+        return f"{target} exists and is not a directory"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as exc:
+        return f"{exc.strerror or type(exc).__name__}{f': {exc.filename}' if exc.filename else ''}"
     return None
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -252,12 +251,17 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
 
 def _check_writable(out_dir: Path) -> None:
     """task.out_dir must be a directory this process can create and write into: checked before training."""
+    import tempfile
+
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"task.out_dir={out_dir}: cannot be created ({exc.strerror})") from None
-    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"task.out_dir={out_dir}: not a writable directory")
+    try:  # only trying says so for sure (a read-only file system, root on a directory it may not write)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"task.out_dir={out_dir}: cannot be written ({exc.strerror})") from None
 
 
 def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, device, start, progress, started):
