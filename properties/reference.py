@@ -104,13 +104,15 @@ def _takes_subject(factory, spec: str) -> bool:
 def _build(factory, spec: str, subject: Subject, takes: bool) -> Subject:
     try:
         obj = factory(subject) if takes else factory()
-        return as_subject(obj, origin=f"--reference {spec!r}")
-    except SubjectError as exc:
-        raise pytest.UsageError(f"--reference {spec!r}: {exc}".replace(f"--reference {spec!r}: --reference", "--reference")) \
-            from None
+    except SubjectError as exc:   # a Subject the factory built with an unusable field
+        raise pytest.UsageError(f"--reference {spec!r}: {exc}") from None
     except Exception as exc:  # the user's code may fail in any way
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise pytest.UsageError(f"--reference {spec!r}: the factory raised {type(exc).__name__}: {first}") from None
+    try:
+        return as_subject(obj, origin=f"--reference {spec!r}")
+    except SubjectError as exc:   # neither a zoo model nor a Subject
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _check_compatible(spec: str, ref: Subject, under_test: Subject) -> None:

@@ -64,6 +64,8 @@ def two_arguments(subject, other):
     return decoder()
 def raises(subject):
     raise RuntimeError("no weights here")
+def not_a_model(subject):
+    return 3
 '''
 
 
@@ -73,6 +75,7 @@ def raises(subject):
     ("two_arguments", "the factory requires 2 arguments (subject, other)"),
     ("raises", "the factory raised RuntimeError: no weights here"),
     ("missing", "has no attribute 'missing'"),
+    ("not_a_model", "returned builtins.int; expected a zoo model"),
 ], ids=lambda value: value if " " not in value else "")
 def test_an_unusable_reference_is_a_one_line_usage_error(tmp_path, reference, expected):
     factories = tmp_path / "factories.py"

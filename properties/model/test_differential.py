@@ -163,7 +163,9 @@ def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
         pytest.skip(f"no parameter name is shared with the reference: {listing}")
     (src_a, tgt_a), (src_r, tgt_r), b = _draw_inputs(data, a, r, mut.device, min_len=2)
     with torch.no_grad():
-        shape = tuple(_run(r, src_r, tgt_r).shape)
+        shape, mine = tuple(_run(r, src_r, tgt_r).shape), tuple(_run(a, src_a, tgt_a).shape)
+    if shape != mine:
+        raise AssertionError(f"output shapes differ: {mine} (model under test) vs {shape} (reference {reference.spec})")
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
     ga, noise_a = _gradient_noise(a, src_a, tgt_a, weights, common)
     gr, noise_r = _gradient_noise(r, src_r, tgt_r, weights, common)
