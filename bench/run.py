@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -46,7 +47,9 @@ TARGETS = {"torch_vs_reference": 0.95, "decode_speedup": 5.0, "suite_seconds": 6
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a minute or two on a CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats (about 11 minutes on a shared 2-core CPU, most of it the "
+                        "suite, mutation and decode parts)")
     p.add_argument("--toy", action="store_true", help="tiny geometry instead of the presets' (smoke tests)")
     p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
@@ -67,19 +70,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model families")
     p.add_argument("--out", default="bench/results.json", help="JSON output path ('' to skip)")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when a stated target is missed or a part fails (for CI); without it "
+                        "a missed target is reported and the exit status is 0")
     p.add_argument("--merge", action="store_true",
                    help="update --out in place: replace the parts run, keep the others (their machine and "
                         "settings stay those of the file; this run's are recorded under 'merged')")
     args = p.parse_args(argv)
     quick = args.quick or args.toy
-    args.lengths = [int(x) for x in (args.lengths or ("64" if quick else "128,512")).split(",")]
+
+    def integers(option: str, text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"{option}: expected comma-separated integers, got {text!r}")
+        if any(v < 1 for v in values):
+            p.error(f"{option}: every value must be positive, got {text!r}")
+        return values
+
+    args.lengths = integers("--lengths", args.lengths or ("64" if quick else "128,512"))
     args.batch = args.batch or (2 if quick else 8)
     args.layers = args.layers or (1 if quick else 2)
     args.new_tokens = args.new_tokens or (32 if quick else 256)
     args.matmul_n = args.matmul_n or (1024 if quick else 4096)
-    args.train_lengths = [int(x) for x in (args.train_lengths or ("256,512" if args.toy else "256,512,1024"
-                                                                  if args.quick else "1024,4096,8192")).split(",")]
-    args.dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    args.train_lengths = integers("--train-lengths", args.train_lengths or (
+        "256,512" if args.toy else "256,512,1024" if args.quick else "1024,4096,8192"))
+    names = args.dtypes.split(",")
+    bad = [n for n in names if not isinstance(getattr(torch, n, None), torch.dtype)]
+    if bad:
+        p.error(f"--dtypes: unknown dtype {bad[0]!r} (e.g. float32,bfloat16,float16,float64)")
+    args.dtypes = [getattr(torch, name) for name in names]
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except Exception:  # noqa: BLE001 -- any backend may refuse in its own way
+        p.error(f"--device {args.device}: not available on this machine")
+    if args.out:
+        problem = _unwritable_file(args.out)
+        if problem:
+            p.error(f"--out {args.out}: cannot be written ({problem}); results are written after every part")
+        if args.merge and os.path.exists(args.out):
+            try:
+                with open(args.out) as f:
+                    json.load(f)
+            except (OSError, ValueError) as exc:
+                p.error(f"--merge: {args.out} cannot be read as JSON ({exc}); nothing was measured")
     args.parts = args.parts.split(",")
     args.families = args.families.split(",")
     for name in args.parts:
@@ -96,6 +131,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    {"min_repeats": 3, "max_repeats": 15, "budget_s": 6.0})
     args.timing["clock"] = args.clock
     return args
+
+
+def _unwritable_file(path: str) -> str | None:
+    """Why a file cannot be written at `path` (its directory is created and probed), or None."""
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a directory"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def evaluate_targets(results: dict) -> list[dict]:
@@ -228,4 +279,19 @@ def main(argv=None) -> dict:
     if args.out:
         write_json_atomic(args.out, results)
         print(f"wrote {args.out}")
+    if args.check:
+        missed = missed_targets(results)
+        if missed:
+            print(f"bench --check: {len(missed)} target(s) missed: {'; '.join(missed)}", file=sys.stderr)
+            raise SystemExit(1)
+        print("bench --check: every stated target met")
     return results
+
+
+def missed_targets(results: dict) -> list[str]:
+    """The stated targets this run missed, and the parts that failed (whose targets could not be judged)."""
+    missed = [f"{t['target']}: {t['value']}" for t in results.get("targets", []) if t["met"] is False]
+    missed += [f"{t['target']}: not measured ({t['value']})" for t in results.get("targets", [])
+               if t["met"] is None and "no target" not in t["target"]]
+    missed += [f"part {name} failed: {error}" for name, error in results.get("errors", {}).items()]
+    return missed
