@@ -245,3 +245,23 @@ def test_bench_check_fails_on_a_missed_target(monkeypatch, capsys):
     results = bench.run.main([*argv, "--check"])
     assert [t["met"] for t in results["targets"]] == [True]
     assert "every stated target met" in capsys.readouterr().out
+
+
+def test_sigterm_to_a_parallel_suite_run_leaves_no_worker(tmp_path):
+    pytest.importorskip("xdist")
+    process = subprocess.Popen([sys.executable, "-m", "pytest", str(ROOT / "properties" / "model"), "-q", "-n", "2",
+                                "-p", "no:cacheprovider", "--rootdir", str(ROOT)], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=zoo_env())
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while len(workers) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+        workers = children_of(process.pid)
+    assert len(workers) >= 2, "pytest-xdist did not start its workers"
+    time.sleep(3)  # the workers import torch and collect the suite
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output[-2000:]  # pytest's "interrupted": the run ended as Ctrl-C ends it
+    assert "KeyboardInterrupt: SIGTERM" in output, output[-2000:]
+    time.sleep(1)
+    assert not [pid for pid in workers if alive(pid)]
