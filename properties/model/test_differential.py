@@ -18,11 +18,15 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from properties import clause
-from properties.model.checks import (DECODERS, EXAMPLES, OWN_NOISE, Batch, batches, call_subject,
+from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
                                      comparison_tolerance, model_settings, only, real_tokens, subject_args)
 from properties.reference import reference_of
 
 DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)
+# Examples from the profile loaded for this run (read when pytest imports this module, after the plugin has loaded
+# --hypothesis-profile): forward 4 and the others 2 at `default`; 133 and 66 at `thorough`.
+PROFILE = settings().max_examples
+FORWARD_EXAMPLES, OTHER_EXAMPLES = max(4, PROFILE // 3), max(2, PROFILE // 6)
 ARRANGEMENTS = ("float64", "as-built")
 
 
@@ -102,7 +106,7 @@ def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD
 @clause("MODEL-DIFF-FORWARD")
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@model_settings
+@settings(model_settings, max_examples=FORWARD_EXAMPLES)
 @given(data=st.data())
 def test_outputs_agree_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
@@ -147,7 +151,7 @@ def _gradient_noise(s, src, tgt, r, names) -> tuple[dict, float]:
 
 @clause("MODEL-DIFF-GRADIENT")
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@settings(model_settings, max_examples=OTHER_EXAMPLES)
 @given(data=st.data())
 def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
@@ -181,8 +185,8 @@ def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
         first = _first_parting(diff, bound)
         if first is not None:
             raise AssertionError(
-                f"{arrangement}: the gradient of {n} parts from the reference's first at index {first}: {float(ga[n][first]):.4e} vs "
-                f"{float(gr[n][first]):.4e} (difference {float(diff[first]):.3e}, largest in it "
+                f"{arrangement}: the gradient of {n} parts from the reference's first at index {first}: {float(ga[n][first]):.6e} vs "
+                f"{float(gr[n][first]):.6e} (difference {float(diff[first]):.3e}, largest in it "
                 f"{float(diff.nan_to_num(float('inf')).max()):.3e}; max |gradient| {scale:.3e}); bound {bound:.3e} = "
                 f"{how}; the largest difference is in {worst} "
                 f"({float((ga[worst] - gr[worst]).abs().nan_to_num(float('inf')).max()):.3e})"
@@ -242,7 +246,7 @@ _NO_SHRINK = tuple(p for p in model_settings.phases if p != Phase.shrink)
 
 @clause("MODEL-DIFF-DECODE")
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@settings(model_settings, max_examples=max(2, EXAMPLES // 2), phases=_NO_SHRINK)
+@settings(model_settings, max_examples=OTHER_EXAMPLES, phases=_NO_SHRINK)
 @given(data=st.data())
 def test_cached_decoding_agrees_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
