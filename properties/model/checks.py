@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
+from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDINGS, Precision,  # noqa: F401
+                                        accumulation_roundoff, precision_of, register_precision)
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
@@ -100,63 +102,6 @@ def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
 # |a - b| <= 2E <= 2^21 * u * max|y|. In float64 that is 2.3e-10 relative, while the
 # differences measured for correct models are ~1e-15 and a real defect gives >= 1e-6.
 COMPARISON_FACTOR = 2.0 ** 21
-
-
-# Comparisons in a model's own precision (SPEC.md, "Models": tolerance). A model evaluated in float32 or
-# bfloat16, or a float64 twin that computes in float32 inside (Hugging Face's eager softmax, GPT-Neo's q·k),
-# cannot be held to 2^21 u of float64, and 2^21 u of its own dtype (12% of max|y| in float32) would let real
-# leaks through. Its tolerance comes from what it measurably does instead: the coarsest floating dtype among
-# its intermediate tensors (u_eff) and its noise ρ between two evaluations of the same input (nondeterministic
-# kernels; nothing that changes batch, padding or positions, where a leak would pass for noise). Two
-# arrangements of one correct computation (another batch, padding, a cache) differ by reordered sums, which
-# accumulate in at least float32 (u_acc = min(u_eff, u(float32)): half-precision matmuls and reductions
-# accumulate in float32), and by the final rounding to u_eff. Measured on correct zoo models: ≤ 2 u_acc·max|y|
-# (float32), bitwise equal (bfloat16). The tolerance, relative to max|y|:
-#     max(OWN_ROUNDINGS·u_acc + OUTPUT_ROUNDINGS·u_eff, OWN_NOISE·ρ)
-# 16 u_acc leaves a factor 8 over the measured reordering; 4 u_eff is two roundings of each side's output.
-# float32: 1.2e-6; bfloat16: 1.6e-2 (a 1% leak in float32, 5% in bfloat16 exceed it).
-OWN_ROUNDINGS = 16
-OUTPUT_ROUNDINGS = 4
-OWN_NOISE = 16
-
-
-def accumulation_roundoff(dtype: torch.dtype) -> float:
-    """u of the type sums accumulate in: the dtype's, or float32's for half precision."""
-    return min(unit_roundoff(dtype), unit_roundoff(torch.float32))
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What the suite measured about a subject's arithmetic (properties/model/subjects.py)."""
-    compute_dtype: torch.dtype   # the coarsest floating dtype among the forward pass's intermediate tensors
-    noise: float                 # ρ: max |Δy| / max|y| between evaluations equal in exact arithmetic
-
-    @property
-    def own(self) -> bool:
-        """True when comparisons are in the model's own precision (not a float64 computation)."""
-        return self.compute_dtype != torch.float64
-
-    @property
-    def relative_tolerance(self) -> float:
-        return max(OWN_ROUNDINGS * accumulation_roundoff(self.compute_dtype)
-                   + OUTPUT_ROUNDINGS * unit_roundoff(self.compute_dtype), OWN_NOISE * self.noise)
-
-    def describe(self) -> str:
-        if not self.own:
-            return "float64: tolerance 2^21 u max|y|"
-        return (f"own precision ({str(self.compute_dtype).removeprefix('torch.')} inside, measured noise "
-                f"{self.noise:.1e}): effects below {self.relative_tolerance:.1e}·max|y| are not detectable")
-
-
-_PRECISION: dict[int, Precision] = {}
-
-
-def register_precision(subject: Subject, precision: Precision) -> None:
-    _PRECISION[id(subject)] = precision
-
-
-def precision_of(subject: Subject | None) -> Precision | None:
-    return _PRECISION.get(id(subject)) if subject is not None else None
 
 
 def comparison_tolerance(reference: torch.Tensor, subject: Subject | None = None) -> float:

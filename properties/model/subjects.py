@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from properties.core.tolerance import unit_roundoff
 from properties.core.zoo_config import zoo_run
-from properties.model.checks import Precision, precision_of, register_precision
+from properties.model.precision import Precision, precision_of, register_precision
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, zoo_subject
 

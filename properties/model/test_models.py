@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, assert_same_output, call_subject,
-                                     comparison_tolerance, difference_threshold, draw_pair, embedding_probe, forward,
+                                     difference_threshold, draw_pair, embedding_probe, forward,
                                      model_property, model_settings, only, subject_args, other_real_tokens, requires)
 
 
