@@ -48,8 +48,8 @@ TARGETS = {"torch_vs_reference": 0.95, "decode_speedup": 5.0, "suite_seconds": 6
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats (about 11 minutes on a shared 2-core CPU, most of it the "
-                        "suite, mutation and decode parts)")
+                   help="small sizes and few repeats (measured on a shared 2-core CPU: 40 minutes, 30 of them the "
+                        "mutation part, which reached its time limit; about 10 without it)")
     p.add_argument("--toy", action="store_true", help="tiny geometry instead of the presets' (smoke tests)")
     p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
