@@ -265,3 +265,39 @@ def test_sigterm_to_a_parallel_suite_run_leaves_no_worker(tmp_path):
     assert "KeyboardInterrupt: SIGTERM" in output, output[-2000:]
     time.sleep(1)
     assert not [pid for pid in workers if alive(pid)]
+
+
+# ------------------------------------------------------------------------------------------ the suite's options
+
+def suite(*arguments, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "properties"), "-q", "-p", "no:cacheprovider",
+                           "--rootdir", str(ROOT), *arguments], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=zoo_env())
+
+
+def test_bad_suite_options_are_one_line_before_anything_runs(tmp_path):
+    (tmp_path / "file").write_text("a file where a directory should be")
+    for arguments, words in [(["--report-json", str(tmp_path / "file" / "report.json")],
+                              ["--report-json", "cannot be written", "is not a directory"]),
+                             (["--report-json", str(tmp_path)], ["--report-json", "is a directory"]),
+                             (["--zoo", "heads='8"], ["--zoo", "No closing quotation"])]:
+        result = suite(*arguments, cwd=tmp_path)
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        assert result.returncode == 4 and len(lines) == 1, result.stdout[-2000:] + result.stderr[-2000:]
+        assert lines[0].startswith("ERROR: ") and all(w in lines[0] for w in words), lines[0]
+        assert "INTERNALERROR" not in result.stdout + result.stderr
+
+
+def test_a_device_this_machine_lacks_skips_every_clause_with_its_reason(tmp_path):
+    if subprocess.run([sys.executable, "-c", "import torch; torch.empty(1, device='mps')"],
+                      capture_output=True).returncode == 0:
+        pytest.skip("this machine has MPS")
+    result = suite("--device", "mps", "-rs", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "skipped" in summary and "passed" not in summary and "error" not in summary and "failed" not in summary
+    reasons = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    for level in ("kernel", "module", "model"):  # every level says why
+        assert any(f"properties/{level}/" in line and "mps not available on this machine" in line
+                   for line in reasons), level
+    assert any("--device mps: mps not available on this machine, model clauses not run" in line for line in reasons)
