@@ -85,6 +85,7 @@ def cli(monkeypatch, capsys):
     (["task=train", "task.clip=nan"], ["task.clip=nan"]),
     (["heads=7", "d_model=1e9", "task=summary"], ["heads=7", "must divide d_model=1000000000", "allowed: 1, 2, 4"]),
     (["d_model=12.5"], ["d_model=12.5", "integer"]),
+    (["attention.kernel=os:system"], ["attention.kernel=os:system", "does not take the arguments"]),
 ])
 def test_a_bad_value_is_one_line_naming_the_key(cli, arguments, words):
     status, err = cli(*arguments)

@@ -333,9 +333,19 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(kernel, str) and kernel not in KERNELS:
         from zoo.nn.kernel import resolve_kernel
         try:
-            resolve_kernel(kernel)
+            function = resolve_kernel(kernel)
         except PluginError as exc:
             _fail("attention.kernel", kernel, str(exc).split(": ", 1)[-1])
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # a builtin without a signature (F.scaled_dot_product_attention): trusted
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None, None, None, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False)
+            except TypeError as exc:
+                _fail("attention.kernel", kernel, f"does not take the arguments the zoo passes (query, key, value, "
+                                                  f"attn_mask=, dropout_p=, is_causal=, enable_gqa=): {exc}")
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
         _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 
