@@ -159,5 +159,10 @@ def check_fits(cfg: DictConfig, *, device=None, training: bool = False) -> None:
 
 
 def build_model(overrides: Sequence[str] = (), *, device=None, dtype=None) -> nn.Module:
-    """``build_model(["model=decoder_only", "pos=rotary"])``: compose, validate, instantiate."""
+    """``build_model(["model=decoder_only", "pos=rotary"])``: compose, validate, instantiate. Unless the
+    overrides name a task, the config is composed with task=summary: building a model runs no task, so the
+    default task's sizes (the card's sequence length) must not refuse a small model."""
+    overrides = list(overrides)
+    if not any(o.split("=", 1)[0].lstrip("+~") == "task" for o in overrides):
+        overrides.insert(0, "task=summary")
     return model_from_config(compose_config(overrides), device=device, dtype=dtype)
