@@ -152,3 +152,24 @@ def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor, no_key: t
     rows = torch.broadcast_to(no_key.cpu(), actual.shape[:-1])
     assert_within(actual[rows], mean[rows], bound[rows], what="output of a query with no admissible key",
                   reference="mean of the values (--fully-masked mean)")
+
+
+def backward_gradients(kernel, out, upstream, leaves: dict) -> dict:
+    """Backpropagate ``upstream`` through a kernel's output; the gradients of ``leaves`` (name -> leaf), each of
+    its leaf's shape. Skips when the kernel has no autograd (output without grad, NotImplementedError)."""
+    import pytest
+    if not out.requires_grad:
+        pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
+    try:
+        out.backward(upstream)
+    except NotImplementedError as exc:
+        pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
+    except Exception as exc:  # any failure of user code is a finding
+        raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
+    grads = {}
+    for name, leaf in leaves.items():
+        if leaf.grad is None:
+            raise KernelContractError(f"kernel {kernel.name}: no gradient reached {name}, which requires grad")
+        assert tuple(leaf.grad.shape) == tuple(leaf.shape), f"d{name} has shape {tuple(leaf.grad.shape)}"
+        grads[name] = leaf.grad
+    return grads

@@ -4,7 +4,6 @@
 bound has no tanh′ term yet)."""
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
@@ -15,7 +14,7 @@ from properties.core.flash_guard import skip_unsupported
 from properties.core.gradients import gradient_oracle
 from properties.core.oracle import to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
-from properties.kernel.guard import KernelContractError
+from properties.kernel.guard import backward_gradients
 
 F32 = selected_dtypes()[0]
 
@@ -26,20 +25,7 @@ def _backward(kernel, case: FlashCase, q, k, v, slopes, grad_out) -> dict:
               "value": v.detach().requires_grad_()}
     with skip_unsupported(kernel, f"{case!r}"):
         out = kernel(leaves["query"], leaves["key"], leaves["value"], **case.kwargs(slopes))
-    if not out.requires_grad:
-        pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
-    try:
-        out.backward(grad_out)
-    except NotImplementedError as exc:
-        pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
-    except Exception as exc:  # any failure of user code is a finding
-        raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
-    grads = {}
-    for name, leaf in leaves.items():
-        if leaf.grad is None:
-            raise KernelContractError(f"kernel {kernel.name}: no gradient reached {name}, which requires grad")
-        assert tuple(leaf.grad.shape) == tuple(leaf.shape), f"d{name} has shape {tuple(leaf.grad.shape)}"
-        grads[name] = leaf.grad
+    grads = backward_gradients(kernel, out, grad_out, leaves)
     return grads
 
 

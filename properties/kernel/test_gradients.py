@@ -19,7 +19,7 @@ from properties.core.oracle import causal_allowed, default_scale, to_float64
 from properties.core.strategies import (derived_generator, dtypes, on, random_bool_mask, require_dtype, seeded_rng,
                                         seeds)
 from properties.core.tolerance import softmax_bounds
-from properties.kernel.guard import KernelContractError
+from properties.kernel.guard import KernelContractError, backward_gradients
 
 MASKS = ("none", "bool", "float", "float-grad")
 
@@ -108,19 +108,7 @@ def backward(kernel, q, k, v, do, mask=None, **contract) -> tuple[torch.Tensor, 
             mask = leaves["attn_mask"]
         contract["attn_mask"] = mask
     out = kernel(leaves["query"], leaves["key"], leaves["value"], **contract)
-    if not out.requires_grad:
-        pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
-    try:
-        out.backward(do)
-    except NotImplementedError as exc:
-        pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
-    except Exception as exc:  # any failure of user code is a finding
-        raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
-    grads = {}
-    for name, leaf in leaves.items():
-        if leaf.grad is None:
-            raise KernelContractError(f"kernel {kernel.name}: no gradient reached {name}, which requires grad")
-        grads[name] = leaf.grad
+    grads = backward_gradients(kernel, out, do, leaves)
     return out, grads
 
 
