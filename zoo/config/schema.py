@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zoo.nn.ffn import ACTIVATIONS, FeedForward
+from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
@@ -283,7 +284,7 @@ def _check_device(name: str, task: str | None) -> None:
 
 # Parameters of part nodes checked by name, whatever the class (the zoo's or a plug-in's): sizes, probabilities,
 # and the constants a norm or a position scheme divides by.
-_PART_SIZES = ("d_model", "heads", "d_ff", "layers", "decoder_layers", "vocab_size", "max_len")
+_PART_SIZES = ("d_model", "heads", "d_ff", "layers", "decoder_layers", "vocab_size", "max_len", "window")
 _PART_COUNTS = ("head_classes", "type_vocab_size", "pad_id")
 
 
@@ -299,6 +300,8 @@ def _check_part_values(path: str, node: DictConfig) -> None:
             _fail(where, value, "must lie in [0, 1)")
         if key in ("eps", "base") and not value > 0:
             _fail(where, value, "must be positive")
+        if key == "softcap" and not value > 0:
+            _fail(where, value, "must be positive (null: no capping)")
         if key in _PART_SIZES and value < 1:
             _fail(where, value, "must be a positive integer")
         if key in _PART_COUNTS and value < 0:
@@ -346,6 +349,12 @@ def validate(cfg: DictConfig) -> None:
             except TypeError as exc:
                 _fail("attention.kernel", kernel, f"does not take the arguments the zoo passes (query, key, value, "
                                                   f"attn_mask=, dropout_p=, is_causal=, enable_gqa=): {exc}")
+    if cfg.attention.get("softcap") is not None and _is_subclass(cfg.attention._target_, MultiHeadAttention):
+        from zoo.nn.kernel import resolve_kernel, takes_softcap
+        if not takes_softcap(resolve_kernel(kernel)):
+            _fail("attention.softcap", cfg.attention.softcap, f"attention.kernel={kernel} has SDPA's signature, which "
+                                                              f"cannot cap scores (allowed with attention.kernel=math "
+                                                              f"or a kernel taking softcap=)")
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
         _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 

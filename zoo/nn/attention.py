@@ -7,6 +7,18 @@ l query positions, s key/value positions, e features per head, d model features.
 
 With ``kv_heads = k < h`` (grouped-query attention; k = 1 is multi-query attention),
 query head i reads key/value head i // (h / k), as ``enable_gqa`` does in PyTorch.
+
+Two options of FlashAttention's API (zoo/nn/flash.py, docs/sources/flash-attention.md):
+
+    window=W    sliding-window self-attention (Mistral's ``sliding_window``, Longformer's local attention):
+                query i sees key j iff |i - j| < W, i.e. i - W < j <= i under the causal mask -- W keys
+                including itself. In flash-attn's terms ``window_size=(W - 1, W - 1)``, which with
+                ``causal=True`` is ``(W - 1, 0)``. Positions are absolute (cache offset and padding included),
+                so a cached decoding step sees the same W keys the full forward pass does. Cross-attention is
+                never windowed (its keys are another sequence's positions).
+    softcap=X   Gemma 2's logit soft-capping: score -> X·tanh(score / X), before the bias and the mask. Passed
+                to the kernel as ``softcap=``, which SDPA's signature lacks: only a kernel that declares it
+                (the zoo's ``math``, or a plug-in) can be used with it (zoo.nn.kernel.takes_softcap).
 """
 from __future__ import annotations
 
@@ -17,12 +29,19 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from zoo.nn.kernel import resolve_kernel
+from zoo.nn.flash import band_allowed
+from zoo.nn.kernel import resolve_kernel, takes_softcap
 
 if TYPE_CHECKING:
     from zoo.nn.positional import _Positions
 
-__all__ = ["MultiHeadAttention", "KVCache"]
+__all__ = ["MultiHeadAttention", "KVCache", "window_size"]
+
+
+def window_size(window: int | None) -> tuple[int, int]:
+    """flash-attn's ``window_size`` for a sliding window of W keys (Mistral's ``sliding_window``): (W - 1, W - 1),
+    so that i - W < j <= i under the causal mask (transformers #39408 is this off-by-one); None: (-1, -1)."""
+    return (-1, -1) if window is None else (window - 1, window - 1)
 
 
 @dataclass
@@ -42,7 +61,8 @@ class KVCache:
 
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, heads: int, kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, kernel: str | Callable = "math", *, device=None, dtype=None):
+                 dropout: float = 0.0, kernel: str | Callable = "math", window: int | None = None,
+                 softcap: float | None = None, *, device=None, dtype=None):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         if heads < 1 or d_model % heads:
@@ -52,6 +72,14 @@ class MultiHeadAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d_model // heads
         self.dropout = dropout
         self.kernel = resolve_kernel(kernel)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window}: a positive number of keys (null: no window)")
+        if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+            raise ValueError(f"softcap={softcap}: a positive finite cap (null: no capping)")
+        if softcap is not None and not takes_softcap(self.kernel):
+            raise ValueError(f"softcap={softcap}: kernel {kernel!r} has no softcap parameter (SDPA's signature "
+                             f"cannot cap scores); use kernel=math")
+        self.window, self.softcap = window, softcap
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.q_proj = nn.Linear(d_model, heads * self.head_dim, **kw)
         self.k_proj = nn.Linear(d_model, kv_heads * self.head_dim, **kw)
@@ -67,12 +95,15 @@ class MultiHeadAttention(nn.Module):
         return rearrange(out, "b h l e -> b l (h e)")
 
     def mask(self, l: int, s: int, offset: int, key_padding_mask: torch.Tensor | None, is_causal: bool,
-             bias: torch.Tensor | None, device) -> torch.Tensor | None:
+             bias: torch.Tensor | None, device, *, window: int | None = None) -> torch.Tensor | None:
         """The kernel's attn_mask, or None when is_causal alone says it (the kernel's fast path)."""
         mask = None
-        if is_causal and (offset or key_padding_mask is not None or bias is not None):
-            # Query i sits at absolute position offset + i and sees every key up to there.
-            mask = torch.ones(l, s, dtype=torch.bool, device=device).tril(diagonal=s - l)
+        if window is not None or (is_causal and (offset or key_padding_mask is not None or bias is not None)):
+            # Query i sits at absolute position offset + i = i + s - l (bottom-right) and sees every key up to
+            # there, and with a window only the W - 1 before it: flash-attn's band, the one definition.
+            rows = torch.arange(l, device=device)[:, None]
+            cols = torch.arange(s, device=device)[None, :]
+            mask = band_allowed(rows, cols, s - l, is_causal, window_size(window))
         if key_padding_mask is not None:
             padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
             mask = padding if mask is None else mask & padding
@@ -81,8 +112,10 @@ class MultiHeadAttention(nn.Module):
         return mask
 
     def attend(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        # softcap only when set: an SDPA-signature kernel would refuse the keyword (the constructor checked).
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
         return self.kernel(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                           is_causal=is_causal, enable_gqa=self.kv_heads != self.heads)
+                           is_causal=is_causal, enable_gqa=self.kv_heads != self.heads, **extra)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
                 key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
@@ -106,7 +139,9 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.extend(self.layer_index, k, v)
         l, s = q.shape[-2], k.shape[-2]
         bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
+        # The window only when set and only for self-attention; the catalog's mask() overrides predate it.
+        extra = {"window": self.window} if self.window is not None and memory is None else {}
         mask = self.mask(l, s, offset, key_padding_mask, is_causal, None if bias is None else bias.to(q.dtype),
-                         x.device)
+                         x.device, **extra)
         out = self.attend(q, k, v, mask, is_causal and mask is None)
         return self.out_proj(self.merge_heads(out))

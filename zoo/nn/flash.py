@@ -48,7 +48,7 @@ from zoo.config.plugins import PluginError, load_object
 
 __all__ = ["flash_attn_reference", "flash_attn_tiled", "flash_attn_varlen_loop", "flash_attn_varlen_packed",
            "flash_attn_kvcache_gather", "flash_attn_kvcache_paged", "FLASH_APIS", "FLASH_KERNELS",
-           "resolve_flash_kernel", "band_allowed"]
+           "resolve_flash_kernel", "band_allowed", "soft_cap"]
 
 FLASH_APIS = ("flash", "flash-varlen", "flash-kvcache")
 KEY_BLOCK = 4     # tile sizes of the tiled kernel: small, so that problems of a few keys run several tiles
@@ -81,6 +81,14 @@ def band_allowed(rows: torch.Tensor, cols: torch.Tensor, offset, causal: bool, w
     return allowed
 
 
+def soft_cap(scores: torch.Tensor, softcap) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, softcap·tanh(score / softcap), on scaled scores before any bias or mask
+    (flash-attn applies it to σ q·k and adds ALiBi afterwards); softcap 0 or None leaves them alone."""
+    if not softcap:
+        return scores
+    return softcap * torch.tanh(scores / softcap)
+
+
 def _alibi(alibi_slopes, batch: int, heads: int, rows, cols, offset, ct, device):
     """(batch, heads, …) bias −slope·|i + o − j| (None without slopes)."""
     if alibi_slopes is None:
@@ -96,9 +104,7 @@ def _alibi(alibi_slopes, batch: int, heads: int, rows, cols, offset, ct, device)
 def _scores(q, k, scale, softcap, ct):
     """σ q·k (q scaled first: ATTN-LARGE-SCORES), capped when softcap > 0; (b, h, l, s) in ``ct``."""
     scores = einsum(q.to(ct) * scale, k.to(ct), "b l h e, b s h e -> b h l s")
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    return scores
+    return soft_cap(scores, softcap) if softcap > 0 else scores
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:

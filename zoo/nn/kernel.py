@@ -20,9 +20,15 @@ aligned, ``tril(ones(l, s))``) and may not be combined with ``attn_mask``.  ``sc
 defaults to 1/sqrt(e).  A query with no admissible key outputs zeros, never NaN.
 ``enable_gqa`` lets key/value carry fewer heads (dim -3) than the query: query head i
 reads key/value head i // (h / k), as PyTorch documents.
+
+One keyword beyond SDPA's signature: ``softcap`` (Gemma 2's logit soft-capping, score -> X·tanh(score/X) before
+the mask is added; flash-attn's ``softcap``). SDPA has no way to say it, so only a kernel that declares a
+``softcap`` parameter receives it (``takes_softcap``): the zoo's ``math`` kernel does; ``torch`` and
+``memory_efficient`` do not, and the config refuses ``attention.softcap`` with them in one line.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, Protocol
 
@@ -31,9 +37,10 @@ import torch.nn.functional as F
 from einops import einsum, repeat
 
 from zoo.config.plugins import PluginError, load_object
+from zoo.nn.flash import soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 
-__all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "KERNELS"]
+__all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "takes_softcap", "KERNELS"]
 
 
 class Kernel(Protocol):
@@ -49,8 +56,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False):
-    """Reference einsum implementation of the kernel contract (see module docstring)."""
+                   scale=None, enable_gqa=False, softcap=None):
+    """Reference einsum implementation of the kernel contract (see module docstring), with ``softcap``."""
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
     l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
@@ -69,7 +76,7 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     ct = _compute_dtype(query.dtype)
     # Scale before the product: an unscaled q.k is sqrt(e) times larger than the score and can overflow
     # where the score does not (properties/SPEC.md, ATTN-LARGE-SCORES).
-    scores = einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s")
+    scores = soft_cap(einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s"), softcap)
     allowed = torch.ones(l, s, dtype=torch.bool, device=query.device)
     if is_causal:
         allowed = allowed.tril()
@@ -103,6 +110,14 @@ def torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 KERNELS: dict[str, Callable] = {"math": math_attention, "torch": torch_attention,
                                  "memory_efficient": memory_efficient_attention}
+
+
+def takes_softcap(kernel: Callable) -> bool:
+    """Whether a kernel declares the ``softcap`` keyword (a builtin without a signature does not)."""
+    try:
+        return "softcap" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def resolve_kernel(kernel: str | Callable) -> Callable:
