@@ -151,6 +151,8 @@ def test_softcap_bounds_the_scores():
 @pytest.mark.parametrize("overrides", [
     ("attention.window=3",),
     ("attention.window=2", "attention.softcap=0.7", "pos=rotary", "kv_heads=2"),
+    ("pos=alibi", "heads=2"),
+    ("pos=alibi", "attention.window=4", "attention.softcap=1.0", "kv_heads=1"),
 ])
 def test_cached_decoding_equals_full_forward(overrides):
     model = _model("model=decoder_only", *overrides)
@@ -160,9 +162,11 @@ def test_cached_decoding_equals_full_forward(overrides):
         assert_same_output(_decode_one_by_one(model, tokens, prefill=4), full, f"cached decoding, {overrides}")
 
 
-def test_cached_decoding_with_left_padding_and_window():
-    # Left padding shifts absolute positions; the window counts them too, so it stays relative to the token.
-    model = _model("model=decoder_only", "attention.window=3", "pos=rotary")
+@pytest.mark.parametrize("pos", ["rotary", "alibi"])
+def test_cached_decoding_with_left_padding_and_window(pos):
+    # Left padding shifts absolute positions; the window and ALiBi's distances count them too, so both stay
+    # relative to the token.
+    model = _model("model=decoder_only", "attention.window=3", f"pos={pos}")
     tokens = _tokens(model, 2, 10)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     mask[0, :3] = False
@@ -173,6 +177,44 @@ def test_cached_decoding_with_left_padding_and_window():
         alone = model(tokens[:1, 3:])
     assert_same_output(cached[mask], full[mask], "cached decoding with left padding")
     assert_same_output(full[0, 3:], alone[0], "left-padded row vs the same row unpadded")
+
+
+# ------------------------------------------------------------------------------------------------ pos=alibi
+def test_alibi_slopes_as_in_the_paper():
+    # Press et al. 2022, section 3: 8 heads -> 1/2, 1/4, ..., 1/256; a non-power of two H (reference code, BLOOM):
+    # the 8 slopes of 8 heads, then slopes 1, 3, 5, 7 of 16 heads (2^-0.5, 2^-1.5, ...).
+    eight = build_model([*SMALL, "pos=alibi", "heads=8"]).decoder.pos.slopes
+    assert eight.tolist() == [2.0 ** -h for h in range(1, 9)]
+    twelve = build_model([*SMALL, "pos=alibi", "heads=12", "d_model=24"], dtype=F64).decoder.pos.slopes
+    expected = [2.0 ** -h for h in range(1, 9)] + [2.0 ** -(h / 2) for h in (1, 3, 5, 7)]
+    assert torch.allclose(twelve, torch.tensor(expected, dtype=F64), rtol=4 * torch.finfo(F64).eps, atol=0)
+
+
+def test_alibi_adds_no_position_codes():
+    model = _model("model=decoder_only", "pos=alibi")
+    tokens = _tokens(model, 2, 6)
+    assert not list(model.decoder.pos.parameters()) and not model.decoder.pos.state_dict()
+    assert torch.equal(model.decoder.embed(tokens, offset=3), model.decoder.embedding(tokens))
+
+
+def test_alibi_bias_per_head_by_absolute_distance():
+    model = _model("model=decoder_only", "pos=alibi")
+    pos, heads = model.decoder.pos, 4
+    bias = pos.score_bias(3, 7, 4, heads)                  # queries at 4, 5, 6 against keys 0..6 (a cache of 4)
+    i = torch.arange(4, 7)[:, None]
+    j = torch.arange(7)[None, :]
+    for h in range(heads):
+        assert torch.equal(bias[h], -pos.slopes[h] * (i - j).abs().to(F64))
+    assert len({float(bias[h, 0, 0]) for h in range(heads)}) == heads   # each head its own slope
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_attention_equals_flash_alibi_slopes(causal):
+    model = _model("model=decoder_only", "pos=alibi", "kv_heads=2")
+    mha, pos = model.decoder.layers[0].self_attn, model.decoder.pos
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0), dtype=F64)
+    expected = _flash_mha(mha, x, causal=causal, alibi_slopes=pos.slopes)
+    assert_same_output(mha(x, is_causal=causal, positions=pos), expected, "ALiBi vs flash alibi_slopes")
 
 
 # ------------------------------------------------------------------------------------------ the schema
@@ -212,7 +254,7 @@ def test_window_with_sdpa_kernels_equals_math():
 # ------------------------------------------------------------------------------- the suite's model clauses
 def test_model_clauses_pass_with_the_features(tmp_path):
     report = tmp_path / "report.json"
-    features = "model=decoder_only attention.window=3 attention.softcap=2.0 pos=rotary kv_heads=1"
+    features = "model=decoder_only attention.window=3 attention.softcap=2.0 pos=alibi kv_heads=1"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "properties/model", "-q", "-p", "no:randomly",
                            "--zoo", features, "--report-json", str(report)],

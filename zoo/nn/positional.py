@@ -19,7 +19,8 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
-__all__ = ["sinusoidal_table", "SinusoidalPositions", "LearnedPositions", "RotaryPositions", "NoPositions"]
+__all__ = ["sinusoidal_table", "alibi_slopes", "SinusoidalPositions", "LearnedPositions", "RotaryPositions",
+           "AlibiPositions", "NoPositions"]
 
 
 def sinusoidal_table(length: int, d_model: int, *, device=None, dtype=None) -> torch.Tensor:
@@ -113,3 +114,51 @@ class RotaryPositions(_Positions):
         first, second = rearrange(wide, "... (two j) -> two ... j", two=2)
         rotated_half = torch.cat([-second, first], dim=-1)
         return (wide * angle.cos() + rotated_half * angle.sin()).to(t.dtype)
+
+
+def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al. 2022, section 3): for H a power of two the geometric sequence
+    m_h = 2^(-8h/H), h = 1..H; otherwise, as the paper's reference code and BLOOM do, the H' = 2^floor(log2 H)
+    slopes of H' heads followed by every other slope of 2H' heads (the odd ones, 2^(-4(2k-1)/H')), first
+    H - H' of them."""
+    if heads < 1:
+        raise ValueError(f"heads={heads}: ALiBi needs at least one head")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    closest = 2 ** (heads.bit_length() - 1)
+    slopes = geometric(closest) + geometric(2 * closest)[0::2][: heads - closest]
+    return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype or torch.get_default_dtype())
+
+
+class AlibiPositions(_Positions):
+    """ALiBi (Press et al. 2022): no position codes; each self-attention score gets the bias -m_h·|i - j|, head h's
+    slope m_h (``alibi_slopes``) times the distance between the absolute positions of query i and key j.
+
+    The paper's decoder bias is -m_h·(i - j) for the keys j <= i it can see; the absolute distance is the same
+    there and is what flash-attn's ``alibi_slopes`` add (zoo/nn/flash.py), and it makes an encoder's bias
+    symmetric. Positions count the cache offset (a cached query at offset + i) and padding alike: the bias
+    depends only on i - j, so prepended padding leaves it unchanged, as with rotary positions."""
+
+    def __init__(self, d_model: int, max_len: int, heads: int, *, device=None, dtype=None):
+        super().__init__(max_len)
+        # A fixed function of the head count, not a parameter: kept out of the state dict.
+        slopes = alibi_slopes(heads, device=None if device == "meta" else device, dtype=dtype)
+        self.register_buffer("slopes", slopes.to(device) if device == "meta" else slopes, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # As for the sinusoidal table: recompute in the new dtype from float64 rather than round the old values.
+        super()._apply(fn, recurse)
+        if self.slopes.device.type != "meta":
+            self.slopes = alibi_slopes(self.slopes.numel(), device=self.slopes.device, dtype=self.slopes.dtype)
+        return self
+
+    def score_bias(self, l: int, s: int, offset: int, heads: int) -> torch.Tensor:
+        if heads != self.slopes.numel():
+            raise ValueError(f"ALiBi was built for {self.slopes.numel()} heads, asked for {heads}")
+        self._check_length(max(offset + l, s))
+        query = torch.arange(offset, offset + l, device=self.slopes.device)
+        key = torch.arange(s, device=self.slopes.device)
+        distance = (rearrange(query, "l -> l 1") - rearrange(key, "s -> 1 s")).abs().to(self.slopes.dtype)
+        return -rearrange(self.slopes, "h -> h 1 1") * distance
