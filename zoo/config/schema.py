@@ -105,6 +105,7 @@ class TrainTask:
     out_dir: str = "${hydra:runtime.output_dir}"  # the current directory when not run by Hydra
     resume: bool = False        # continue from the last checkpoint in out_dir
     keep: int = 2               # checkpoints kept in out_dir (older ones are deleted)
+    packing: bool = False       # decoder_only: pack the sequences of a batch into rows (zoo.tasks.data.pack)
 
 
 @dataclass
@@ -386,6 +387,9 @@ def validate(cfg: DictConfig) -> None:
     for key, (ok, allowed) in _TASK_RANGES.items():
         if key in cfg.task and not ok(cfg.task[key]):
             _fail(f"task.{key}", cfg.task[key], allowed)
+    if cfg.task.get("packing") and getattr(locate(cfg.model._target_), "kind", None) != "decoder_only":
+        _fail("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an encoder's "
+                                                "batches keep one sequence per row")
     if "seq_len" in cfg.task:
         limit, limit_key = (cfg.task.max_len, "task.max_len") if "max_len" in cfg.task else (cfg.max_len, "max_len")
         if cfg.task.seq_len > limit:

@@ -35,7 +35,7 @@ from zoo.nn.kernel import resolve_kernel, takes_softcap
 if TYPE_CHECKING:
     from zoo.nn.positional import _Positions
 
-__all__ = ["MultiHeadAttention", "KVCache", "window_size"]
+__all__ = ["MultiHeadAttention", "KVCache", "Packing", "window_size"]
 
 
 def window_size(window: int | None) -> tuple[int, int]:
@@ -57,6 +57,33 @@ class KVCache:
             v = torch.cat([self.values[layer], v], dim=-2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Several sequences packed end to end into each row (flash-attn's varlen semantics, row by row): a token
+    attends only to tokens of its own sequence, and positions restart at 0 with every sequence, so each one is
+    computed exactly as if it were alone.
+
+    segments (b, l) int: the index of each token's sequence within its row, non-decreasing, -1 for padding
+    after the last one. positions (b, l): each token's position within its sequence (0 on padding)."""
+    segments: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def from_segments(cls, segments: torch.Tensor) -> "Packing":
+        if segments.dim() != 2 or segments.dtype.is_floating_point or segments.dtype == torch.bool:
+            raise ValueError(f"segments must be an integer (batch, length) tensor, got {segments.dtype} "
+                             f"{tuple(segments.shape)}")
+        real = segments >= 0
+        ordered = (segments[:, 1:] >= segments[:, :-1]) | ~real[:, 1:]
+        if not bool((real[:, 1:] <= real[:, :-1]).all() & ordered.all()):
+            raise ValueError("segments: each row must hold non-decreasing sequence indices, then -1 (padding) only")
+        index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+        starts = torch.ones_like(real)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+        return cls(segments, torch.where(real, index - first, torch.zeros_like(index)))
 
 
 class MultiHeadAttention(nn.Module):
@@ -95,15 +122,22 @@ class MultiHeadAttention(nn.Module):
         return rearrange(out, "b h l e -> b l (h e)")
 
     def mask(self, l: int, s: int, offset: int, key_padding_mask: torch.Tensor | None, is_causal: bool,
-             bias: torch.Tensor | None, device, *, window: int | None = None) -> torch.Tensor | None:
+             bias: torch.Tensor | None, device, *, window: int | None = None,
+             segments: torch.Tensor | None = None) -> torch.Tensor | None:
         """The kernel's attn_mask, or None when is_causal alone says it (the kernel's fast path)."""
         mask = None
-        if window is not None or (is_causal and (offset or key_padding_mask is not None or bias is not None)):
+        if window is not None or segments is not None or \
+                (is_causal and (offset or key_padding_mask is not None or bias is not None)):
             # Query i sits at absolute position offset + i = i + s - l (bottom-right) and sees every key up to
             # there, and with a window only the W - 1 before it: flash-attn's band, the one definition.
             rows = torch.arange(l, device=device)[:, None]
             cols = torch.arange(s, device=device)[None, :]
             mask = band_allowed(rows, cols, s - l, is_causal, window_size(window))
+        if segments is not None:
+            # Packed rows: a token sees only its own sequence. Within one, index and position differ by a
+            # constant, so the band above (causal, window) counted in indices is the per-sequence band.
+            same = rearrange(segments, "b l -> b 1 l 1") == rearrange(segments, "b s -> b 1 1 s")
+            mask = mask & same
         if key_padding_mask is not None:
             padding = rearrange(key_padding_mask.to(torch.bool), "b s -> b 1 1 s")
             mask = padding if mask is None else mask & padding
@@ -119,7 +153,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
                 key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
-                positions: "_Positions | None" = None, cache: KVCache | None = None) -> torch.Tensor:
+                positions: "_Positions | None" = None, cache: KVCache | None = None,
+                packing: Packing | None = None) -> torch.Tensor:
         """x (b, l, d) attends to memory (b, s, d), or to itself when memory is None.
 
         key_padding_mask (b, s) bool: True marks a real key (may be attended to), False padding.
@@ -127,12 +162,17 @@ class MultiHeadAttention(nn.Module):
         earlier keys. positions: the model's position module (self-attention only), asked to rotate queries
         and keys and for a bias on the scores (zoo.nn.positional).
         cache: keys/values of earlier positions (self-attention decoding step by step).
+        packing: several sequences per row (self-attention, no cache): attention within each, positions restart.
         """
         source = x if memory is None else memory
         q = self.split_heads(self.q_proj(x), self.heads)
         k = self.split_heads(self.k_proj(source), self.kv_heads)
         v = self.split_heads(self.v_proj(source), self.kv_heads)
         offset = cache.length if cache is not None else 0
+        if packing is not None:
+            if cache is not None or memory is not None:
+                raise ValueError("packing applies to self-attention without a KV cache (training, scoring)")
+            offset = packing.positions  # every token at its position within its own sequence
         if positions is not None:
             q, k = positions.rotate(q, offset), positions.rotate(k, offset)
         if cache is not None:
@@ -141,6 +181,8 @@ class MultiHeadAttention(nn.Module):
         bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
         # The window only when set and only for self-attention; the catalog's mask() overrides predate it.
         extra = {"window": self.window} if self.window is not None and memory is None else {}
+        if packing is not None:
+            extra["segments"] = packing.segments
         mask = self.mask(l, s, offset, key_padding_mask, is_causal, None if bias is None else bias.to(q.dtype),
                          x.device, **extra)
         out = self.attend(q, k, v, mask, is_causal and mask is None)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.attention import KVCache
+from zoo.nn.attention import KVCache, Packing
 
 __all__ = ["EncoderLayer", "DecoderLayer", "NORM_PLACEMENTS"]
 
@@ -62,9 +62,12 @@ class DecoderLayer(nn.Module):
         self.cross_block = _Residual(norm(**kw), norm_placement, dropout) if cross_attention else None
         self.ffn_block = _Residual(norm(**kw), norm_placement, dropout)
 
-    def forward(self, x, memory=None, mask=None, memory_mask=None, positions=None, cache: KVCache | None = None):
+    def forward(self, x, memory=None, mask=None, memory_mask=None, positions=None, cache: KVCache | None = None,
+                packing: Packing | None = None):
+        # packing only when given: a plug-in attention (attention._target_) need not know the keyword.
+        packed = {} if packing is None else {"packing": packing}
         x = self.attn_block(x, lambda h: self.self_attn(h, key_padding_mask=mask, is_causal=True,
-                                                        positions=positions, cache=cache))
+                                                        positions=positions, cache=cache, **packed))
         if self.cross_attn is not None:
             x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_mask))
         return self.ffn_block(x, self.ffn)

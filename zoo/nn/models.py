@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.attention import KVCache
+from zoo.nn.attention import KVCache, Packing
 from zoo.nn.embedding import TokenEmbedding
 from zoo.nn.blocks import DecoderLayer, EncoderLayer
 
@@ -44,7 +44,8 @@ class _Stack(nn.Module):
             final_norm = norm_placement == "pre"
         self.final_norm = norm(**kw) if final_norm else None
 
-    def embed(self, tokens: torch.Tensor, offset: int = 0, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0,
+              extra: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(tokens)
         if extra is not None:
             x = x + extra
@@ -127,10 +128,18 @@ class DecoderOnly(nn.Module):
             self.lm_head.weight = self.decoder.embedding.weight
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """With a cache, ``tokens`` are the next positions and ``mask`` covers all positions so far."""
-        offset = cache.length if cache is not None else 0
-        x = self.decoder.run(self.decoder.embed(tokens, offset), mask=mask, cache=cache)
+                cache: KVCache | None = None, *, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """With a cache, ``tokens`` are the next positions and ``mask`` covers all positions so far.
+
+        segments (b, l): packed rows (zoo.nn.attention.Packing): the index of each token's sequence in its row,
+        -1 on padding; every sequence is then computed as if alone (its own positions from 0, attention within it)."""
+        offset, layer_inputs = (cache.length if cache is not None else 0), {}
+        if segments is not None:
+            if cache is not None:
+                raise ValueError("segments (packed rows) are for training and scoring, not cached decoding")
+            packing = Packing.from_segments(segments)
+            offset, layer_inputs = packing.positions, {"packing": packing}
+        x = self.decoder.run(self.decoder.embed(tokens, offset), mask=mask, cache=cache, **layer_inputs)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.lm_head(x)

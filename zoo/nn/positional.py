@@ -10,7 +10,9 @@ hands the same module to each self-attention layer, which asks it about queries,
 
 Each default is the identity (or None), so a scheme overrides only what it does, and a new scheme is one
 class here, one file under conf/pos/ and its spec clause. ``offset`` is the absolute position of the first
-token (non-zero while decoding with a cache). ``injects_order`` is False only for ``NoPositions``: then the
+token (non-zero while decoding with a cache), or, for packed rows (several sequences in one row, varlen
+semantics: zoo.nn.attention.Packing), a (b, l) tensor holding the position of every token within its own
+sequence; then the keys of score_bias are those same tokens (s = l, no cache). ``injects_order`` is False only for ``NoPositions``: then the
 model is permutation equivariant.
 """
 from __future__ import annotations
@@ -34,6 +36,13 @@ def sinusoidal_table(length: int, d_model: int, *, device=None, dtype=None) -> t
     return table.to(dtype or torch.get_default_dtype())
 
 
+def position_ids(offset: int | torch.Tensor, l: int, device) -> torch.Tensor:
+    """The positions of l tokens: offset, ..., offset + l - 1 as an (l,) tensor, or the (b, l) tensor given."""
+    if torch.is_tensor(offset):
+        return offset.to(device)
+    return torch.arange(offset, offset + l, device=device)
+
+
 class _Positions(nn.Module):
     injects_order = True
 
@@ -41,7 +50,10 @@ class _Positions(nn.Module):
         super().__init__()
         self.max_len = max_len
 
-    def _check_length(self, end: int) -> None:
+    def _check_length(self, end: int | torch.Tensor) -> None:
+        """end: one past the last position, or the positions themselves (a tensor: packed rows)."""
+        if torch.is_tensor(end):
+            end = int(end.max()) + 1 if end.numel() else 0
         if end > self.max_len:
             raise ValueError(f"sequence reaches position {end}, beyond max_len={self.max_len}")
 
@@ -77,9 +89,10 @@ class SinusoidalPositions(_Positions):
             self.table = sinusoidal_table(*self.table.shape, device=self.table.device, dtype=self.table.dtype)
         return self
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        self._check_length(offset + x.shape[1])
-        return x + self.table[offset: offset + x.shape[1]].to(x.dtype)
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        position = position_ids(offset, x.shape[1], x.device)
+        self._check_length(position if torch.is_tensor(offset) else offset + x.shape[1])
+        return x + self.table[position].to(x.dtype)
 
 
 class LearnedPositions(_Positions):
@@ -87,9 +100,10 @@ class LearnedPositions(_Positions):
         super().__init__(max_len)
         self.embedding = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        self._check_length(offset + x.shape[1])
-        return x + self.embedding.weight[offset: offset + x.shape[1]]
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        position = position_ids(offset, x.shape[1], x.device)
+        self._check_length(position if torch.is_tensor(offset) else offset + x.shape[1])
+        return x + self.embedding.weight[position]
 
 
 class RotaryPositions(_Positions):
@@ -103,13 +117,15 @@ class RotaryPositions(_Positions):
             raise ValueError(f"rotary positions need an even head size, got d_model/heads = {head_dim}")
         self.head_dim, self.base = head_dim, base
 
-    def rotate(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def rotate(self, t: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         l, e = t.shape[-2], t.shape[-1]
-        self._check_length(offset + l)
+        position = position_ids(offset, l, t.device)
+        self._check_length(position if torch.is_tensor(offset) else offset + l)
         compute = torch.promote_types(t.dtype, torch.float32)  # half-precision angles lose whole radians
-        position = torch.arange(offset, offset + l, device=t.device, dtype=compute)
         inverse_frequency = self.base ** (-torch.arange(0, e, 2, device=t.device, dtype=compute) / e)
-        angle = repeat(torch.outer(position, inverse_frequency), "l j -> l (two j)", two=2)
+        angle = repeat(position.to(compute)[..., None] * inverse_frequency, "... l j -> ... l (two j)", two=2)
+        if position.dim() == 2:  # packed rows: one position per (sample, token), the same for every head
+            angle = rearrange(angle, "b l e -> b 1 l e")
         wide = t.to(compute)
         first, second = rearrange(wide, "... (two j) -> two ... j", two=2)
         rotated_half = torch.cat([-second, first], dim=-1)
@@ -154,11 +170,14 @@ class AlibiPositions(_Positions):
             self.slopes = alibi_slopes(self.slopes.numel(), device=self.slopes.device, dtype=self.slopes.dtype)
         return self
 
-    def score_bias(self, l: int, s: int, offset: int, heads: int) -> torch.Tensor:
+    def score_bias(self, l: int, s: int, offset: int | torch.Tensor, heads: int) -> torch.Tensor:
+        """(h, l, s), or (b, h, l, s) for packed rows (offset a (b, l) tensor of positions, keys the same tokens)."""
         if heads != self.slopes.numel():
             raise ValueError(f"ALiBi was built for {self.slopes.numel()} heads, asked for {heads}")
-        self._check_length(max(offset + l, s))
-        query = torch.arange(offset, offset + l, device=self.slopes.device)
-        key = torch.arange(s, device=self.slopes.device)
-        distance = (rearrange(query, "l -> l 1") - rearrange(key, "s -> 1 s")).abs().to(self.slopes.dtype)
+        query = position_ids(offset, l, self.slopes.device)
+        key = query if torch.is_tensor(offset) else torch.arange(s, device=self.slopes.device)
+        self._check_length(query if torch.is_tensor(offset) else max(offset + l, s))
+        distance = (query[..., :, None] - key[..., None, :]).abs().to(self.slopes.dtype)
+        if distance.dim() == 3:
+            distance = rearrange(distance, "b l s -> b 1 l s")
         return -rearrange(self.slopes, "h -> h 1 1") * distance

@@ -19,6 +19,11 @@ Layouts (n = length of x; sequences are right-padded with PAD):
     encoder_decoder  src x_1..x_n;  tgt BOS y_1..y_n;  targets y_1..y_n EOS
     encoder_only     tokens x_1..x_n;  targets the 0/1 labels
 
+Packing (``task.packing=true``, decoder_only): ``pack`` lays the sequences of a batch end to end into rows of
+the model's length (varlen semantics: ``segments`` says which sequence each token belongs to, and the model
+attends within each and restarts positions, zoo.nn.attention.Packing), so the same target tokens cost fewer
+padded positions and the loss is that of the unpacked batch.
+
 A batch is a function of (seed, stream, index) alone: training batch i is the same whether or not the
 run was interrupted, and the held-out stream never shares a generator with the training one.
 """
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["PAD", "BOS", "SEP", "EOS", "N_SPECIAL", "IGNORE", "SEQUENCE_TASKS", "LABEL_TASKS", "DATA_TASKS",
-           "FAMILY_TASKS", "SyntheticTask", "task_from_config", "stream_seed", "symbols_to_text"]
+           "FAMILY_TASKS", "SyntheticTask", "task_from_config", "stream_seed", "symbols_to_text", "pack"]
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 N_SPECIAL = 4
@@ -142,6 +147,36 @@ class SyntheticTask:
         in_answer = position >= (lengths[:, None] + 2)  # targets at seq positions n+2 .. 2n+2
         targets = targets.masked_fill(~in_answer | (targets == PAD), IGNORE)
         return {"tokens": seq[:, :-1], "targets": targets, "lengths": lengths}
+
+
+def pack(batch: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """A decoder_only batch with its sequences packed end to end into rows of ``width`` positions, in order,
+    a new row when the next sequence does not fit (next fit). Each sequence keeps its inputs BOS x SEP y
+    (2n + 2 tokens; the final EOS is only a target) and their targets; ``segments`` (rows, width) numbers the
+    sequences of each row from 0, -1 on the padding after them. Rows vary in number, the target tokens not."""
+    used = 2 * batch["lengths"] + 2
+    if int(used.max()) > width:
+        raise ValueError(f"a sequence of {int(used.max())} positions does not fit rows of {width}")
+    rows: list[list[int]] = []
+    filled = 0
+    for k, n in enumerate(used.tolist()):
+        if not rows or filled + n > width:
+            rows.append([])
+            filled = 0
+        rows[-1].append(k)
+        filled += n
+    tokens = torch.full((len(rows), width), PAD, dtype=batch["tokens"].dtype)
+    targets = torch.full((len(rows), width), IGNORE, dtype=batch["targets"].dtype)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for index, k in enumerate(members):
+            n = int(used[k])
+            tokens[r, at:at + n] = batch["tokens"][k, :n]
+            targets[r, at:at + n] = batch["targets"][k, :n]
+            segments[r, at:at + n] = index
+            at += n
+    return {"tokens": tokens, "targets": targets, "segments": segments, "lengths": batch["lengths"]}
 
 
 def _real(lengths: torch.Tensor, width: int) -> torch.Tensor:

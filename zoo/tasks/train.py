@@ -27,7 +27,7 @@ from zoo.config.builder import check_fits, model_from_config
 from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, latest_checkpoint, load_training_state,
                                read_state, save_training_checkpoint)
 from zoo.tasks.interrupts import Interrupted
-from zoo.tasks.data import IGNORE, SyntheticTask, task_from_config
+from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
 from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
@@ -88,7 +88,8 @@ def forward_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     if model.kind == "decoder_only":
         # Padding is on the right: under the causal mask no real position ever sees it, so no mask is
         # needed, and without one the attention kernel can take its is_causal fast path.
-        return model(batch["tokens"])
+        # A packed batch (task.packing) says which sequence each token belongs to; only then is it passed.
+        return model(batch["tokens"], **({"segments": batch["segments"]} if "segments" in batch else {}))
     if model.kind == "encoder_decoder":
         # The source needs its mask (the encoder and cross-attention look both ways); the right-padded
         # target does not, for the same reason as above.
@@ -270,7 +271,8 @@ def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, devic
         lr = learning_rate(step, lr=opts.lr, warmup=opts.warmup, steps=opts.steps, min_lr_ratio=opts.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = _to(data.batch(model.kind, opts.batch, "train", step), device)
+        batch = data.batch(model.kind, opts.batch, "train", step)
+        batch = _to(pack(batch, model.max_len) if opts.get("packing") else batch, device)
         metrics = batch_metrics(forward_batch(model, batch), batch["targets"])
         optimizer.zero_grad(set_to_none=True)
         metrics["loss"].backward()
