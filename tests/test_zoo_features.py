@@ -22,10 +22,11 @@ from properties.core.tolerance import evaluation_error, gamma, unit_roundoff
 from properties.model.checks import assert_same_output, comparison_tolerance
 from zoo.config.builder import build_model, compose_config
 from zoo.config.schema import ConfigError
-from zoo.nn.attention import KVCache, MultiHeadAttention, Packing
+from zoo.nn.attention import KVCache, MultiHeadAttention, Packing, PagedKVCache
 from zoo.nn.flash import flash_attn_reference, flash_attn_varlen_packed
 from zoo.nn.kernel import math_attention
 from zoo.tasks.data import IGNORE, pack
+from zoo.tasks.generate import generate, generate_task
 from zoo.tasks.train import batch_metrics, fit_config_to_data, forward_batch, train
 from zoo.config.builder import model_from_config
 
@@ -319,6 +320,54 @@ def test_training_with_packing_runs(tmp_path):
     assert 0.0 <= result["exact"] <= 1.0 and result["loss"] == result["loss"]
 
 
+# ------------------------------------------------------------------------------ task=generate task.block_size
+@pytest.mark.parametrize("family", ["decoder_only", "encoder_decoder"])
+def test_paged_cache_decoding_gives_the_tokens_of_the_contiguous_cache(family):
+    model = _model(f"model={family}", "pos=alibi", "attention.window=4", "kv_heads=2", dtype=torch.float32)
+    prompt = _tokens(model, 3, 2)
+    kw = {}
+    if family == "encoder_decoder":
+        kw = dict(src=_tokens(model, 3, 7, seed=2), src_mask=torch.ones(3, 7, dtype=torch.bool))
+    max_new = model.max_len - prompt.shape[1] + 1
+    for block_size in (1, 3, 64):                   # one position per block, several blocks, one block
+        for sampling in (dict(), dict(temperature=1.3, top_k=5)):
+            runs = [generate(model, prompt, max_new, eos_id=None, block_size=b,
+                             generator=torch.Generator().manual_seed(5), **sampling, **kw) for b in (None, block_size)]
+            assert runs[0].shape == (3, max_new) and torch.equal(*runs), (block_size, sampling)
+
+
+def test_paged_cache_holds_each_position_through_its_block_table():
+    model = _model("model=decoder_only", "kv_heads=1")
+    tokens = _tokens(model, 3, 11)
+    contiguous, paged = KVCache(), PagedKVCache(block_size=4)
+    with torch.no_grad():
+        for cache in (contiguous, paged):
+            model(tokens[:, :5], cache=cache)
+            for i in range(5, 11):
+                model(tokens[:, i:i + 1], cache=cache)
+    # Blocks handed out in turn as the three sequences grow: a sequence's blocks are not adjacent in the pool.
+    assert paged.block_table.tolist() == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    for layer, (k_pool, v_pool) in paged.pools.items():
+        for b in range(3):
+            for position in range(11):
+                block, slot = paged.block_table[b, position // 4], position % 4
+                assert torch.equal(k_pool[block, slot], contiguous.keys[layer][b, :, position])
+                assert torch.equal(v_pool[block, slot], contiguous.values[layer][b, :, position])
+    with pytest.raises(ValueError, match="block_size=0"):
+        PagedKVCache(block_size=0)
+
+
+def test_generate_task_with_a_paged_cache(finished_run, capsys):
+    outputs = []
+    for extra in ((), ("task.block_size=2",)):
+        generate_task(compose_config(["task=generate", f"task.checkpoint='{finished_run}'", "task.samples=6",
+                                      "task.temperature=0.8", *extra]))
+        lines = capsys.readouterr().out.splitlines()
+        outputs.append(lines)
+    assert "with a paged (blocks of 2) KV cache" in outputs[1][0]
+    assert outputs[0][1:] == outputs[1][1:] and len([line for line in outputs[1] if "->" in line]) == 6
+
+
 # ------------------------------------------------------------------------------------------ the schema
 @pytest.mark.parametrize("override, message", [
     ("attention.window=0", "attention.window=0: must be a positive integer"),
@@ -326,10 +375,13 @@ def test_training_with_packing_runs(tmp_path):
     ("attention.softcap=0", "attention.softcap=0: must be positive (null: no capping)"),
     ("attention.softcap=-1.0", "attention.softcap=-1.0: must be positive"),
     ("attention.softcap=inf", "attention.softcap=inf: must be a finite number"),
+    ("task=generate task.block_size=0", "task.block_size=0: must be a positive integer or null"),
+    ("task=generate task.block_size=4 task.cache=false", "task.block_size=4: pages the KV cache"),
+    ("task=train task.packing=maybe", "task.packing=maybe: Value 'maybe' is not a valid bool"),
 ])
 def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as info:
-        compose_config([override])
+        compose_config(override.split())
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 

@@ -119,6 +119,7 @@ class GenerateTask:
     temperature: float = 0.0    # 0: greedy
     top_k: Optional[int] = None  # null: sample from the whole vocabulary
     cache: bool = True          # incremental decoding with a KV cache (false: recompute the prefix)
+    block_size: Optional[int] = None  # a paged KV cache of blocks of this many positions; null: contiguous
     seed: int = 0
 
 
@@ -158,6 +159,7 @@ _TASK_RANGES = {
     "temperature": (lambda v: v >= 0, "must be non-negative (0 is greedy)"),
     "top_k": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
     "max_new": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
+    "block_size": (lambda v: v is None or v >= 1, "must be a positive integer or null (a contiguous KV cache)"),
 }
 
 ConfigStore.instance().store(name="zoo_schema", node=ZooSchema)
@@ -387,6 +389,9 @@ def validate(cfg: DictConfig) -> None:
     for key, (ok, allowed) in _TASK_RANGES.items():
         if key in cfg.task and not ok(cfg.task[key]):
             _fail(f"task.{key}", cfg.task[key], allowed)
+    if cfg.task.get("block_size") is not None and not cfg.task.get("cache", True):
+        _fail("task.block_size", cfg.task.block_size, "pages the KV cache, and task.cache=false decodes without one "
+                                                      "(set task.cache=true or task.block_size=null)")
     if cfg.task.get("packing") and getattr(locate(cfg.model._target_), "kind", None) != "decoder_only":
         _fail("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an encoder's "
                                                 "batches keep one sequence per row")

@@ -29,13 +29,13 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from zoo.nn.flash import band_allowed
+from zoo.nn.flash import band_allowed, paged_slots
 from zoo.nn.kernel import resolve_kernel, takes_softcap
 
 if TYPE_CHECKING:
     from zoo.nn.positional import _Positions
 
-__all__ = ["MultiHeadAttention", "KVCache", "Packing", "window_size"]
+__all__ = ["MultiHeadAttention", "KVCache", "PagedKVCache", "Packing", "window_size"]
 
 
 def window_size(window: int | None) -> tuple[int, int]:
@@ -57,6 +57,64 @@ class KVCache:
             v = torch.cat([self.values[layer], v], dim=-2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
+
+
+@dataclass
+class PagedKVCache(KVCache):
+    """A KV cache in fixed-size blocks (PagedAttention, Kwon et al. 2023; flash_attn_with_kvcache's ``block_table``):
+    each layer's keys and values live in a pool of blocks (blocks, block_size, k, e), and ``block_table`` (b, n)
+    int32 maps block i of sequence b's positions to its physical block. Blocks are handed out as the sequences
+    grow, in turn across the batch, so one sequence's blocks are not adjacent in the pool; ``capacity`` (positions
+    per sequence) reserves the whole pool at the first step, else it doubles when full.
+
+    Reads and writes go through the block table (zoo.nn.flash.paged_slots); each step hands the layer its keys and
+    values gathered in position order, so attention computes exactly what it does with ``KVCache``."""
+    block_size: int = 16
+    capacity: int | None = None
+    block_table: torch.Tensor | None = None
+    pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size}: a positive number of positions per block")
+
+    def _reserve(self, batch: int, end: int, device) -> None:
+        """Logical blocks for positions < end of every sequence, each given the next free physical block."""
+        have = 0 if self.block_table is None else self.block_table.shape[1]
+        needed = -(-end // self.block_size)
+        if needed <= have:
+            return
+        handed_out = batch * have
+        new = torch.arange(handed_out, handed_out + batch * (needed - have), dtype=torch.int32, device=device)
+        new = rearrange(new, "(n b) -> b n", b=batch)      # in turn across the batch, as sequences that grow together
+        self.block_table = new if self.block_table is None else torch.cat([self.block_table, new], dim=1)
+
+    def _pool(self, layer: int, like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's pools, grown (copied into a pool twice the size, or to capacity) when the table outgrows them."""
+        needed = int(self.block_table.max()) + 1
+        if layer in self.pools and self.pools[layer][0].shape[0] >= needed:
+            return self.pools[layer]
+        old = self.pools.get(layer)
+        planned = batch * -(-self.capacity // self.block_size) if self.capacity else 0
+        size = max(needed, planned, 2 * old[0].shape[0] if old else 0)
+        _, kv_heads, _, e = like.shape
+        pools = tuple(like.new_zeros(size, self.block_size, kv_heads, e) for _ in range(2))
+        if old is not None:
+            for new_pool, old_pool in zip(pools, old):
+                new_pool[: old_pool.shape[0]] = old_pool
+        self.pools[layer] = pools
+        return pools
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (b, k, l, e) at positions length .. length + l - 1; return every position's (b, k, s, e)."""
+        batch, start, end = k.shape[0], self.length, self.length + k.shape[-2]
+        self._reserve(batch, end, k.device)
+        k_pool, v_pool = self._pool(layer, k, batch)
+        new = paged_slots(self.block_table, torch.arange(start, end, device=k.device), self.block_size)
+        k_pool[new] = rearrange(k, "b k l e -> b l k e")
+        v_pool[new] = rearrange(v, "b k l e -> b l k e")
+        every = paged_slots(self.block_table, torch.arange(end, device=k.device), self.block_size)
+        return rearrange(k_pool[every], "b s k e -> b k s e"), rearrange(v_pool[every], "b s k e -> b k s e")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from zoo.config.plugins import PluginError, load_object
 
 __all__ = ["flash_attn_reference", "flash_attn_tiled", "flash_attn_varlen_loop", "flash_attn_varlen_packed",
            "flash_attn_kvcache_gather", "flash_attn_kvcache_paged", "FLASH_APIS", "FLASH_KERNELS",
-           "resolve_flash_kernel", "band_allowed", "soft_cap"]
+           "resolve_flash_kernel", "band_allowed", "soft_cap", "paged_slots"]
 
 FLASH_APIS = ("flash", "flash-varlen", "flash-kvcache")
 KEY_BLOCK = 4     # tile sizes of the tiled kernel: small, so that problems of a few keys run several tiles
@@ -323,12 +323,17 @@ def _cache_plan(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, bl
     return seqlens, leftpad, rows, new
 
 
+def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int):
+    """(physical block, slot within it) of logical cache ``positions`` through a block table (…, max_blocks):
+    block_table[…, p // block_size] and p % block_size, so that cache[blocks, slots] reads them in place."""
+    return block_table.to(positions.device).long()[..., positions // block_size], positions % block_size
+
+
 def _locate(positions: torch.Tensor, row: int, index: int, block_table, block_size: int):
     """(cache index 0, cache index 1) tensors of ``positions`` of batch entry ``index``."""
     if block_table is None:
         return torch.full_like(positions, row), positions
-    blocks = block_table[index].to(positions.device).long()[positions // block_size]
-    return blocks, positions % block_size
+    return paged_slots(block_table[index], positions, block_size)
 
 
 def _append(k_cache, v_cache, k, v, seqlens, rows, block_table):

@@ -2,7 +2,10 @@
 
 With ``use_cache=True`` the prompt is run once and then each new token alone, its keys and values
 appended to a ``KVCache``; with ``use_cache=False`` the whole prefix is run again at every step. Both
-compute the same function, so they give the same tokens (tests/test_train.py checks it).
+compute the same function, so they give the same tokens (tests/test_train.py checks it). With ``block_size=N``
+the cache is paged (``PagedKVCache``: blocks of N positions through a block table, as vLLM's PagedAttention and
+flash_attn_with_kvcache's ``block_table``), which gives exactly the tokens of the contiguous cache
+(tests/test_zoo_features.py).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from zoo.nn.attention import KVCache
+from zoo.nn.attention import KVCache, PagedKVCache
 from zoo.config.builder import check_fits, model_from_config
 from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
@@ -54,17 +57,20 @@ def pick_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None 
 def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch.Tensor | None = None,
              src_mask: torch.Tensor | None = None, temperature: float = 0.0, top_k: int | None = None,
              use_cache: bool = True, generator: torch.Generator | None = None, eos_id: int | None = EOS,
-             pad_id: int = PAD) -> torch.Tensor:
+             pad_id: int = PAD, block_size: int | None = None) -> torch.Tensor:
     """Up to max_new tokens (b, n) after prompt (b, l); a row is padded with pad_id after its eos_id.
 
     Decoder-only: prompt is the start of the sequence. Encoder-decoder: src (b, s) is encoded once and
     prompt starts the target (usually a BOS column). Prompts in one batch must have the same length.
+    block_size: decode through a paged KV cache of blocks of this many positions (None: one contiguous cache).
     """
     if model.kind not in ("decoder_only", "encoder_decoder"):
         raise ValueError(f"generate needs a decoder_only or encoder_decoder model, got {model.kind}")
     if model.kind == "encoder_decoder" and src is None:
         raise ValueError("an encoder_decoder model needs src to generate from")
     # The last new token is returned, never fed back, so it needs no position of its own.
+    if block_size is not None and not use_cache:
+        raise ValueError("block_size pages the KV cache: it needs use_cache=True")
     if prompt.shape[1] + max_new - 1 > model.max_len:
         raise ValueError(f"prompt of {prompt.shape[1]} tokens + {max_new} new ones exceeds the model's "
                          f"max_len={model.max_len}")
@@ -78,7 +84,10 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
                 return model.decode(tokens, memory, src_mask, cache=cache)
             return model(tokens, cache=cache)
 
-        cache = KVCache() if use_cache else None
+        cache = None
+        if use_cache:  # a paged cache reserves blocks for every position this call can reach, once
+            cache = KVCache() if block_size is None else PagedKVCache(block_size=block_size,
+                                                                      capacity=prompt.shape[1] + max_new - 1)
         sequence, feed = prompt, prompt
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         new = []
@@ -144,7 +153,7 @@ def generate_task(cfg: DictConfig) -> None:
             prompt = torch.full((len(x), 1), BOS)
             out = generate(model, prompt.to(cfg.device), max_new, src=x.to(cfg.device),
                            src_mask=src_mask.to(cfg.device), temperature=opts.temperature, top_k=opts.top_k,
-                           use_cache=opts.cache, generator=generator)
+                           use_cache=opts.cache, generator=generator, block_size=opts.block_size)
             outputs = list(out.cpu())
         else:
             # Prompts of one length share a batch: BOS x SEP, with no padding for positions to shift.
@@ -153,7 +162,8 @@ def generate_task(cfg: DictConfig) -> None:
                 prompt = torch.cat([torch.full((len(rows), 1), BOS), x[rows, :n],
                                     torch.full((len(rows), 1), SEP)], dim=1)
                 out = generate(model, prompt.to(cfg.device), max_new, temperature=opts.temperature,
-                               top_k=opts.top_k, use_cache=opts.cache, generator=generator)
+                               top_k=opts.top_k, use_cache=opts.cache, generator=generator,
+                               block_size=opts.block_size)
                 for row, tokens in zip(rows.tolist(), out.cpu()):
                     outputs[row] = tokens
     except ValueError as exc:  # a prompt/max_new the model's positions cannot hold
@@ -161,7 +171,8 @@ def generate_task(cfg: DictConfig) -> None:
 
     mode = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature}, top_k {opts.top_k}"
     print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, "
-          f"{'with' if opts.cache else 'without'} KV cache")
+          f"{'with' if opts.cache else 'without'}{f' a paged (blocks of {opts.block_size})' if opts.block_size else ''}"
+          f" KV cache")
     if opts.prompt and int(lengths[0]) < data.min_len:
         print(f"  (the prompt is shorter than any the model was trained on: {data.min_len}-{data.max_len} symbols)")
     right = 0
