@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import zoo.conf
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model, compose_config, model_from_config
 from zoo.config.options import FAMILIES
 from zoo.tasks.summary import random_inputs
+from zoo.tasks.train import fit_config_to_data
 
 CONF = Path(zoo.conf.__path__[0])
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in CONF.iterdir() if group.is_dir()
@@ -26,7 +27,10 @@ def test_tree_has_the_groups_the_issue_names():
 def test_every_option_composes_and_builds(group, option):
     # Full-size presets are built on the meta device: the geometry is checked, no memory spent.
     device = "meta" if group == "preset" and option != "tiny" else "cpu"
-    model = build_model([f"{group}={option}"], device=device)
+    if group == "experiment":  # a whole training run, its task included: built as task=train builds it
+        model = model_from_config(fit_config_to_data(compose_config([f"experiment={option}"]))[0])
+    else:
+        model = build_model([f"{group}={option}"], device=device)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 

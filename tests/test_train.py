@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+import zoo.conf
 import zoo.io.checkpoint
 import zoo.tasks.train
 from zoo.config.builder import compose_config, model_from_config
@@ -28,11 +31,85 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("group,option,schema", [("task", "train", TrainTask), ("task", "generate", GenerateTask),
                                                  *[("data", name, DataOptions) for name in DATA_TASKS]])
 def test_yaml_defaults_are_the_schema_defaults(group, option, schema):
-    node = OmegaConf.to_container(compose_config([f"{group}={option}"])[group], resolve=False)
+    # ~recipe: without the training recipe that task=train on the default data would otherwise get
+    node = OmegaConf.to_container(compose_config([f"{group}={option}", "~recipe"])[group], resolve=False)
     defaults = {f.name: f.default for f in dataclasses.fields(schema)}
     if schema is DataOptions:
         defaults["name"] = option
     assert node == defaults
+
+
+# ------------------------------------------------------------------------------- recipes and experiments
+
+RECIPES = Path(zoo.conf.__path__[0]) / "recipe"
+
+
+def recipe_chosen(overrides):
+    """The recipe conf/config.yaml selects for these overrides, as Hydra records the choice."""
+    with initialize_config_module("zoo.conf", version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True).hydra.runtime.choices.recipe
+
+
+def test_plain_training_command_gets_its_recipe_and_other_tasks_keep_the_papers_defaults():
+    plain = compose_config(["model=decoder_only", "task=train", "data=reverse"])
+    assert (plain.layers, plain.norm_placement, plain.dropout, plain.task.steps) == (3, "pre", 0.0, 2500)
+    for task in ("run", "summary", "verify"):  # the same model and data, another task: the paper's settings
+        cfg = compose_config(["model=decoder_only", "data=reverse", f"task={task}"])
+        assert (cfg.layers, cfg.norm_placement, cfg.dropout) == (2, "post", 0.1), task
+        assert cfg.pos._target_.endswith("SinusoidalPositions")
+    # another preset or family has no recipe: nothing measured for it, so nothing is changed
+    big = compose_config(["model=decoder_only", "task=train", "data=reverse", "preset=gpt2_small"])
+    assert (big.layers, big.dropout, big.task.steps) == (12, 0.1, 2000)
+    unmeasured = compose_config(["model=encoder_decoder", "task=train", "data=reverse"])
+    assert (unmeasured.layers, unmeasured.norm_placement, unmeasured.task.steps) == (2, "post", 2000)
+    off = compose_config(["model=decoder_only", "task=train", "data=reverse", "~recipe"])
+    assert (off.layers, off.norm_placement, off.task.steps) == (2, "post", 2000)
+
+
+def test_command_line_values_win_over_the_recipe():
+    cfg = compose_config(["model=decoder_only", "task=train", "data=reverse", "layers=2", "dropout=0.1",
+                          "norm_placement=post", "task.steps=7", "task.lr=1e-4"])
+    assert (cfg.layers, cfg.dropout, cfg.norm_placement, cfg.task.steps, cfg.task.lr) == (2, 0.1, "post", 7, 1e-4)
+    assert cfg.task.eval_batches == 16  # what was not given still comes from the recipe
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(RECIPES).with_suffix("")) for p in RECIPES.rglob("*.yaml")))
+def test_every_recipe_is_chosen_by_its_own_combination_and_validates(recipe):
+    task, preset, family, data = recipe.split("/")
+    overrides = [f"task={task}", f"preset={preset}", f"model={family}", f"data={data}"]
+    assert recipe_chosen(overrides) == recipe
+    cfg = compose_config(overrides)  # validated: every key the recipe sets exists and has an allowed value
+    values = zoo.tasks.train.recipe_values(recipe)
+    assert values and all(OmegaConf.select(cfg, key) == value for key, value in values.items())
+    fit_config_to_data(cfg)  # the data task fits the family
+
+
+def test_recipe_is_said_when_training_starts_with_what_the_command_line_changed(tmp_path, capsys):
+    overrides = ["model=decoder_only", "task=train", "data=reverse"]
+    recipe = recipe_chosen(overrides)
+    assert recipe == "train/tiny/decoder_only/reverse"
+    cfg = compose_config([*overrides, *TINY, f"task.out_dir='{tmp_path}'", "task.steps=1", "task.batch=4",
+                          "task.eval_batches=1"])
+    train(cfg, recipe=recipe)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("recipe ")]
+    assert len(lines) == 1, lines
+    kept, _, otherwise = lines[0].partition("; set otherwise here: ")
+    assert kept.split(": ", 1)[1].split() == ["norm_placement=pre", "dropout=0.0", "task.lr=0.003", "task.eval_every=500"]
+    assert otherwise.split(" (")[0].split() == ["layers=1", "task.steps=1", "task.eval_batches=1"]
+    assert "override any on the command line" in lines[0]
+    assert zoo.tasks.train.recipe_line("train/tiny/encoder_only/running_max", cfg) is None  # none: no line
+
+
+@pytest.mark.parametrize("experiment,family,data", [("reverse", "decoder_only", "reverse"),
+                                                    ("sort", "encoder_decoder", "sort")])
+def test_experiments_set_a_whole_training_run_and_the_command_line_still_wins(experiment, family, data):
+    cfg = compose_config([f"experiment={experiment}"])
+    assert (cfg.task.name, cfg.data.name, cfg.model._target_.rsplit(".", 1)[1]) == (
+        "train", data, {"decoder_only": "DecoderOnly", "encoder_decoder": "EncoderDecoder"}[family])
+    assert (cfg.norm_placement, cfg.dropout, cfg.attention.kernel, cfg.task.steps) == ("pre", 0.0, "torch", 1500)
+    mine = compose_config([f"experiment={experiment}", "task.steps=10", "layers=1", "attention=math", "pos=rotary"])
+    assert (mine.task.steps, mine.layers, mine.attention.kernel) == (10, 1, "math")
+    assert mine.pos._target_.endswith("RotaryPositions")
 
 
 # ------------------------------------------------------------------------------------------------ data

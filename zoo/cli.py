@@ -38,7 +38,7 @@ _TASKS = {
     "generate": "decode with a task=train checkpoint: task.checkpoint=DIR",
 }
 _GROUPS = {"model": "family", "attention": "kernel backend", "ffn": "feed-forward", "norm": "normalization",
-           "pos": "positions", "preset": "sizes", "data": "task=train data"}
+           "pos": "positions", "preset": "sizes", "data": "task=train data", "experiment": "a training run"}
 
 
 def _first_comment(text: str) -> str:
@@ -58,7 +58,9 @@ def project_help() -> str:
 
     conf = files("zoo.conf")
     primary = OmegaConf.create((conf / "config.yaml").read_text())
-    defaults = {k: v for entry in primary.get("defaults", []) if not isinstance(entry, str) for k, v in entry.items()}
+    # unresolved: the recipe entry is a defaults-list interpolation that only Hydra's composition can resolve
+    entries = OmegaConf.to_container(primary, resolve=False).get("defaults", [])
+    defaults = {k: v for entry in entries if not isinstance(entry, str) for k, v in entry.items()}
     keys = [k for k in primary if k not in ("defaults", "hydra")]
 
     def listed(group: str) -> str:
@@ -83,6 +85,8 @@ def project_help() -> str:
         "config groups (GROUP=OPTION):",
         *group_lines,
         f"top-level keys (KEY=VALUE): {', '.join(keys)}",
+        "task=train with the tiny preset also applies the recipe conf/recipe/train/tiny/MODEL/DATA.yaml where one",
+        "exists (printed when training starts; a value on the command line wins; ~recipe drops it).",
         "",
         "plug-in points:",
         "  attention.kernel=pkg.mod:fn              any kernel with the signature of F.scaled_dot_product_attention",

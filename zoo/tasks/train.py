@@ -16,6 +16,7 @@ import copy
 import math
 import sys
 import time
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
 from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
-__all__ = ["fit_config_to_data", "family_of", "learning_rate", "make_optimizer", "forward_batch",
+__all__ = ["fit_config_to_data", "family_of", "recipe_values", "recipe_line", "learning_rate", "make_optimizer", "forward_batch",
            "batch_metrics", "evaluate", "train", "train_task"]
 
 
@@ -159,13 +160,16 @@ def _likely_cause(difference: tuple) -> tuple[int, str]:
 class _Progress:
     """One self-rewriting line on a terminal; elsewhere (logs, pipes) only the evaluation lines."""
 
-    def __init__(self, stream=sys.stdout, quiet: bool = False):
+    def __init__(self, stream=None, quiet: bool = False):
+        stream = stream or sys.stdout  # looked up now, not at import: whatever stdout is when training starts
         self.stream, self.quiet, self.live, self.last = stream, quiet, not quiet and stream.isatty(), 0.0
+
+    WIDTH = 120
 
     def update(self, text: str, force: bool = False) -> None:
         now = time.monotonic()
         if self.live and (force or now - self.last > 0.2):
-            self.stream.write("\r" + text.ljust(100)[:100])
+            self.stream.write("\r" + text.ljust(self.WIDTH)[:self.WIDTH])
             self.stream.flush()
             self.last = now
 
@@ -173,12 +177,54 @@ class _Progress:
         if self.quiet:
             return
         if self.live:
-            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.write("\r" + " " * self.WIDTH + "\r")
         print(text, file=self.stream, flush=True)
 
 
-def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
-    """Train as cfg.task says; return the final held-out metrics, the model and where checkpoints went."""
+def _clock(seconds: float) -> str:
+    """Seconds as M:SS (H:MM:SS from an hour), the way a progress bar shows time left."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def recipe_values(recipe: str | None) -> dict[str, object]:
+    """What the training recipe `recipe` (conf/recipe/RECIPE.yaml, e.g. train/tiny/decoder_only/reverse) sets, as
+    command-line keys and values; {} when the recipe names no file (most combinations have none)."""
+    if not recipe:
+        return {}
+    path = files("zoo.conf").joinpath("recipe", *f"{recipe}.yaml".split("/"))
+    if not path.is_file():
+        return {}
+
+    def flat(node: dict, prefix: str = "") -> dict[str, object]:
+        out = {}
+        for key, value in node.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    return flat(OmegaConf.to_container(OmegaConf.create(path.read_text())))
+
+
+def recipe_line(recipe: str | None, cfg: DictConfig) -> str | None:
+    """One line saying what the recipe chose and which of its values this run sets otherwise, or None."""
+    values = recipe_values(recipe)
+    if not values:
+        return None
+    here = {key: OmegaConf.select(cfg, key) for key in values}
+    kept = [f"{key}={value}" for key, value in values.items() if here[key] == value]
+    other = [f"{key}={here[key]}" for key, value in values.items() if here[key] != value]
+    return (f"recipe {recipe}: {' '.join(kept) or '(every value set otherwise)'}"
+            + (f"; set otherwise here: {' '.join(other)}" if other else "")
+            + f" (conf/recipe/{recipe}.yaml; override any on the command line)")
+
+
+def train(cfg: DictConfig, *, quiet: bool = False, recipe: str | None = None) -> dict:
+    """Train as cfg.task says; return the final held-out metrics, the model and where checkpoints went.
+
+    recipe: the training recipe Hydra chose for this run (conf/config.yaml: recipe), said in one line at the start.
+    """
+    told = recipe_line(recipe, cfg)  # before the config is fitted to the data, as the user composed it
     cfg, data = fit_config_to_data(cfg)
     opts = cfg.task
     out_dir = _out_dir(cfg)
@@ -224,6 +270,8 @@ def train(cfg: DictConfig, *, quiet: bool = False) -> dict:
 
     held_out = [_to(data.batch(model.kind, opts.batch, "heldout", i), device) for i in range(opts.eval_batches)]
     parameters = sum(p.numel() for p in model.parameters())
+    if told:
+        progress.line(told)
     progress.line(f"train {model.kind} ({parameters:,} parameters) on {data.name}: vocab {data.vocab} symbols, "
                   f"length {data.min_len}-{data.max_len}; {opts.steps} steps of {opts.batch}; "
                   f"checkpoints in {out_dir}")
@@ -283,8 +331,10 @@ def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, devic
         loss = metrics["loss"].item()
         smoothed = loss if smoothed is None else 0.95 * smoothed + 0.05 * loss
         rate = (done - start) / max(time.monotonic() - started, 1e-9)
+        held_out_exact = "-" if result is None else f"{100 * result['exact']:.1f}%"
         progress.update(f"step {done}/{opts.steps}  loss {smoothed:.4f}  acc {float(metrics['token_acc']):.3f}  "
-                        f"lr {lr:.2e}  {rate:.1f} steps/s", force=done == opts.steps)
+                        f"held-out exact {held_out_exact}  {rate:.1f} steps/s  ETA {_clock((opts.steps - done) / rate)}",
+                        force=done == opts.steps)
         if done % opts.eval_every == 0 or done == opts.steps:
             result = evaluate(model, held_out)
             progress.line(f"step {done:>6}  train loss {smoothed:.4f}  held-out loss {result['loss']:.4f}  "
@@ -297,4 +347,7 @@ def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, devic
 
 
 def train_task(cfg: DictConfig) -> None:
-    train(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    train(cfg, recipe=choices.get("recipe"))
