@@ -55,6 +55,9 @@ _PROFILES = {
     "thorough": settings(_DEFAULT, max_examples=400),
     # `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
     "quick": settings(_DEFAULT, max_examples=3),
+    # Only the @example shapes pinned for known bug classes: a seconds-long smoke run, and the check that no
+    # catalogued bug depends on a lucky draw (python -m properties.catalog.pinned).
+    "pinned": settings(_DEFAULT, phases=(Phase.explicit,)),
 }
 
 

@@ -125,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="suite runs in parallel (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these entries (repeatable)")
+    parser.add_argument("--profile", default="default",
+                        help="Hypothesis profile of every run; 'pinned' runs only the @example cases, and shows "
+                             "which bugs a run catches whatever it draws (default: default)")
     args = parser.parse_args(argv)
 
     entries = [e for e in CATALOG + CORRECT if not args.only or e.name in args.only]
@@ -137,9 +140,10 @@ def main(argv=None) -> int:
         print(f"  {run.entry.name}: {'unavailable' if run.unavailable else (first and '+'.join(first['clauses'])) or 'passed'}"
               f" ({run.wall_s:.1f} s)", file=sys.stderr, flush=True)
 
-    print(f"running the suite on {len(entries)} implementations, {args.jobs} at a time (seed {args.seed})",
+    print(f"running the suite on {len(entries)} implementations, {args.jobs} at a time (seed {args.seed}, profile {args.profile})",
           file=sys.stderr, flush=True)
-    runs = run_all(entries, jobs=args.jobs, progress=progress, seed=args.seed)
+    runs = run_all(entries, jobs=args.jobs, progress=progress, seed=args.seed,
+                   extra=["--hypothesis-profile", args.profile])
     torch.set_num_threads(1)
     examples = {e.name: example_based.run(_kernel_callable(e), e.name) for e in entries if e.option == "--kernel"}
     rows = rows_for(runs, examples)

@@ -41,7 +41,8 @@ def _check_sequences(out, case: VarlenCase, q, k, v, slopes, *, what: str, facto
 
 @clause("VARLEN-EQUALS-PADDED")
 @example(case=VarlenCase((2, 3), (3, 2), _base(2, 3, 3, causal=True)))            # per-sequence offsets +1, -1
-@example(case=VarlenCase((3, 0, 2), (2, 4, 0), _base(3, 3, 4, alibi="batch")))    # empty sequences, alibi row b
+@example(case=VarlenCase((3, 0, 2), (2, 4, 0), _base(3, 3, 4, alibi="batch")))    # empty sequences
+@example(case=VarlenCase((1, 2), (3, 2), _base(2, 2, 3, alibi="batch")))          # alibi row b of sequence b > 0
 @example(case=VarlenCase((2, 2), (4, 4), _base(2, 2, 4, window=(1, 0), softcap=2.5)))
 @given(case=varlen_cases())
 def test_each_packed_sequence_is_its_own_flash_problem(varlen_kernel, device, case):

@@ -3,14 +3,14 @@ permutations and independence of slices."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import cases, on, with_pinned_cases
+from properties.core.strategies import Case, cases, on, with_pinned_cases
 from properties.core.tolerance import evaluation_error, gamma, output_bound, softmax_bounds, unit_roundoff
 
 
@@ -18,8 +18,11 @@ from properties.core.tolerance import evaluation_error, gamma, output_bound, sof
 @with_pinned_cases(n_lead=0)
 @with_pinned_cases(n_lead=1)
 @with_pinned_cases()
+@example(case=Case(lead=(2,), l=3, s=4, e=5, ev=2, dtype=torch.float16, seed=0))  # the cast back to half
+@example(case=Case(lead=(2,), l=3, s=4, e=5, ev=2, dtype=torch.bfloat16, seed=0))
 @given(case=cases(min_lead=0, max_lead=2))
 def test_output_shape_dtype_and_device(kernel, device, case):
+    require_dtype(device, case.dtype)
     q, k, v = case.qkv(device)
     out = kernel(q, k, v)  # the guard raises on the wrong shape, dtype or device; restated here
     assert tuple(out.shape) == (*case.lead, case.l, case.ev), f"output shape {tuple(out.shape)}"
