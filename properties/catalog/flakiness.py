@@ -8,7 +8,7 @@ and the Hugging Face GPT-2, BERT and BART examples), each unrestricted. Any fail
 the target is 0. Not part of CI (20 seeds take about 15 minutes on 2 cores).
 
 Options: ``--seeds N`` (default 20), ``--first-seed S`` (default 1: seeds S … S + N − 1), ``-n/--jobs N``
-(suite runs in parallel, default 2), ``--json PATH``.
+(suite runs in parallel, default 2), ``--json PATH``, ``--only NAME`` (repeatable: those subjects only).
 """
 from __future__ import annotations
 
@@ -34,13 +34,17 @@ def main(argv=None) -> int:
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("-n", "--jobs", type=int, default=2)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only these subjects (repeatable)")
     args = parser.parse_args(argv)
+    subjects = [e for e in SUBJECTS if not args.only or e.name in args.only]
+    if not subjects:
+        parser.error(f"--only {args.only}: no such subject; the subjects are {[e.name for e in SUBJECTS]}")
 
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     start = time.perf_counter()
     results, failures, tests = [], [], 0
     for seed in seeds:
-        runs = run_all(SUBJECTS, jobs=args.jobs, seed=seed, level=False)
+        runs = run_all(subjects, jobs=args.jobs, seed=seed, level=False)
         for run in runs:
             if run.unavailable:
                 continue
@@ -56,8 +60,8 @@ def main(argv=None) -> int:
         so_far = sum(r["failed"] for r in results if r["seed"] == seed)
         print(f"seed {seed}: {len(runs)} runs, {so_far} failure(s)  [{time.perf_counter() - start:.0f} s]",
               file=sys.stderr, flush=True)
-    subjects = sorted({r["subject"] for r in results})
-    print(f"{len(seeds)} seeds x {len(subjects)} subjects = {len(results)} suite runs, {tests} tests: "
+    names = sorted({r["subject"] for r in results})
+    print(f"{len(seeds)} seeds x {len(names)} subjects = {len(results)} suite runs, {tests} tests: "
           f"{len(failures)} failure(s) in {time.perf_counter() - start:.0f} s")
     for f in failures:
         print(f"  seed {f['seed']} {f['subject']}: {f['nodeid']}: {f['message']}")
