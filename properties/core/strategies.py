@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import math
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from hypothesis import assume, example, strategies as st
 from zoo.config.options import DTYPES
 
 __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
-           "pinned_cases", "with_pinned_cases", "seeds", "gaussian", "on", "identity_values",
+           "pinned_cases", "with_pinned_cases", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
            "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit"]
 
 # DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
@@ -111,6 +112,59 @@ def with_pinned_cases(argname: str = "case", n_lead: int = 2, **other_args):
             test = example(**{argname: case}, **other_args)(test)
         return test
     return decorate
+
+
+class PinnedData:
+    """``st.data()`` in an ``@example``: each ``data.draw(strategy, label=L)`` in the test's body returns
+    ``values[L]``, so the shapes a test draws inside its body are pinned as well as its arguments::
+
+        @example(p=Tokens(...), data=PinnedData({"sample": 1, "position": 2}))
+
+    A value the strategy could not have drawn there (:func:`could_draw`: outside an integer range that depends
+    on the subject, say) rejects the example as ``assume`` does, so a pin never checks what the clause does not
+    claim.  ``checks`` maps the name of a composite strategy to ``check(value, *args, **kwargs) -> bool``."""
+
+    def __init__(self, values: dict, checks: dict | None = None):
+        self.values, self.checks = dict(values), dict(checks or {})
+
+    def draw(self, strategy, label=None):
+        if label not in self.values:
+            raise KeyError(f"the pinned example gives no value for the draw {label!r} (it gives {sorted(self.values)})")
+        value = self.values[label]
+        assume(could_draw(strategy, value, self.checks))
+        return value
+
+    def __repr__(self) -> str:
+        return "PinnedData({" + ", ".join(f"{k!r}: {v!r}" for k, v in self.values.items()) + "})"
+
+    def _repr_pretty_(self, printer, cycle):  # one line in Hypothesis' report of a failing example
+        printer.text(repr(self))
+
+
+def could_draw(strategy, value, checks: dict | None = None) -> bool:
+    """Whether ``strategy`` could draw ``value``, as far as can be told: the bounds of ``integers``, the items of
+    ``permutations`` and ``sampled_from``, every ``filter``, and ``checks[name]`` for a composite strategy of
+    that name; anything else is taken on trust."""
+    if not all(t[1](value) for t in getattr(strategy, "_transformations", ()) if t[0] == "filter"):
+        return False
+    if isinstance(getattr(strategy, "elements", None), (tuple, list, range)):   # sampled_from
+        return value in strategy.elements
+    function = getattr(strategy, "function", None)          # a lazily built strategy: its function and arguments
+    if function is None:
+        return True
+    args, kwargs = strategy._LazyStrategy__args, strategy._LazyStrategy__kwargs
+    name = function.__name__
+    if name in (checks or {}):
+        return bool(checks[name](value, *args, **kwargs))
+    if name not in ("integers", "permutations"):
+        return True
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if name == "integers":
+        return ((a["min_value"] is None or value >= a["min_value"]) and
+                (a["max_value"] is None or value <= a["max_value"]))
+    return sorted(value) == sorted(a["values"])
 
 
 def gaussian(generator: torch.Generator, *shape: int) -> torch.Tensor:

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_identical
+from properties.core.strategies import PinnedData
 from properties.model.checks import assert_same_output, comparison_tolerance
 from properties.module.parts import OneLine, inputs, layer_params, layer_subject, module_settings
 
@@ -37,6 +38,11 @@ class Draw(OneLine):
 
 draws = st.builds(Draw, batch=st.integers(1, 3), l=st.integers(1, 8), s=st.integers(1, 8),
                   seed=st.integers(0, 2**32 - 1))
+
+
+# Pinned shape (drawn every run): B == L == 3 (an axis mixed up with another raises no shape error) and a
+# memory of 5 positions, so that the decoder's length differs from the encoder's.
+PINNED = Draw(batch=3, l=3, s=5, seed=0)
 
 
 def _get(obj, dotted: str):
@@ -108,6 +114,7 @@ def _check_equation(layer_key, device, p, placement):
 # ------------------------------------------------------------------------------------- LAYER-POST-NORM
 @clause("LAYER-POST-NORM")
 @module_settings
+@example(p=PINNED)
 @given(p=draws)
 def test_post_norm_equation(layer_key, device, p):
     _check_equation(layer_key, device, p, "post")
@@ -116,6 +123,7 @@ def test_post_norm_equation(layer_key, device, p):
 # -------------------------------------------------------------------------------------- LAYER-PRE-NORM
 @clause("LAYER-PRE-NORM")
 @module_settings
+@example(p=PINNED)
 @given(p=draws)
 def test_pre_norm_equation(layer_key, device, p):
     _check_equation(layer_key, device, p, "pre")
@@ -124,6 +132,7 @@ def test_pre_norm_equation(layer_key, device, p):
 # ------------------------------------------------------------------------------------- LAYER-RESIDUAL
 @clause("LAYER-RESIDUAL")
 @module_settings
+@example(p=PINNED)
 @given(p=draws)
 def test_residual_carries_the_input(layer_key, device, p):
     subject = subject_for(layer_key, device, p)
@@ -151,6 +160,7 @@ def test_residual_carries_the_input(layer_key, device, p):
 # ---------------------------------------------------------------------------- LAYER-STACK-PERMUTATION
 @clause("LAYER-STACK-PERMUTATION")
 @module_settings
+@example(p=PINNED, data=PinnedData({"permutation": (2, 0, 1)}))
 @given(p=draws.filter(lambda d: d.l >= 2), data=st.data())
 def test_stack_permutation(layer_key, device, p, data):
     subject = subject_for(layer_key, device, p)

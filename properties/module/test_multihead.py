@@ -19,7 +19,7 @@ from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, multihead
 from properties.module.oracle import PROJECTION_NAMES, multihead_oracle, projections, single_head_oracle
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
-from properties.core.strategies import derived_generator, dtypes, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, derived_generator, dtypes, seeds, selected_dtypes
 
 FIRST = selected_dtypes()[0]   # pinned examples use the first selected dtype (float32 unless --dtype says)
 
@@ -57,6 +57,15 @@ class Mha(OneLine):
         kind = f"cross(s={self.s})" if self.cross else "self"
         return (f"Mha(batch={self.batch}, l={self.l}, {kind}, heads={self.heads}, kv_heads={self.kv_heads}, "
                 f"e={self.e}, padded={self.padded}, causal={self.causal}, dtype={self.dtype}, seed={self.seed})")
+
+
+# Pinned shapes (drawn every run, SPEC.md's rule that a known bug class is never a coin flip), in the order of
+# Mha's fields: batch, l, s, heads, kv_heads, e, cross, padded, causal, dtype, seed.
+# B == L with 2 heads of an odd size 3: a head split or merge over the wrong axis (batch for length, (e h) for
+# (h e)) raises no shape error and shows in the values; right-padded keys and causal masking together.
+SELF_B_EQ_L = Mha(3, 3, 0, 2, 2, 3, False, True, True, FIRST, 0)
+# Cross attention with L != S and a padded memory of mixed real lengths, 2 heads of size 2.
+CROSS_L_NE_S = Mha(2, 3, 5, 2, 2, 2, True, True, False, FIRST, 1)
 
 
 @st.composite
@@ -130,6 +139,8 @@ def comparison(module, p: Mha, attention, device):
 # ------------------------------------------------------------------------------------------- MHA-SHAPE
 @clause("MHA-SHAPE")
 @module_settings
+@example(p=SELF_B_EQ_L)
+@example(p=CROSS_L_NE_S)
 @given(p=problems())
 def test_shape(attention, device, p):
     module = build(attention, p, device)
@@ -149,6 +160,8 @@ def test_shape(attention, device, p):
 @clause("MHA-ORACLE")
 @module_settings
 @example(p=Mha(1, 2, 0, 2, 2, 1, False, False, False, FIRST, 0))   # smallest shape where heads mix
+@example(p=SELF_B_EQ_L)       # e > 1: a merge as (e h) instead of (h e) shows only with head size >= 2
+@example(p=CROSS_L_NE_S)
 @given(p=problems())
 def test_concat_heads_times_w_o(attention, device, p):
     module = build(attention, p, device)
@@ -161,6 +174,8 @@ def test_concat_heads_times_w_o(attention, device, p):
 # ------------------------------------------------------------------------------------- MHA-SINGLE-HEAD
 @clause("MHA-SINGLE-HEAD")
 @module_settings
+@example(p=Mha(3, 3, 0, 1, 1, 3, False, True, True, FIRST, 0))   # B == L, padded and causal
+@example(p=Mha(2, 3, 5, 1, 1, 2, True, True, False, FIRST, 1))   # cross, L != S, padded memory
 @given(p=problems(heads=1))
 def test_one_head_is_attention_on_the_projections(attention, device, p):
     module = build(attention, p, device)
@@ -178,6 +193,7 @@ def test_one_head_is_attention_on_the_projections(attention, device, p):
 @clause("MHA-GQA")
 @module_settings
 @example(p=Mha(1, 2, 0, 4, 2, 1, False, False, False, FIRST, 0))   # h=4, k=2: both head orders differ
+@example(p=Mha(2, 3, 5, 6, 2, 2, True, True, False, FIRST, 1))    # groups of 3, cross, L != S, padded memory
 @given(p=problems(gqa=True))
 def test_query_head_reads_its_group(attention, device, p):
     if not attention.has("kv_heads"):
@@ -202,6 +218,7 @@ def _permuted(attention, device, p: Mha, data, n: int, label: str):
 # ------------------------------------------------------------------------------------- MHA-PERMUTATION
 @clause("MHA-PERMUTATION")
 @module_settings
+@example(p=Mha(3, 3, 0, 2, 2, 3, False, False, False, FIRST, 0), data=PinnedData({"permutation": (2, 0, 1)}))
 @given(p=problems(cross=False, padded=False, causal=False, min_l=2), data=st.data())
 def test_self_attention_is_permutation_equivariant(attention, device, p, data):
     order, perm, module, bound, (x, _, _) = _permuted(attention, device, p, data, p.l, "permutation")
@@ -215,6 +232,7 @@ def test_self_attention_is_permutation_equivariant(attention, device, p, data):
 # ------------------------------------------------------------------------------------------- MHA-CROSS
 @clause("MHA-CROSS")
 @module_settings
+@example(p=CROSS_L_NE_S, data=PinnedData({"memory permutation": (4, 2, 0, 3, 1)}))
 @given(p=problems(cross=True), data=st.data())
 def test_cross_attention_follows_queries_and_ignores_memory_order(attention, device, p, data):
     order, perm, module, bound, (x, memory, mask) = _permuted(attention, device, p, data, p.s, "memory permutation")
@@ -233,6 +251,7 @@ def _parameter_shapes(module):
 
 @clause("MHA-LENGTH-FREE")
 @module_settings
+@example(p=Mha(2, 5, 0, 2, 2, 3, False, False, True, FIRST, 0), data=PinnedData({"prefix length": 3}))
 @given(p=problems(cross=False, padded=False, causal=True, max_l=12), data=st.data())
 def test_parameters_do_not_depend_on_length(attention, device, p, data):
     require_dtype(device, p.dtype)
@@ -254,6 +273,9 @@ def test_parameters_do_not_depend_on_length(attention, device, p, data):
 # -------------------------------------------------------------------------------------- MHA-HEAD-COUNT
 @clause("MHA-HEAD-COUNT")
 @module_settings
+@example(heads=0, e=2, pick=0, kv_case=False)   # no head at all
+@example(heads=4, e=2, pick=1, kv_case=False)   # d_model = 10 for 4 heads
+@example(heads=4, e=2, pick=2, kv_case=True)    # kv_heads = 3 for 4 heads
 @given(heads=st.sampled_from([0, 2, 3, 4, 5, 6, 7, 8]), e=st.integers(1, 4), pick=st.integers(0, 7),
        kv_case=st.booleans())
 def test_bad_head_count_is_a_clear_error(attention, device, heads, e, pick, kv_case):
