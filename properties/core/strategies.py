@@ -122,7 +122,9 @@ class PinnedData:
 
     A value the strategy could not have drawn there (:func:`could_draw`: outside an integer range that depends
     on the subject, say) rejects the example as ``assume`` does, so a pin never checks what the clause does not
-    claim.  ``checks`` maps the name of a composite strategy to ``check(value, *args, **kwargs) -> bool``."""
+    claim.  ``checks`` maps the name of a composite strategy to ``check(value, *args, **kwargs) -> bool``.  A
+    callable value is a shape that depends on the subject: it is called with the strategy's arguments
+    (``{"length": lambda low, high: high}`` pins ``st.integers(1, s.max_len)`` to max_len)."""
 
     def __init__(self, values: dict, checks: dict | None = None):
         self.values, self.checks = dict(values), dict(checks or {})
@@ -131,14 +133,26 @@ class PinnedData:
         if label not in self.values:
             raise KeyError(f"the pinned example gives no value for the draw {label!r} (it gives {sorted(self.values)})")
         value = self.values[label]
+        if callable(value):
+            args, kwargs = _arguments(strategy)
+            value = value(*args, **kwargs)
         assume(could_draw(strategy, value, self.checks))
         return value
 
     def __repr__(self) -> str:
-        return "PinnedData({" + ", ".join(f"{k!r}: {v!r}" for k, v in self.values.items()) + "})"
+        def show(v):   # a subject-dependent value by its docstring: <max_len>
+            return f"<{(v.__doc__ or v.__name__).strip()}>" if callable(v) else repr(v)
+        return "PinnedData({" + ", ".join(f"{k!r}: {show(v)}" for k, v in self.values.items()) + "})"
 
     def _repr_pretty_(self, printer, cycle):  # one line in Hypothesis' report of a failing example
         printer.text(repr(self))
+
+
+def _arguments(strategy) -> tuple[tuple, dict]:
+    """The arguments a lazily built strategy (``st.integers(1, 8)``, a composite's call) was given."""
+    if getattr(strategy, "function", None) is None:
+        raise TypeError(f"a pinned value that depends on the strategy needs its arguments; {strategy!r} has none")
+    return strategy._LazyStrategy__args, strategy._LazyStrategy__kwargs
 
 
 def could_draw(strategy, value, checks: dict | None = None) -> bool:
@@ -152,7 +166,7 @@ def could_draw(strategy, value, checks: dict | None = None) -> bool:
     function = getattr(strategy, "function", None)          # a lazily built strategy: its function and arguments
     if function is None:
         return True
-    args, kwargs = strategy._LazyStrategy__args, strategy._LazyStrategy__kwargs
+    args, kwargs = _arguments(strategy)
     name = function.__name__
     if name in (checks or {}):
         return bool(checks[name](value, *args, **kwargs))

@@ -7,11 +7,12 @@ r Gaussian from the batch's seed.
 from __future__ import annotations
 
 import torch
+from hypothesis import example
 
 from properties import clause
 from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe, model_property,
                                      requires, subject_args)
-from properties.model.test_models import _pad
+from properties.model.test_models import PAIR, _pad, pinned
 
 
 def _weights(s, src, tokens, mask, seed: int, length: int) -> torch.Tensor:
@@ -38,6 +39,7 @@ def _embedding_gradient(s, src, tokens, mask, r) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------- MODEL-GRAD-PADDING
 @clause("MODEL-GRAD-PADDING")
+@example(data=pinned(PAIR))
 @model_property
 def test_padding_gets_no_gradient(mut, data):
     s = mut.precise
@@ -60,6 +62,7 @@ def test_padding_gets_no_gradient(mut, data):
 
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
 @clause("MODEL-GRAD-BATCH")
+@example(data=pinned(PAIR))
 @model_property
 def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
     s = mut.precise
