@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, forward,
                                      model_property, model_settings, only, subject_args, real_tokens, requires)
+from properties.model.test_models import FULL_PAIR, PAIR, pinned
 
 
 # --------------------------------------------------------------------- MODEL-FACTORISATION, MODEL-KV-CACHE
@@ -20,6 +21,7 @@ def _log_p(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
 
 @clause("MODEL-FACTORISATION")
 @settings(model_settings, max_examples=max(2, EXAMPLES // 2))
+@example(data=pinned(FULL_PAIR))
 @given(data=st.data())
 def test_autoregressive_factorisation(mut, data):
     s = only(mut.precise, *DECODERS)
@@ -58,6 +60,7 @@ def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
 
 
 @clause("MODEL-KV-CACHE")
+@example(data=pinned(PAIR | {"chunk boundaries": {2, 3}}))   # mixed lengths: sample 1 (2 real) all pads after the prefill
 @model_property
 def test_cached_decoding(mut, data):
     s = only(mut.precise, *DECODERS)
@@ -110,7 +113,14 @@ def test_cached_decoding_pinned_shapes(mut, shape):
 
 
 # --------------------------------------------------------------------------------------- MODEL-LENGTH
+def _max_len(low, high):
+    """max_len"""
+    return high
+
+
 @clause("MODEL-LENGTH")
+@example(data=pinned({"length": _max_len, "seed": 0}))   # the last row of a position table
+@example(data=pinned({"length": 1, "seed": 0}))
 @model_property
 def test_every_length_up_to_max_len(mut, data):
     s = mut.native
@@ -122,6 +132,8 @@ def test_every_length_up_to_max_len(mut, data):
 
 
 @clause("MODEL-LENGTH")
+@example(data=pinned({"positions beyond max_len": 1, "too long": "source"}))   # one past the table: off by one
+@example(data=pinned({"positions beyond max_len": 1, "too long": "target"}))
 @model_property
 def test_beyond_max_len(mut, data):
     s = mut.native

@@ -27,10 +27,11 @@ def _batch_fits(b: Batch, max_len: int, *, min_len: int = 1, size=None, padding:
             1 <= b.size <= max_size) and (padding or all(r == b.length for r in b.real)))
 
 
-def pinned(values: dict) -> PinnedData:
+def pinned(values: dict, **checks) -> PinnedData:
     """st.data() for an @example of a model clause: the draws by label; a Batch that does not fit the subject
-    (longer than its drawn lengths, padded where the clause draws none) rejects the example."""
-    return PinnedData(values, checks={"batches": _batch_fits})
+    (longer than its drawn lengths, padded where the clause draws none) rejects the example. ``checks``: more
+    composite strategies by name (PinnedData)."""
+    return PinnedData(values, checks={"batches": _batch_fits, **checks})
 
 
 # Pinned structure, drawn every run (SPEC.md: a known bug class is never a coin flip). Three samples of mixed real
