@@ -45,9 +45,11 @@ _F64 = torch.float64
 
 
 # ---------------------------------------------------------------------------------------------- formulas
-def multihead(x, memory, params: dict, heads: int, kv_heads: int, key_padding_mask=None, is_causal=False):
+def multihead(x, memory, params: dict, heads: int, kv_heads: int, key_padding_mask=None, is_causal=False,
+              window: int | None = None, softcap: float | None = None):
     """concat_i softmax(Q_i K_g(i)ᵀ/√e + M) V_g(i) W_Oᵀ + b_O; params: q_proj.weight, q_proj.bias, ... (bias may
-    be absent); query head i reads key/value head g(i) = i // (h/k)."""
+    be absent); query head i reads key/value head g(i) = i // (h/k).  ``window`` W (self-attention): |i - j| < W;
+    ``softcap`` X: scores X·tanh(score / X) before the mask."""
     source = x if memory is None else memory
     proj = {name: F.linear(t, params[f"{name}.weight"], params.get(f"{name}.bias"))
             for name, t in (("q_proj", x), ("k_proj", source), ("v_proj", source))}
@@ -55,10 +57,15 @@ def multihead(x, memory, params: dict, heads: int, kv_heads: int, key_padding_ma
     k = repeat(proj["k_proj"], "b s (k e) -> b (k g) s e", k=kv_heads, g=heads // kv_heads)
     v = repeat(proj["v_proj"], "b s (k e) -> b (k g) s e", k=kv_heads, g=heads // kv_heads)
     scores = torch.einsum("bhle,bhse->bhls", q, k) / math.sqrt(q.shape[-1])
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     l, s = scores.shape[-2:]
     visible = torch.ones(l, s, dtype=torch.bool, device=x.device)
     if is_causal:
         visible = visible.tril()
+    if window is not None and memory is None:
+        distance = torch.arange(l, device=x.device)[:, None] - torch.arange(s, device=x.device)[None, :]
+        visible = visible & (distance.abs() < window)
     visible = visible.expand(x.shape[0], 1, l, s)
     if key_padding_mask is not None:
         visible = visible & key_padding_mask.to(torch.bool)[:, None, None, :]

@@ -29,7 +29,7 @@ from properties.core.oracle import reference_attention, softmax_rows, to_float64
 from properties.core.tolerance import evaluation_error, gamma, unit_roundoff
 
 __all__ = ["Approx", "exact", "effective_u", "angle_u", "linear", "activation", "product", "LIPSCHITZ",
-           "Projections", "projections", "multihead_oracle", "single_head_oracle", "ffn_layers", "ffn_oracle",
+           "Projections", "projections", "module_options", "multihead_oracle", "single_head_oracle", "ffn_layers", "ffn_oracle",
            "layer_norm_oracle", "rms_norm_oracle", "sinusoid_table", "sinusoid_error", "rotary_pair_error"]
 
 _F64 = torch.float64
@@ -172,21 +172,36 @@ def _project(x: torch.Tensor, w, b, u: float) -> Approx:
     return linear(exact(x), w, b, u)
 
 
-def _admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool) -> torch.Tensor:
-    """(b, 1, l, s) bool: key j is visible to query i."""
+def _admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool, window: int | None = None) -> torch.Tensor:
+    """(b, 1, l, s) bool: key j is visible to query i.  ``window`` W (self-attention, l == s): |i - j| < W,
+    Mistral's sliding window (i - W < j <= i under the causal mask)."""
     visible = torch.ones(b, 1, l, s, dtype=torch.bool)
     if key_padding_mask is not None:
         visible = visible & key_padding_mask.detach().to("cpu", torch.bool)[:, None, None, :]
     if is_causal:
         visible = visible & torch.ones(l, s, dtype=torch.bool).tril()
+    if window is not None:
+        distance = torch.arange(l)[:, None] - torch.arange(s)[None, :]
+        visible = visible & (distance.abs() < window)
     return visible
 
 
+def _soft_cap(scores: torch.Tensor, delta: torch.Tensor, softcap: float | None, u: float):
+    """Gemma 2's X·tanh(s / X) and its error bound: the cap is 1-Lipschitz, so the score's error passes
+    through unchanged; evaluating it adds the rounding of s / X (at most u|s| after the cap's slope <= 1),
+    of tanh (at most 4 ulp, the accuracy of the libm tanh the kernels call) and of the product (u)."""
+    if not softcap:
+        return scores, delta
+    capped = softcap * torch.tanh(scores / softcap)
+    return capped, delta + u * scores.abs() + gamma(5, u) * capped.abs()
+
+
 def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype: torch.dtype,
-                   value: torch.Tensor | None = None) -> Approx:
+                   value: torch.Tensor | None = None, softcap: float | None = None) -> Approx:
     """softmax(q kᵀ/√E) v per head, q (b, l, h, E), k and v (b, s, h, E) already mapped to query heads,
-    ``visible`` (b, 1 or h, l, s).  Returns (b, l, h, E).  ``value`` replaces the float64 result (the
-    single-head clause computes it with ``properties.core.oracle.reference_attention``)."""
+    ``visible`` (b, 1 or h, l, s); scores capped to X·tanh(score / X) under ``softcap`` X.  Returns
+    (b, l, h, E).  ``value`` replaces the float64 result (the single-head clause computes it with
+    ``properties.core.oracle.reference_attention``)."""
     u = effective_u(dtype)
     e, s = q.value.shape[-1], k.value.shape[1]
     sigma = 1.0 / math.sqrt(e)
@@ -194,9 +209,10 @@ def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype
     propagated = sigma * (torch.einsum("blhe,bshe->bhls", q.error, k.magnitude)
                           + torch.einsum("blhe,bshe->bhls", q.value.abs(), k.error))
     rounding = gamma(e + 5, u) * sigma * torch.einsum("blhe,bshe->bhls", q.magnitude, k.magnitude)
+    scores, errors = _soft_cap(scores, propagated + rounding, softcap, u)
     visible = visible.expand_as(scores)
     zero = torch.zeros_like(scores)
-    delta = torch.where(visible, propagated + rounding, zero)
+    delta = torch.where(visible, errors, zero)
     masked = torch.where(visible, scores, torch.full_like(scores, -math.inf))
     row_max = masked.amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -217,9 +233,12 @@ def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype
 
 
 def multihead_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | None, heads: int, kv_heads: int,
-                     *, key_padding_mask=None, is_causal: bool = False, dtype: torch.dtype) -> Approx:
+                     *, key_padding_mask=None, is_causal: bool = False, dtype: torch.dtype,
+                     window: int | None = None, softcap: float | None = None) -> Approx:
     """MultiHead(x, m) = concat(head_1, ..., head_h) W_O + b_O with head_i = Attention(Q_i, K_g(i), V_g(i)):
-    Q_i the features [iE, (i+1)E) of x W_Qᵀ + b_Q, E = d_q/h, g(i) = i // (h/k) for k key/value heads."""
+    Q_i the features [iE, (i+1)E) of x W_Qᵀ + b_Q, E = d_q/h, g(i) = i // (h/k) for k key/value heads.
+    ``window`` (self-attention only) and ``softcap``: the FlashAttention options of the module (see
+    ``module_options``)."""
     u = effective_u(dtype)
     source = x if memory is None else memory
     q, k, v = _project(x, p.wq, p.bq, u), _project(source, p.wk, p.bk, u), _project(source, p.wv, p.bv, u)
@@ -229,13 +248,15 @@ def multihead_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | Non
     q = q.map(lambda t: t.reshape(b, l, heads, e))
     k = k.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
     v = v.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
-    heads_out = attention_core(q, k, v, _admissible(b, l, s, key_padding_mask, is_causal), dtype)
+    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
+    heads_out = attention_core(q, k, v, visible, dtype, softcap=softcap)
     concat = heads_out.map(lambda t: t.reshape(b, l, heads * e))
     return linear(concat, p.wo, p.bo, u)
 
 
 def single_head_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | None, *, key_padding_mask=None,
-                       is_causal: bool = False, dtype: torch.dtype) -> Approx:
+                       is_causal: bool = False, dtype: torch.dtype, window: int | None = None,
+                       softcap: float | None = None) -> Approx:
     """h = 1: softmax((xW_Qᵀ + b_Q)(mW_Kᵀ + b_K)ᵀ/√d)(mW_Vᵀ + b_V) W_Oᵀ + b_O, the attention computed by the
     kernel oracle (``properties.core.oracle.reference_attention``) on the projections, no head reshaping."""
     u = effective_u(dtype)
@@ -243,14 +264,22 @@ def single_head_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | N
     q, k, v = _project(x, p.wq, p.bq, u), _project(source, p.wk, p.bk, u), _project(source, p.wv, p.bv, u)
     b, l, _ = q.value.shape
     s = k.value.shape[1]
-    visible = _admissible(b, l, s, key_padding_mask, is_causal)
-    attended = reference_attention(q.value, k.value, v.value, attn_mask=visible[:, 0]).output  # (b, l, d)
+    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
+    # The kernel oracle has no softcap: with one, the value is attention_core's own float64 result.
+    attended = None if softcap else reference_attention(q.value, k.value, v.value,
+                                                         attn_mask=visible[:, 0]).output[:, :, None]  # (b, l, 1, d)
     one_head = attention_core(q.map(lambda t: t[:, :, None]), k.map(lambda t: t[:, :, None]),
-                              v.map(lambda t: t[:, :, None]), visible, dtype, value=attended[:, :, None])
+                              v.map(lambda t: t[:, :, None]), visible, dtype, value=attended, softcap=softcap)
     return linear(one_head.map(lambda t: t[:, :, 0]), p.wo, p.bo, u)
 
 
 # ---------------------------------------------------------------------------------------- feed-forward
+def module_options(module) -> dict:
+    """The FlashAttention options an attention module declares (``window``, ``softcap``: the zoo's
+    MultiHeadAttention attributes), as keywords of the oracles; a module without them has neither."""
+    return {name: getattr(module, name) for name in ("window", "softcap") if getattr(module, name, None) is not None}
+
+
 def ffn_layers(module, activation_name: str) -> tuple[dict | None, str]:
     """The FFN's linear maps: ``up`` (W1, b1), ``down`` (W2, b2) and for swiglu ``gate`` (W_gate, b_gate)."""
     names = ("up", "down", "gate") if activation_name == "swiglu" else ("up", "down")
