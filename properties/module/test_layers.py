@@ -161,12 +161,15 @@ def test_residual_carries_the_input(layer_key, device, p):
 @clause("LAYER-STACK-PERMUTATION")
 @module_settings
 @example(p=PINNED, data=PinnedData({"permutation": (2, 0, 1)}))
-@given(p=draws.filter(lambda d: d.l >= 2), data=st.data())
+@given(p=draws.filter(lambda d: d.l >= 3), data=st.data())
 def test_stack_permutation(layer_key, device, p, data):
     subject = subject_for(layer_key, device, p)
     if not subject.encoder_layers:
         pytest.skip("the model has no encoder layers (a decoder stack is causal, hence never equivariant)")
-    order = data.draw(st.permutations(range(p.l)).filter(lambda o: list(o) != sorted(o)), label="permutation")
+    # Neither the identity nor the reversal: positions symmetric in |i - j| (ALiBi in an encoder) are
+    # exactly equivariant under the reversal, the only other permutation that keeps every distance.
+    order = data.draw(st.permutations(range(p.l)).filter(lambda o: list(o) not in (sorted(o), sorted(o)[::-1])),
+                      label="permutation")
     perm = torch.tensor(order, device=device)
     x, _ = tensors(subject, p, device)
     pos = subject.pos
