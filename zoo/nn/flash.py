@@ -48,7 +48,7 @@ from zoo.config.plugins import PluginError, load_object
 
 __all__ = ["flash_attn_reference", "flash_attn_tiled", "flash_attn_varlen_loop", "flash_attn_varlen_packed",
            "flash_attn_kvcache_gather", "flash_attn_kvcache_paged", "FLASH_APIS", "FLASH_KERNELS",
-           "resolve_flash_kernel", "band_allowed", "soft_cap", "paged_slots"]
+           "resolve_flash_kernel", "band_allowed", "soft_cap", "admissible_softmax", "paged_slots"]
 
 FLASH_APIS = ("flash", "flash-varlen", "flash-kvcache")
 KEY_BLOCK = 4     # tile sizes of the tiled kernel: small, so that problems of a few keys run several tiles
@@ -107,6 +107,54 @@ def _scores(q, k, scale, softcap, ct):
     return soft_cap(scores, softcap) if softcap > 0 else scores
 
 
+def _band_scores(q, k, scale, softcap, alibi_slopes, batch: int, heads: int, rows, cols, offset, causal: bool,
+                 window_size, ct):
+    """The scores of queries ``rows`` against keys ``cols`` (positions, query i aligned to key i + offset):
+    σ q·k capped, plus ALiBi, -inf outside the causal/window band; (b, h, l, s) in ``ct``."""
+    scores = _scores(q, k, scale, softcap, ct)
+    bias = _alibi(alibi_slopes, batch, heads, rows, cols, offset, ct, q.device)
+    if bias is not None:
+        scores = scores + bias
+    return scores.masked_fill(~band_allowed(rows, cols, offset, causal, window_size), -math.inf)
+
+
+def admissible_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax over the last axis where inadmissible keys score -inf: (weights, row max, row sum of exp).
+
+    Max-subtraction keeps exp() in range; a row with no admissible key has max -inf, which is replaced by 0
+    so that its weights are all zeros instead of NaN (the kernel contract's fully masked rows)."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    unnormalized = torch.exp(scores - row_max)
+    total = unnormalized.sum(dim=-1, keepdim=True)
+    return unnormalized / torch.where(total > 0, total, torch.ones_like(total)), row_max, total
+
+
+class _OnlineSoftmax:
+    """FlashAttention's running max, running sum and output accumulator over key tiles (FlashAttention-2,
+    Algorithm 1), for (b, h, l) queries; a row that never sees an admissible key ends as zeros."""
+
+    def __init__(self, b: int, h: int, l: int, ev: int, ct, device):
+        self.max = torch.full((b, h, l, 1), -math.inf, dtype=ct, device=device)
+        self.sum = torch.zeros((b, h, l, 1), dtype=ct, device=device)
+        self.acc = torch.zeros((b, h, l, ev), dtype=ct, device=device)
+
+    def add(self, scores: torch.Tensor, values: torch.Tensor, dropout_p: float = 0.0) -> None:
+        """Fold in one key tile: scores (b, h, l, s), values (b, s, h, v) in the compute dtype."""
+        new_max = torch.maximum(self.max, scores.amax(dim=-1, keepdim=True))
+        safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+        correction = torch.exp(self.max - safe_max)
+        p = torch.exp(scores - safe_max)
+        self.sum = self.sum * correction + p.sum(dim=-1, keepdim=True)
+        if dropout_p > 0.0:   # after the sum: dropout acts on the normalised weights
+            p = p * (torch.rand(p.shape, device=p.device) >= dropout_p) / (1.0 - dropout_p)
+        self.acc = self.acc * correction + einsum(p, values, "b h l s, b s h v -> b h l v")
+        self.max = new_max
+
+    def result(self) -> torch.Tensor:
+        return self.acc / torch.where(self.sum > 0, self.sum, torch.ones_like(self.sum))
+
+
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     kv_heads = t.shape[-2]
     if heads % kv_heads:
@@ -135,18 +183,10 @@ def flash_attn_reference(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         lse = torch.full((b, h, l), -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse, None) if return_attn_probs else out
     kx, vx = _expand_kv(k, h), _expand_kv(v, h)
-    scores = _scores(q, kx, scale, softcap, ct)
     rows = torch.arange(l, device=q.device)[:, None]
     cols = torch.arange(s, device=q.device)[None, :]
-    bias = _alibi(alibi_slopes, b, h, rows, cols, s - l, ct, q.device)
-    if bias is not None:
-        scores = scores + bias
-    scores = scores.masked_fill(~band_allowed(rows, cols, s - l, causal, window_size), -math.inf)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    unnormalized = torch.exp(scores - row_max)
-    total = unnormalized.sum(dim=-1, keepdim=True)
-    weights = unnormalized / torch.where(total > 0, total, torch.ones_like(total))
+    scores = _band_scores(q, kx, scale, softcap, alibi_slopes, b, h, rows, cols, s - l, causal, window_size, ct)
+    weights, row_max, total = admissible_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = einsum(weights, vx.to(ct), "b h l s, b s h v -> b l h v").to(q.dtype)
@@ -175,9 +215,7 @@ def flash_attn_tiled(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, w
         i1 = min(i0 + QUERY_BLOCK, l)
         q_tile = q[:, i0:i1]
         rows = torch.arange(i0, i1, device=device)[:, None]
-        running_max = torch.full((b, h, i1 - i0, 1), -math.inf, dtype=ct, device=device)
-        running_sum = torch.zeros((b, h, i1 - i0, 1), dtype=ct, device=device)
-        acc = torch.zeros((b, h, i1 - i0, v.shape[-1]), dtype=ct, device=device)
+        softmax = _OnlineSoftmax(b, h, i1 - i0, v.shape[-1], ct, device)
         # The band of this query tile: keys [first, last] (FlashAttention-2's n_block_min / n_block_max).
         last = s - 1
         if causal or right >= 0:
@@ -186,21 +224,10 @@ def flash_attn_tiled(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, w
         for j0 in range(first - first % KEY_BLOCK, last + 1, KEY_BLOCK):
             j1 = min(j0 + KEY_BLOCK, s)
             cols = torch.arange(j0, j1, device=device)[None, :]
-            scores = _scores(q_tile, kx[:, j0:j1], scale, softcap, ct)
-            bias = _alibi(alibi_slopes, b, h, rows, cols, offset, ct, device)
-            if bias is not None:
-                scores = scores + bias
-            scores = scores.masked_fill(~band_allowed(rows, cols, offset, causal, window_size), -math.inf)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            correction = torch.exp(running_max - safe_max)
-            p = torch.exp(scores - safe_max)
-            running_sum = running_sum * correction + p.sum(dim=-1, keepdim=True)
-            if dropout_p > 0.0:
-                p = p * (torch.rand(p.shape, device=device) >= dropout_p) / (1.0 - dropout_p)
-            acc = acc * correction + einsum(p, vx[:, j0:j1], "b h l s, b s h v -> b h l v")
-            running_max = new_max
-        tiles.append(acc / torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum)))
+            scores = _band_scores(q_tile, kx[:, j0:j1], scale, softcap, alibi_slopes, b, h, rows, cols, offset,
+                                  causal, window_size, ct)
+            softmax.add(scores, vx[:, j0:j1], dropout_p)
+        tiles.append(softmax.result())
     if not tiles:
         return q.new_zeros(b, l, h, v.shape[-1])
     return rearrange(torch.cat(tiles, dim=2), "b h l v -> b l h v").to(q.dtype)
@@ -397,9 +424,7 @@ def flash_attn_kvcache_paged(q, k_cache, v_cache, k=None, v=None, rotary_cos=Non
         start, end = leftpad[index], seqlens[index] + new
         offset = (end - start) - l
         slopes = _alibi_row(alibi_slopes, index)
-        running_max = torch.full((1, h, l, 1), -math.inf, dtype=ct, device=device)
-        running_sum = torch.zeros((1, h, l, 1), dtype=ct, device=device)
-        acc = torch.zeros((1, h, l, v_cache.shape[-1]), dtype=ct, device=device)
+        softmax = _OnlineSoftmax(1, h, l, v_cache.shape[-1], ct, device)
         for n in range(start // block_size, -(-end // block_size)):
             block = row if block_table is None else int(block_table[index, n])
             j0, j1 = max(start, n * block_size), min(end, (n + 1) * block_size)
@@ -408,19 +433,11 @@ def flash_attn_kvcache_paged(q, k_cache, v_cache, k=None, v=None, rotary_cos=Non
             kb = _expand_kv(k_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
             vb = _expand_kv(v_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
             cols = torch.arange(j0, j1, device=device)[None, :] - start
-            scores = _scores(q[index:index + 1], kb, scale, softcap, ct)
-            bias = _alibi(None if slopes is None else slopes.reshape(-1), 1, h, rows_q, cols, offset, ct, device)
-            if bias is not None:
-                scores = scores + bias
-            scores = scores.masked_fill(~band_allowed(rows_q, cols, offset, causal, window_size), -math.inf)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            correction = torch.exp(running_max - safe_max)
-            p = torch.exp(scores - safe_max)
-            running_sum = running_sum * correction + p.sum(dim=-1, keepdim=True)
-            acc = acc * correction + einsum(p, vb.to(ct), "b h l s, b s h v -> b h l v")
-            running_max = new_max
-        outs.append(acc / torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum)))
+            scores = _band_scores(q[index:index + 1], kb, scale, softcap,
+                                  None if slopes is None else slopes.reshape(-1), 1, h, rows_q, cols, offset,
+                                  causal, window_size, ct)
+            softmax.add(scores, vb.to(ct))
+        outs.append(softmax.result())
     return rearrange(torch.cat(outs), "b h l v -> b l h v").to(q.dtype)
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from einops import einsum, repeat
 
 from zoo.config.plugins import PluginError, load_object
-from zoo.nn.flash import soft_cap
+from zoo.nn.flash import admissible_softmax, soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 
 __all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "takes_softcap", "KERNELS"]
@@ -87,13 +87,7 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             scores = scores + attn_mask.to(ct)
     scores = scores.masked_fill(~allowed, float("-inf"))
 
-    # Max-subtraction keeps exp() in range; a row with no admissible key has max -inf,
-    # which is replaced by 0 so that the row becomes all zeros instead of NaN.
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    unnormalized = torch.exp(scores - row_max)
-    total = unnormalized.sum(dim=-1, keepdim=True)
-    weights = unnormalized / torch.where(total > 0, total, torch.ones_like(total))
+    weights, _, _ = admissible_softmax(scores)   # a row with no admissible key: zeros, not NaN
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = einsum(weights, value.to(ct), "... l s, ... s v -> ... l v")
