@@ -1,6 +1,7 @@
 """A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``.
 
-``python -m bench.report bench/results.json --only training`` prints only that part's table.
+``python -m bench.report bench/results.json --only training`` prints only that part's table; ``--only train_targets``
+the README's training targets (``python -m bench.train_targets``).
 """
 from __future__ import annotations
 
@@ -54,9 +55,29 @@ def training_markdown(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def train_targets_markdown(results: dict) -> list[str]:
+    """The README's training targets (bench/train_targets.py): accuracy, CPU and wall time per command. Each CPU
+    time is written as the README states it, bold with the record it comes from (tests/test_readme_durations.py
+    keeps the two within 1.5x)."""
+    targets = results.get("train_targets")
+    if not targets:
+        return []
+    lines = ["| target | command | held-out exact match | CPU time, one thread | wall time |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for name, t in targets.items():
+        exact = "failed" if t["exact"] is None else f"{100 * t['exact']:.2f}% of {t['sequences']:,}"
+        load = t.get("load_average_at_start")
+        lines.append(f"| {t.get('what', name)} | `{t['command']}` | {exact} "
+                     f"| **{t['cpu_seconds']:.0f} s** <!-- measured: train_targets.{name}.cpu_seconds --> "
+                     f"| {t['seconds']:.0f} s{f' (load {load[0]:.1f})' if load else ''} |")
+    return [*lines, ""]
+
+
 def markdown(results: dict, only: str | None = None) -> str:
     if only == "training":
         return "\n".join(training_markdown(results))
+    if only == "train_targets":
+        return "\n".join(train_targets_markdown(results))
     m, s = results["machine"], results["settings"]
     lines = [(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, device `{m['device']}` ({m['device_name']}), "
               f"torch {m['torch']}, transformers {m.get('transformers')}, {s['threads']} torch thread(s), "
@@ -119,7 +140,7 @@ def markdown(results: dict, only: str | None = None) -> str:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("path", nargs="?", default="bench/results.json")
-    p.add_argument("--only", choices=["training"], default=None, help="only this part's table")
+    p.add_argument("--only", choices=["training", "train_targets"], default=None, help="only this part's table")
     args = p.parse_args()
     with open(args.path) as f:
         print(markdown(json.load(f), args.only))

@@ -112,6 +112,18 @@ def test_experiments_set_a_whole_training_run_and_the_command_line_still_wins(ex
     assert mine.pos._target_.endswith("RotaryPositions")
 
 
+def test_readme_says_what_each_experiment_contains():
+    """README's Targets section spells each preset out as a long command; both must compose to one config."""
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    pairs = [(line.split()[3], lines[i + 1].split()[3:]) for i, line in enumerate(lines)
+             if line.startswith("python -m zoo experiment=") and line.rstrip().endswith("# the same as:")]
+    assert sorted(name for name, _ in pairs) == ["experiment=reverse", "experiment=sort"]
+    for preset, spelled_out in pairs:
+        resolved = ["task.out_dir=unused"]  # out_dir names Hydra's run directory, which only a Hydra run resolves
+        assert (OmegaConf.to_container(compose_config([preset, *resolved]), resolve=True)
+                == OmegaConf.to_container(compose_config([*spelled_out, *resolved]), resolve=True)), preset
+
+
 # ------------------------------------------------------------------------------------------------ data
 
 def python_answer(name, xs):

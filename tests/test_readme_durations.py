@@ -1,0 +1,85 @@
+"""The README's stated durations stay true (issue 18): each one, written in bold (**64 s**, **9 min**), names the
+measurement it comes from in bench/results.json with an HTML comment on the same line, <!-- measured: KEY -->,
+KEY a dotted path such as train_targets.reverse.cpu_seconds, and must lie within 1.5x of it. Not a timed test: it
+reads two files. The records are written by the commands that measure: `python -m bench.train_targets`
+("train_targets"), `python -m bench.suite` ("suite"; `--test-command`: "test_command"), `python -m bench`."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README, RESULTS = ROOT / "README.md", ROOT / "bench" / "results.json"
+TOLERANCE = 1.5  # measurements on a shared machine scatter; a stale statement is off by more than this
+DURATION = re.compile(r"\*\*(\d+(?:\.\d+)?) (s|min|h)\*\*")
+RECORD = re.compile(r"<!-- measured: ([\w.\-]+) -->")
+SECONDS_PER = {"s": 1, "min": 60, "h": 3600}
+
+
+def stated_durations(text: str) -> list[tuple[int, str, float, str | None]]:
+    """(line number, the bold text, seconds, record key or None) for every bold duration in text; the key is the
+    first <!-- measured: KEY --> after it on its line."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in DURATION.finditer(line):
+            record = RECORD.search(line, match.end())
+            found.append((number, match.group(0), float(match.group(1)) * SECONDS_PER[match.group(2)],
+                          record.group(1) if record else None))
+    return found
+
+
+def recorded_seconds(results: dict, key: str) -> float:
+    node = results
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"bench/results.json has no {key} (missing {part!r})")
+        node = node[part]
+    if not isinstance(node, (int, float)) or node <= 0:
+        raise KeyError(f"bench/results.json: {key} is {node!r}, not a duration in seconds")
+    return float(node)
+
+
+def drift(text: str, results: dict) -> list[str]:
+    """What is wrong with the durations stated in text: no record named, a record missing, or off by > 1.5x."""
+    problems = []
+    for number, bold, seconds, key in stated_durations(text):
+        if key is None:
+            problems.append(f"README.md:{number}: {bold} names no measurement (add <!-- measured: KEY -->)")
+            continue
+        try:
+            measured = recorded_seconds(results, key)
+        except KeyError as error:
+            problems.append(f"README.md:{number}: {bold}: {error.args[0]}")
+            continue
+        if max(seconds / measured, measured / seconds) > TOLERANCE:
+            problems.append(f"README.md:{number}: {bold} but {key} records {measured:.0f} s "
+                            f"(more than {TOLERANCE}x apart: measure again or correct the README)")
+    return problems
+
+
+def test_every_duration_the_readme_states_is_within_tolerance_of_its_recorded_measurement():
+    text = README.read_text()
+    assert stated_durations(text), "the README states no duration in bold: this test would check nothing"
+    problems = drift(text, json.loads(RESULTS.read_text()))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("line,problem", [
+    ("took **64 s** wall <!-- measured: train_targets.reverse.seconds -->", None),
+    ("took **1.2 min** <!-- measured: train_targets.reverse.seconds -->", None),       # 72 s against 64 s
+    ("took **30 s** wall <!-- measured: train_targets.reverse.seconds -->", "more than 1.5x apart"),
+    ("took **2 min** wall <!-- measured: train_targets.reverse.seconds -->", "more than 1.5x apart"),
+    ("took **64 s** wall", "names no measurement"),
+    ("took **64 s** wall <!-- measured: train_targets.sort.seconds -->", "has no train_targets.sort.seconds"),
+    ("took **64 s** <!-- measured: train_targets.reverse -->", "not a duration in seconds"),
+])
+def test_the_check_catches_a_drifted_unrecorded_or_unknown_duration(line, problem):
+    results = {"train_targets": {"reverse": {"seconds": 64.0}}}
+    problems = drift(line, results)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
