@@ -103,6 +103,7 @@ def test_recipe_is_said_when_training_starts_with_what_the_command_line_changed(
 @pytest.mark.parametrize("experiment,family,data", [("reverse", "decoder_only", "reverse"),
                                                     ("sort", "encoder_decoder", "sort")])
 def test_experiments_set_a_whole_training_run_and_the_command_line_still_wins(experiment, family, data):
+    assert recipe_chosen([f"experiment={experiment}"]) is None  # an experiment states every setting itself
     cfg = compose_config([f"experiment={experiment}"])
     assert (cfg.task.name, cfg.data.name, cfg.model._target_.rsplit(".", 1)[1]) == (
         "train", data, {"decoder_only": "DecoderOnly", "encoder_decoder": "EncoderDecoder"}[family])
