@@ -100,6 +100,13 @@ def test_recipe_is_said_when_training_starts_with_what_the_command_line_changed(
     assert zoo.tasks.train.recipe_line("train/tiny/encoder_only/running_max", cfg) is None  # none: no line
 
 
+def test_readme_shows_the_recipe_line_training_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    shown = [line for line in readme if line.startswith("recipe train/")]
+    overrides = ["model=decoder_only", "task=train", "data=reverse"]
+    assert shown == [zoo.tasks.train.recipe_line(recipe_chosen(overrides), compose_config(overrides))]
+
+
 @pytest.mark.parametrize("experiment,family,data", [("reverse", "decoder_only", "reverse"),
                                                     ("sort", "encoder_decoder", "sort")])
 def test_experiments_set_a_whole_training_run_and_the_command_line_still_wins(experiment, family, data):

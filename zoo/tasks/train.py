@@ -32,8 +32,8 @@ from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
 from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
-__all__ = ["fit_config_to_data", "family_of", "recipe_values", "recipe_line", "learning_rate", "make_optimizer", "forward_batch",
-           "batch_metrics", "evaluate", "train", "train_task"]
+__all__ = ["fit_config_to_data", "family_of", "recipe_values", "recipe_line", "learning_rate", "make_optimizer",
+           "forward_batch", "batch_metrics", "evaluate", "train", "train_task"]
 
 
 def family_of(cfg: DictConfig) -> str:
@@ -333,7 +333,8 @@ def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, devic
         rate = (done - start) / max(time.monotonic() - started, 1e-9)
         held_out_exact = "-" if result is None else f"{100 * result['exact']:.1f}%"
         progress.update(f"step {done}/{opts.steps}  loss {smoothed:.4f}  acc {float(metrics['token_acc']):.3f}  "
-                        f"held-out exact {held_out_exact}  {rate:.1f} steps/s  ETA {_clock((opts.steps - done) / rate)}",
+                        f"held-out exact {held_out_exact}  lr {lr:.2e}  {rate:.1f} steps/s  "
+                        f"ETA {_clock((opts.steps - done) / rate)}",
                         force=done == opts.steps)
         if done % opts.eval_every == 0 or done == opts.steps:
             result = evaluate(model, held_out)
