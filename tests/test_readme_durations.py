@@ -83,3 +83,13 @@ def test_the_check_catches_a_drifted_unrecorded_or_unknown_duration(line, proble
         assert problems == []
     else:
         assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_readme_training_targets_table_is_the_report_of_the_recorded_runs():
+    """The Targets table (accuracy and times) is what `python -m bench.report --only train_targets` prints from
+    the JSON, so no number in it can be edited by hand or left behind by a new measurement."""
+    from bench.report import train_targets_markdown
+
+    table = train_targets_markdown(json.loads(RESULTS.read_text()))
+    assert table, "bench/results.json records no training targets (python -m bench.train_targets)"
+    assert "\n".join(table).strip() in README.read_text()

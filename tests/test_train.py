@@ -100,6 +100,14 @@ def test_recipe_is_said_when_training_starts_with_what_the_command_line_changed(
     assert zoo.tasks.train.recipe_line("train/tiny/encoder_only/running_max", cfg) is None  # none: no line
 
 
+def test_every_training_target_is_a_command_that_composes_and_plain_ones_get_their_recipe():
+    from bench.train_targets import TARGETS
+
+    for name, overrides in TARGETS.items():
+        compose_config(overrides)
+        assert (recipe_chosen(overrides) is None) == (not name.startswith("plain-")), name
+
+
 def test_readme_shows_the_recipe_line_training_prints():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
     shown = [line for line in readme if line.startswith("recipe train/")]
