@@ -418,3 +418,13 @@ def test_model_clauses_pass_with_the_features(tmp_path):
     rows = json.loads(report.read_text())
     passed = {row["clause"] for row in rows if row["status"] == "passed"}
     assert {"MODEL-CAUSAL", "MODEL-KV-CACHE", "MODEL-PADDING", "MODEL-BATCHED-DECODING"} <= passed, passed
+
+
+def test_a_replacement_attention_without_the_options_still_builds():
+    # window and softcap are passed only when set: an attention class written before they existed (the
+    # README's examples/my_attention.py) keeps working, and asking it for a window is a clear error.
+    target = "attention._target_=examples.my_attention.MyAttention"
+    model = build_model([target, "d_model=32", "heads=2", "layers=1"])
+    assert type(model.decoder.layers[0].self_attn).__name__ == "MyAttention"
+    with pytest.raises(ConfigError, match=r"^attention.window=2: not a parameter of examples.my_attention.MyAttention"):
+        build_model([target, "d_model=32", "heads=2", "layers=1", "attention.window=2"])

@@ -88,9 +88,9 @@ class Part:
     def build(self, device, dtype, seed: int, **sizes) -> nn.Module:
         """The part with ``sizes`` (only the keys its node has), in eval mode, parameters from ``seed`` (an example
         whose dtype the device cannot compute in is discarded)."""
-        from hydra.utils import instantiate
+        from zoo.config.builder import instantiate_part
         require_dtype(str(device), dtype)
-        factory = instantiate(self.node)
+        factory = instantiate_part(self.node)
         module = factory(**{k: v for k, v in sizes.items() if k in self.node}, device=device, dtype=dtype)
         module.eval()
         reinitialize(module, seed)

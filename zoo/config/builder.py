@@ -11,12 +11,12 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from zoo.config.schema import PARTS, ConfigError, integral_overrides, torch_dtype, validate
+from zoo.config.schema import OFF_WHEN_NULL, PARTS, ConfigError, integral_overrides, torch_dtype, validate
 
-__all__ = ["compose_config", "model_from_config", "build_model", "memory_needed", "available_memory", "check_fits",
+__all__ = ["compose_config", "instantiate_part", "model_from_config", "build_model", "memory_needed", "available_memory", "check_fits",
            "ModelTooLarge"]
 
 
@@ -58,12 +58,21 @@ def explain_composition_error(exc: HydraException) -> str:
     return f"{lines[0] if lines else type(exc).__name__} (an override is key=value or group=option)"
 
 
+def instantiate_part(node: DictConfig):
+    """The part's factory: ``instantiate(node)`` without the OFF_WHEN_NULL keys that are null."""
+    unset = [key for key in OFF_WHEN_NULL if key in node and node[key] is None]
+    if not unset:
+        return instantiate(node)
+    values = OmegaConf.to_container(node, resolve=True)
+    return instantiate({key: value for key, value in values.items() if key not in unset})
+
+
 def model_from_config(cfg: DictConfig, *, device=None, dtype=None) -> nn.Module:
     """Instantiate the parts as factories and hand them to the model's constructor.
 
     On the meta device every tensor the constructors make, even one they compute on the default device
     first (the sinusoidal table), is a meta tensor: the largest model costs no memory."""
-    parts = {name: instantiate(cfg[name]) for name in PARTS}
+    parts = {name: instantiate_part(cfg[name]) for name in PARTS}
     device = cfg.device if device is None else device
     dtype = torch_dtype(cfg.dtype) if dtype is None else dtype
     if torch.device(device).type == "meta":

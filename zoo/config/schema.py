@@ -195,8 +195,15 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return True  # callables, modules and other rich types are the constructor's to check
 
 
+# Features of a part that are off while null (the attention's FlashAttention options). While null they are not
+# passed to the constructor (zoo.config.builder.instantiate_part), so a replacement class
+# (`attention._target_=...`) written without them still builds; set, they are checked and passed like any key.
+OFF_WHEN_NULL = ("window", "softcap")
+
+
 def _check_part(path: str, node: DictConfig) -> None:
-    """Every key of a part node must be a parameter of its _target_, of the annotated type."""
+    """Every key of a part node must be a parameter of its _target_, of the annotated type (an OFF_WHEN_NULL
+    key only when set)."""
     target = node.get("_target_")
     if not target:
         _fail(f"{path}._target_", None, "every part needs an import path such as 'zoo.nn.attention.MultiHeadAttention'")
@@ -213,7 +220,7 @@ def _check_part(path: str, node: DictConfig) -> None:
         hints = {}
     names = [n for n in signature.parameters if n not in ("self", "device", "dtype")]
     for key in node:
-        if key in ("_target_", "_partial_"):
+        if key in ("_target_", "_partial_") or (key in OFF_WHEN_NULL and node[key] is None):
             continue
         if key not in signature.parameters and not accepts_any:
             _fail(f"{path}.{key}", node[key], f"not a parameter of {target} (allowed: {', '.join(names)})")
