@@ -44,6 +44,7 @@ DEFAULT_COMPOSITIONS = (
     ("attention=torch", "ffn=gelu", "norm=rmsnorm", "pos=rotary", "norm_placement=pre"),
     ("attention=math", "ffn=gelu_tanh", "norm=layernorm", "pos=learned", "norm_placement=pre"),
     ("attention=math", "ffn=swiglu", "norm=rmsnorm", "pos=none", "norm_placement=post"),
+    ("attention=math", "ffn=relu", "norm=layernorm", "pos=alibi", "norm_placement=pre"),
 )
 
 # Half the profile's examples, at least 4: the suite runs every clause on several parts.

@@ -40,6 +40,8 @@ def _only_not(choice):
 def pytest_generate_tests(metafunc):
     if "pos_any" in metafunc.fixturenames:
         metafunc.parametrize("pos_any", part_params(metafunc.config, "pos", _only_not("none")))
+    if "alibi" in metafunc.fixturenames:
+        metafunc.parametrize("alibi", part_params(metafunc.config, "pos", _only("alibi")))
     if "pos" in metafunc.fixturenames:
         choice = "rotary" if "rotary" in metafunc.function.__name__ else "sinusoidal"
         metafunc.parametrize("pos", part_params(metafunc.config, "pos", _only(choice)))
@@ -234,6 +236,52 @@ def test_rotary_scores_depend_on_offset_only(pos, device, p):
         assert_within(score, reference, error + reference_error,
                       what=f"q_m·k_n after rotate(., {offset}) (index b, h, m, n)",
                       reference=f"q_(m-n)·k_0 after rotate(., {p.offsets[0]})")
+
+
+# -------------------------------------------------------------------------------------- POS-ALIBI-BIAS
+def paper_slopes(heads: int) -> list[float]:
+    """get_slopes of ALiBi's reference code (Press et al.), as written there: a geometric sequence starting at and
+    multiplying by 2^(-8/n) for n a power of two; otherwise the closest power's slopes, then every other slope
+    of twice as many heads."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(heads).is_integer():
+        return power_of_2(heads)
+    closest = 2 ** math.floor(math.log2(heads))
+    return power_of_2(closest) + paper_slopes(2 * closest)[0::2][:heads - closest]
+
+
+@dataclass(frozen=True)
+class Alibi(OneLine):
+    """Bias of h heads for l queries at positions [offset, offset + l) against the keys [0, offset + l)."""
+    heads: int
+    l: int
+    offset: int
+    dtype: torch.dtype
+
+
+@clause("POS-ALIBI-BIAS")
+@module_settings
+@example(p=Alibi(6, 3, 4, FIRST))   # 6 heads: not a power of two, the reference code's interleaved slopes
+@given(p=st.builds(Alibi, st.integers(1, 12), st.integers(1, 8), st.integers(0, 24), dtypes()))
+def test_alibi_bias_is_slope_times_distance(alibi, device, p):
+    require_dtype(device, p.dtype)
+    s = p.offset + p.l
+    module = alibi.build(device, p.dtype, 0, d_model=2 * p.heads, max_len=s, heads=p.heads)
+    x = inputs(0, 1, (1, p.l, 2 * p.heads), p.dtype, device)
+    t = inputs(0, 2, (1, p.heads, p.l, 2), p.dtype, device)
+    bias = call_module(module.score_bias, p.l, s, p.offset, p.heads, expect=(p.heads, p.l, s), like=x,
+                       what="score_bias")
+    distance = (torch.arange(p.offset, s, dtype=torch.float64)[:, None] - torch.arange(s)[None, :]).abs()
+    exact = -torch.tensor(paper_slopes(p.heads), dtype=torch.float64)[:, None, None] * distance
+    # The slope rounded to the dtype and one product: the distance is an integer the dtype holds exactly.
+    assert_within(bias, exact, gamma(2, unit_roundoff(p.dtype)) * exact.abs(), what="score_bias (index h, i, j)",
+                  reference="-m_h |offset + i - j|, m_h of the reference code's get_slopes")
+    assert torch.equal(call_module(module, x, p.offset, expect=tuple(x.shape), like=x, what="pos"), x), (
+        "ALiBi adds no position codes to the embeddings: forward(x, offset) must return x")
+    assert torch.equal(call_module(module.rotate, t, p.offset, expect=tuple(t.shape), like=t, what="rotate"), t), (
+        "ALiBi rotates nothing: rotate(t, offset) must return t")
 
 
 # -------------------------------------------------------------------------------------------- POS-GRAD
