@@ -43,6 +43,19 @@ def run_pytest(*extra: str, paths: tuple[str, ...] = ("properties/",), timeout: 
             "tests_ran": done.returncode in (0, 1)}
 
 
+def readme_test_arguments() -> list[str]:
+    """The pytest arguments of README's test command (the block after ``<!-- test-command -->`` that .ci/run
+    runs): what follows its last ``pytest``, e.g. ``-n auto --maxprocesses 8``."""
+    import shlex
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("<!-- test-command -->")
+    block = lines[start + 2:lines.index("```", start + 2)]
+    words = shlex.split(" ".join(block))
+    if "pytest" not in words:
+        raise ValueError("README's test command runs no pytest")
+    return words[len(words) - words[::-1].index("pytest"):]
+
+
 def bench_suite() -> dict:
     result = {"default": run_pytest()}
     print(f"suite  pytest properties/: {fmt_seconds(result['default']['seconds'])} wall, "
@@ -105,12 +118,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.splitlines()[0])
     parser.add_argument("--test-command", action="store_true",
-                        help="measure the README's test command (`pytest` from the repository root: every test CI "
-                             "runs) instead of the spec suite; recorded under \"test_command\"")
+                        help="measure the README's test command (its pytest with its arguments, from the repository root: "
+                             "every test CI runs) instead of the spec suite; recorded under \"test_command\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if args.test_command:
-        key, measured = "test_command", run_pytest(paths=(), timeout=3600)
+        key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
         print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
               f"({measured['summary']})", flush=True)
         measured["measured_on"] = datetime.date.today().isoformat()

@@ -275,8 +275,11 @@ def test_alibi_bias_is_slope_times_distance(alibi, device, p):
                        what="score_bias")
     distance = (torch.arange(p.offset, s, dtype=torch.float64)[:, None] - torch.arange(s)[None, :]).abs()
     exact = -torch.tensor(paper_slopes(p.heads), dtype=torch.float64)[:, None, None] * distance
-    # The slope rounded to the dtype and one product: the distance is an integer the dtype holds exactly.
-    assert_within(bias, exact, gamma(2, unit_roundoff(p.dtype)) * exact.abs(), what="score_bias (index h, i, j)",
+    # The module's slope: an exponent 8h/H' and a power in the dtype's arithmetic (at most 8 ln 2 u + u, say 7u),
+    # rounded to the dtype (u), then one product (u; the distance is an integer the dtype holds): γ(9). The
+    # float64 reference: start^(i + 1) with start 2^(-8/n) to 1 ulp, a power and a product, i < 16: γ(18).
+    bound = (gamma(9, unit_roundoff(p.dtype)) + gamma(18, U64)) * exact.abs()
+    assert_within(bias, exact, bound, what="score_bias (index h, i, j)",
                   reference="-m_h |offset + i - j|, m_h of the reference code's get_slopes")
     assert torch.equal(call_module(module, x, p.offset, expect=tuple(x.shape), like=x, what="pos"), x), (
         "ALiBi adds no position codes to the embeddings: forward(x, offset) must return x")
