@@ -215,6 +215,18 @@ def backward_without_window(q, k, v, dropout_p=0.0, softmax_scale=None, causal=F
     return _BackwardWithoutWindow.apply(q, k, v, scale, causal, tuple(window_size), alibi_slopes)
 
 
+class _SoftcapBackwardAsUncapped(FlashBase):
+    """Forward exact; the backward passes the scores' gradient through the cap unchanged (slope 1 instead of
+    1 − tanh²), as a hand-written backward that forgets the cap's derivative does."""
+
+    def scores(self, q, k, scale, softcap, ct):
+        raw = super().scores(q, k, scale, 0.0, ct)
+        if softcap <= 0:
+            return raw
+        return raw + (softcap * torch.tanh(raw / softcap) - raw).detach()
+
+
+softcap_backward_as_uncapped = _SoftcapBackwardAsUncapped()
 window_left_off_by_one = _WindowLeftOffByOne()
 window_right_off_by_one = _WindowRightOffByOne()
 window_sides_swapped = _WindowSidesSwapped()
@@ -475,6 +487,8 @@ BUGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                               ("FLASH-GQA", "FLASH-ORACLE")),
     "fully_masked_rows_nan_flash": ("flash", "plain softmax over a row with no admissible key: NaN instead of 0",
                                     ("FLASH-FULLY-MASKED", "CAUSAL-BOTTOM-RIGHT", "FLASH-ORACLE")),
+    "softcap_backward_as_uncapped": ("flash", "exact forward; the backward omits the cap's slope 1 - tanh^2",
+                                     ("FLASH-GRAD",)),
     "backward_without_window": ("flash", "exact forward; the backward recomputes the weights without window and ALiBi",
                                 ("FLASH-GRAD", "FLASH-GRAD-MASKED")),
     "varlen_reads_one_key_past_the_end": ("flash-varlen", "sequence b's keys sliced k[cu_k[b] : cu_k[b+1] + 1]: "

@@ -62,11 +62,25 @@ def _g(n: int, dtype: torch.dtype) -> float:
     return gamma(n, unit_roundoff(dtype)) + gamma(n, unit_roundoff(_F64))
 
 
+def softcap_slope(query, key, *, scale: float, softcap: float, dtype: torch.dtype):
+    """(c, e_c): the slope c = 1 − tanh²(r/X) of the soft cap X·tanh(r/X) at each raw score r = σ q·k (heads
+    first, (..., l, s); key already expanded to the query heads), and a bound on a kernel's own slope: its raw
+    score is off by at most γ(E + 2)·σ·Σ|q_e k_e| (a dot product and the scale) and |dc/dr| ≤ 4/(3√3)/X, and
+    1 − t̂² with t̂ = tanh to 4 ulp adds at most 10u (|t| ≤ 1; a square and a subtraction)."""
+    q, k = to_float64(query), to_float64(key)
+    raw = scale * q @ k.transpose(-1, -2)
+    c = 1.0 - torch.tanh(raw / softcap) ** 2
+    e_raw = _g(q.shape[-1] + 2, dtype) * abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))
+    return c, (4.0 / (3.0 * 3.0 ** 0.5)) / softcap * e_raw + _g(10, dtype)
+
+
 def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale: float, attn_mask=None,
-                    keep: torch.Tensor | None = None, p: float = 0.0) -> Gradients:
+                    keep: torch.Tensor | None = None, p: float = 0.0, score_slope=None) -> Gradients:
     """Exact gradients of sum(out ∘ grad_out) and their bounds, from the forward's oracle and weight bounds.
 
-    ``keep`` (bool, the weights' shape) is a realised dropout mask with probability ``p`` of a drop."""
+    ``keep`` (bool, the weights' shape) is a realised dropout mask with probability ``p`` of a drop.
+    ``score_slope`` (c, e_c): the scores are a function of the raw σ q·k with slope c (a soft cap, see
+    ``softcap_slope``), known to within e_c: the chain rule multiplies the scores' gradient by it."""
     dtype = bounds.dtype
     w, upper = bounds.weights, bounds.upper
     dev = torch.maximum(upper - w, w - bounds.lower)            # |Ŵ - W| for any correct kernel
@@ -103,6 +117,13 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
     m_rowsum = d_rowsum.abs() + e_rowsum
     e_ds = dev * (m_dw + m_rowsum) + upper * (e_dw + e_rowsum) + _g(3, dtype) * upper * (m_dw + m_rowsum) + tiny
     m_ds = d_s.abs() + e_ds
+    d_scores, e_scores, m_scores = d_s, e_ds, m_ds   # the gradient of an additive mask: after any cap
+    if score_slope is not None:
+        slope, e_slope = score_slope
+        d_s = slope * d_s
+        e_ds = slope * e_ds + e_slope * m_ds + _g(1, dtype) * (slope + e_slope) * m_ds
+        m_ds = d_s.abs() + e_ds
+        d_q, d_k = scale * d_s @ k, scale * t(d_s) @ q
     sigma = abs(scale)
     e_dq = sigma * (e_ds @ k.abs() + _g(s + 3, dtype) * (m_ds @ k.abs())) + s * tiny
     e_dk = sigma * (t(e_ds) @ q.abs() + _g(l + 3, dtype) * (t(m_ds) @ q.abs())) + l * tiny
@@ -118,7 +139,7 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
             bound[name] = group_sum(bound[name], kv_heads) + _g(group, dtype) * group_sum(magnitude, kv_heads)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         shape = tuple(attn_mask.shape)
-        value_grads["attn_mask"] = _reduce_to(d_s, shape)
+        value_grads["attn_mask"] = _reduce_to(d_scores, shape)
         n = max(1, d_s.numel() // max(1, attn_mask.numel()))
-        bound["attn_mask"] = _reduce_to(e_ds, shape) + _g(n + 1, dtype) * _reduce_to(m_ds, shape)
+        bound["attn_mask"] = _reduce_to(e_scores, shape) + _g(n + 1, dtype) * _reduce_to(m_scores, shape)
     return Gradients(value_grads, bound)

@@ -1,7 +1,7 @@
 """Gradient clauses of the ``flash`` API (SPEC.md, FLASH-GRAD, FLASH-GRAD-MASKED): the backward pass of a
 ``flash_attn_func`` kernel whose output requires grad, against core/gradients.py's float64 chain rule and bound
-(the flash scores enter as a constant additive mask: ALiBi and the causal/window band; softcap is not drawn, the
-bound has no tanh′ term yet)."""
+(the flash scores enter as a constant additive mask: ALiBi and the causal/window band; a soft cap through its
+slope 1 − tanh², core/gradients.py: softcap_slope)."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +11,8 @@ from properties import clause
 from properties.core.assertions import assert_all, assert_within
 from properties.core.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
 from properties.core.flash_guard import skip_unsupported
-from properties.core.gradients import gradient_oracle
-from properties.core.oracle import to_float64
+from properties.core.gradients import gradient_oracle, softcap_slope
+from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
 from properties.kernel.guard import backward_gradients
 
@@ -37,7 +37,8 @@ def _grad_out(case: FlashCase, device) -> torch.Tensor:
 @clause("FLASH-GRAD")
 @example(case=FlashCase(2, 3, 5, 2, 2, 4, F32, causal=True, window=(2, -1), alibi="batch", strided=True, seed=1))
 @example(case=FlashCase(1, 5, 3, 1, 1, 3, F32, causal=True, scale=0.5))
-@given(case=flash_cases(softcap=False, max_lq=6, max_lk=6, max_d=6))
+@example(case=FlashCase(1, 3, 4, 1, 2, 4, F32, softcap=1.0, spread=2, seed=2))   # scores beyond the cap's knee
+@given(case=flash_cases(max_lq=6, max_lk=6, max_d=6))
 def test_flash_gradients_agree_with_float64_chain_rule(flash_kernel, device, case):
     case = case.without(flash_kernel.unsupported(device))
     q, k, v, slopes = case.tensors(device)
@@ -45,8 +46,11 @@ def test_flash_gradients_agree_with_float64_chain_rule(flash_kernel, device, cas
     grads = _backward(flash_kernel, case, q, k, v, slopes, do)
     bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
     scale = case.scale if case.scale is not None else case.d ** -0.5
-    oracle = gradient_oracle(bounds.softmax, to_heads_first(q), to_heads_first(k), to_heads_first(v),
-                             to_heads_first(do), scale=scale)
+    qh, kh = to_heads_first(q), to_heads_first(k)
+    slope = None if not case.softcap else softcap_slope(qh, expand_kv_heads(to_float64(kh), case.heads), scale=scale,
+                                                        softcap=case.softcap, dtype=case.dtype)
+    oracle = gradient_oracle(bounds.softmax, qh, kh, to_heads_first(v), to_heads_first(do), scale=scale,
+                             score_slope=slope)
     for name, grad in grads.items():
         assert_within(to_heads_first(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule", note=f"; index (b, h, position, d); {case!r}")
@@ -55,7 +59,7 @@ def test_flash_gradients_agree_with_float64_chain_rule(flash_kernel, device, cas
 @clause("FLASH-GRAD-MASKED")
 @example(case=FlashCase(1, 4, 4, 1, 1, 3, F32, window=(1, 0)), row=2)
 @example(case=FlashCase(1, 5, 2, 1, 1, 3, F32, causal=True), row=4)
-@given(case=flash_cases(softcap=False, max_lq=6, max_lk=6, max_d=6), row=st.integers(0, 5))
+@given(case=flash_cases(max_lq=6, max_lk=6, max_d=6), row=st.integers(0, 5))
 def test_flash_excluded_keys_get_no_gradient_from_a_query(flash_kernel, device, case, row):
     case = case.without(flash_kernel.unsupported(device))
     if case.window == (-1, -1) and not case.causal:
