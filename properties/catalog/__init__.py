@@ -184,6 +184,7 @@ CATALOG: list[Entry] = [
         "fully_masked_rows_nan_flash", "backward_without_window", "softcap_backward_as_uncapped",
         "varlen_reads_one_key_past_the_end",
         "varlen_cross_sequence_leak", "varlen_causal_global_offset", "varlen_alibi_row0",
+        "varlen_backward_across_sequences",
         "kvcache_seqlens_off_by_one", "kvcache_stale_slots_attended", "kvcache_append_off_by_one",
         "kvcache_paged_block_table_ignored", "kvcache_batch_idx_ignored_on_read", "kvcache_leftpad_ignored",
         "kvcache_causal_top_left")),

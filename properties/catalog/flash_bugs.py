@@ -269,6 +269,30 @@ def varlen_reads_one_key_past_the_end(q, k, v, cu_seqlens_q, cu_seqlens_k, *args
     return varlen_base(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs, _key_slice=lambda a, b: (a, b + 1))
 
 
+
+class _VarlenBackwardAcrossSequences(torch.autograd.Function):
+    """Forward: the correct varlen kernel. Backward: the gradient of one attention over the whole packed batch, as
+    a backward that forgets cu_seqlens does: each sequence's gradients leak into its neighbours'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, options):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = options.get("softmax_scale")
+        return varlen_base(q, k, v, cu_q, cu_k, 0, 0, **options)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = flash_base(*(t[None] for t in leaves), softmax_scale=ctx.scale)[0]
+            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        return (*grads, None, None, None)
+
+
+def varlen_backward_across_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+    return _VarlenBackwardAcrossSequences.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+
 def varlen_alibi_row0(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
     return varlen_base(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs, _row=lambda index: 0)
 
@@ -498,6 +522,8 @@ BUGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                    "sequences leak in", ("VARLEN-INDEPENDENT", "VARLEN-EQUALS-PADDED")),
     "varlen_causal_global_offset": ("flash-varlen", "causal/window diagonal of the packed matrix (total_k - total_q), "
                                     "not each sequence's Lk_b - Lq_b", ("VARLEN-EQUALS-PADDED",)),
+    "varlen_backward_across_sequences": ("flash-varlen", "exact forward; the backward differentiates one attention "
+                                         "over the whole packed batch", ("VARLEN-GRAD",)),
     "varlen_alibi_row0": ("flash-varlen", "(B, H) slopes: row 0 used for every sequence", ("VARLEN-EQUALS-PADDED",)),
     "kvcache_seqlens_off_by_one": ("flash-kvcache", "attends cache_seqlens + Lnew + 1 positions: one stale slot",
                                    ("KVCACHE-EQUALS-FULL", "KVCACHE-PAGED-EQUALS-CONTIGUOUS", "KVCACHE-BATCH-IDX",
