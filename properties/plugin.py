@@ -59,6 +59,7 @@ _PROFILES = {
     # catalogued bug depends on a lucky draw (python -m properties.catalog.pinned).
     "pinned": settings(_DEFAULT, phases=(Phase.explicit,)),
 }
+PROFILE_NAMES = tuple(_PROFILES)   # --hypothesis-profile values the suite registers
 
 
 def _use_suite_profiles() -> None:

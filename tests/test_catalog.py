@@ -117,3 +117,19 @@ def test_mutation_report_command(tmp_path):
     rows = {r["name"]: r for r in json.loads(report.read_text())["rows"]}
     assert rows["gqa_heads_tiled"]["time_to_first_failure_s"] > 0 and rows["gqa_heads_tiled"]["startup_s"] > 0
     assert rows["nn.MultiheadAttention"]["status"] == "passed"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "nope"], "argument --profile: invalid choice: 'nope'"),
+    (["--only", "no_such_entry"], "--only ['no_such_entry']: no such entry"),
+])
+def test_report_commands_refuse_bad_options_in_one_line(capsys, argv, message):
+    from properties.catalog import flakiness, mutation_report
+    for main in (mutation_report.main, flakiness.main):
+        if main is flakiness.main and argv[0] == "--profile":
+            continue
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message.split(":")[0] in err[-1], err

@@ -24,6 +24,7 @@ import torch
 
 from properties.catalog import CATALOG, CORRECT, Entry
 from properties.catalog import example_based
+from properties.plugin import PROFILE_NAMES
 from properties.catalog.run import Run, run_all
 
 __all__ = ["main", "rows_for", "totals"]
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="suite runs in parallel (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these entries (repeatable)")
-    parser.add_argument("--profile", default="default",
+    parser.add_argument("--profile", default="default", choices=PROFILE_NAMES,
                         help="Hypothesis profile of every run; 'pinned' runs only the @example cases, and shows "
                              "which bugs a run catches whatever it draws (default: default)")
     args = parser.parse_args(argv)
