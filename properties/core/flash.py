@@ -26,12 +26,14 @@ from dataclasses import dataclass, replace
 import torch
 from hypothesis import strategies as st
 
+from properties.core.gradients import Gradients, gradient_oracle, softcap_slope
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.strategies import derived_generator, dtypes, on, require_dtype, seeds
 from properties.core.tolerance import SoftmaxBounds, output_bound, softmax_bounds
 
 __all__ = ["FEATURE_ROUNDINGS", "FlashBounds", "FlashCase", "flash_allowed", "alibi_bias", "flash_bounds",
-           "flash_cases", "draw_slopes", "windows", "window_keys", "set_window_right_below_lk", "to_heads_first"]
+           "flash_cases", "draw_slopes", "windows", "window_keys", "set_window_right_below_lk", "to_heads_first",
+           "flash_gradients"]
 
 FEATURE_ROUNDINGS = 16
 _F64 = torch.float64
@@ -125,6 +127,16 @@ def flash_bounds(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, 
     bounds = softmax_bounds(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True, dtype=dtype)
     output = bounds.reference.output.transpose(1, 2)
     return FlashBounds(bounds, output, bounds.reference.no_key_rows.transpose(1, 2), vh)
+
+
+def flash_gradients(case: "FlashCase", bounds: FlashBounds, q, k, v, grad_out) -> Gradients:
+    """The float64 chain rule of sum(out ∘ grad_out) for one ``flash_attn_func`` problem, (B, L, H, D) tensors, with
+    its bound: core/gradients.py's oracle on the flash scores, a soft cap through its slope 1 − tanh²."""
+    scale = case.scale if case.scale is not None else case.d ** -0.5
+    qh, kh = to_heads_first(q), to_heads_first(k)
+    slope = None if not case.softcap else softcap_slope(qh, kh, scale=scale, softcap=case.softcap, dtype=case.dtype)
+    return gradient_oracle(bounds.softmax, qh, kh, to_heads_first(v), to_heads_first(grad_out), scale=scale,
+                           score_slope=slope)
 
 
 # --------------------------------------------------------------------------------------- drawn problems

@@ -64,10 +64,12 @@ def _g(n: int, dtype: torch.dtype) -> float:
 
 def softcap_slope(query, key, *, scale: float, softcap: float, dtype: torch.dtype):
     """(c, e_c): the slope c = 1 − tanh²(r/X) of the soft cap X·tanh(r/X) at each raw score r = σ q·k (heads
-    first, (..., l, s); key already expanded to the query heads), and a bound on a kernel's own slope: its raw
-    score is off by at most γ(E + 2)·σ·Σ|q_e k_e| (a dot product and the scale) and |dc/dr| ≤ 4/(3√3)/X, and
-    1 − t̂² with t̂ = tanh to 4 ulp adds at most 10u (|t| ≤ 1; a square and a subtraction)."""
+    first, (..., h, l, s); grouped key heads are expanded to the query heads), and a bound on a kernel's own
+    slope: its raw score is off by at most γ(E + 2)·σ·Σ|q_e k_e| (a dot product and the scale) and
+    |dc/dr| ≤ 4/(3√3)/X, and 1 − t̂² with t̂ = tanh to 4 ulp adds at most 10u (|t| ≤ 1; a square, a subtraction)."""
     q, k = to_float64(query), to_float64(key)
+    if k.shape[-3] != q.shape[-3]:
+        k = expand_kv_heads(k, q.shape[-3])
     raw = scale * q @ k.transpose(-1, -2)
     c = 1.0 - torch.tanh(raw / softcap) ** 2
     e_raw = _g(q.shape[-1] + 2, dtype) * abs(scale) * (q.abs() @ k.abs().transpose(-1, -2))

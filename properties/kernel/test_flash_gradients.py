@@ -9,10 +9,9 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
+from properties.core.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, flash_gradients, to_heads_first
 from properties.core.flash_guard import skip_unsupported
-from properties.core.gradients import gradient_oracle, softcap_slope
-from properties.core.oracle import expand_kv_heads, to_float64
+from properties.core.oracle import to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
 from properties.kernel.guard import backward_gradients
 
@@ -44,13 +43,7 @@ def test_flash_gradients_agree_with_float64_chain_rule(flash_kernel, device, cas
     q, k, v, slopes = case.tensors(device)
     do = _grad_out(case, device)
     grads = _backward(flash_kernel, case, q, k, v, slopes, do)
-    bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
-    scale = case.scale if case.scale is not None else case.d ** -0.5
-    qh, kh = to_heads_first(q), to_heads_first(k)
-    slope = None if not case.softcap else softcap_slope(qh, expand_kv_heads(to_float64(kh), case.heads), scale=scale,
-                                                        softcap=case.softcap, dtype=case.dtype)
-    oracle = gradient_oracle(bounds.softmax, qh, kh, to_heads_first(v), to_heads_first(do), scale=scale,
-                             score_slope=slope)
+    oracle = flash_gradients(case, flash_bounds(q, k, v, **case.oracle_kwargs(slopes)), q, k, v, do)
     for name, grad in grads.items():
         assert_within(to_heads_first(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule", note=f"; index (b, h, position, d); {case!r}")

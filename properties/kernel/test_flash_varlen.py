@@ -8,11 +8,10 @@ from hypothesis import assume, example, given
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.flash import FlashCase, to_heads_first
+from properties.core.flash import FlashCase, flash_gradients, to_heads_first
 from properties.core.flash_cases import VarlenCase, varlen_cases
 from properties.core.flash_guard import skip_unsupported
-from properties.core.gradients import gradient_oracle, softcap_slope
-from properties.core.oracle import expand_kv_heads, to_float64
+from properties.core.oracle import to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
 from properties.kernel.guard import backward_gradients
 
@@ -92,8 +91,6 @@ def test_packed_gradients_are_each_sequences_own(varlen_kernel, device, case):
     leaves = {name: t.detach().requires_grad_() for name, t in (("query", q), ("key", k), ("value", v))}
     out = _call(varlen_kernel, case, leaves["query"], leaves["key"], leaves["value"], slopes, args)
     grads = {name: to_float64(t) for name, t in backward_gradients(varlen_kernel, out, do, leaves).items()}
-    flash, heads = case.flash, case.flash.heads
-    scale = flash.scale if flash.scale is not None else flash.d ** -0.5
     for index, ((q0, q1), (k0, k1)) in enumerate(zip(zip(case.cu_q, case.cu_q[1:]), zip(case.cu_k, case.cu_k[1:]))):
         slices = {"query": slice(q0, q1), "key": slice(k0, k1), "value": slice(k0, k1)}
         where = f"sequence {index} (queries {q0}..{q1 - 1}, keys {k0}..{k1 - 1}); {case!r}"
@@ -101,12 +98,9 @@ def test_packed_gradients_are_each_sequences_own(varlen_kernel, device, case):
             for name, part in slices.items():
                 assert_all(grads[name][part] == 0, grads[name][part], what=f"d{name} of {where} is exactly 0")
             continue
-        bounds = case.sequence_bounds(q, k, v, slopes, index)
-        qh, kh, vh, doh = (to_heads_first(t[None, part]) for t, part in
-                           ((q, slices["query"]), (k, slices["key"]), (v, slices["value"]), (do, slices["query"])))
-        slope = None if not flash.softcap else softcap_slope(qh, expand_kv_heads(kh, heads), scale=scale,
-                                                             softcap=flash.softcap, dtype=flash.dtype)
-        oracle = gradient_oracle(bounds.softmax, qh, kh, vh, doh, scale=scale, score_slope=slope)
+        sequence = [t[None, part] for t, part in ((q, slices["query"]), (k, slices["key"]), (v, slices["value"]),
+                                                  (do, slices["query"]))]
+        oracle = flash_gradients(case.flash, case.sequence_bounds(q, k, v, slopes, index), *sequence)
         for name, part in slices.items():
             assert_within(to_heads_first(grads[name][None, part]), oracle.value[name], oracle.bound[name],
                           what=f"d{name} of {where}", reference="float64 chain rule of the sequence alone",

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from properties.core.assertions import fmt
+from properties.core.flash import flash_allowed
 from properties.core.tolerance import unit_roundoff
 
 __all__ = ["RUNS", "C", "MonteCarloArithmetic", "multihead", "feed_forward", "layer_norm", "rms_norm",
@@ -63,9 +64,8 @@ def multihead(x, memory, params: dict, heads: int, kv_heads: int, key_padding_ma
     visible = torch.ones(l, s, dtype=torch.bool, device=x.device)
     if is_causal:
         visible = visible.tril()
-    if window is not None and memory is None:
-        distance = torch.arange(l, device=x.device)[:, None] - torch.arange(s, device=x.device)[None, :]
-        visible = visible & (distance.abs() < window)
+    if window is not None and memory is None:   # flash-attn's window_size (W - 1, W - 1)
+        visible = visible & flash_allowed(l, s, window_size=(window - 1, window - 1), offset=0).to(x.device)
     visible = visible.expand(x.shape[0], 1, l, s)
     if key_padding_mask is not None:
         visible = visible & key_padding_mask.to(torch.bool)[:, None, None, :]

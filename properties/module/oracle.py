@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from properties.core.flash import flash_allowed
 from properties.core.oracle import reference_attention, softmax_rows, to_float64
 from properties.core.tolerance import evaluation_error, gamma, unit_roundoff
 
@@ -180,9 +181,8 @@ def _admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool, windo
         visible = visible & key_padding_mask.detach().to("cpu", torch.bool)[:, None, None, :]
     if is_causal:
         visible = visible & torch.ones(l, s, dtype=torch.bool).tril()
-    if window is not None:
-        distance = torch.arange(l)[:, None] - torch.arange(s)[None, :]
-        visible = visible & (distance.abs() < window)
+    if window is not None:   # flash-attn's window_size (W - 1, W - 1), query i at position i
+        visible = visible & flash_allowed(l, s, window_size=(window - 1, window - 1), offset=0)
     return visible
 
 
