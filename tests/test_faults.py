@@ -157,6 +157,38 @@ def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_pa
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no half-written or half-deleted one
 
 
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_old_checkpoints_are_deleted_waits_until_they_are_gone(tmp_path, monkeypatch, number):
+    """The race a CI run hit: Ctrl-C in the middle of deleting an old checkpoint left its hidden remains."""
+    import shutil
+    import torch
+    import zoo.io.checkpoint as checkpoint
+    from zoo.tasks.interrupts import Interrupted, stop_on_sigterm
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        checkpoint.save_training_checkpoint(tmp_path, step, model, optimizer, config={})
+    (tmp_path / ".step-0000000.deleting").mkdir()  # what a run killed (-9) while deleting leaves
+    delete = shutil.rmtree
+
+    def signalled_while_deleting(path, *args, **kwargs):
+        signal.raise_signal(number)  # delivered at once without the fix, in the middle of the deletion
+        delete(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", signalled_while_deleting)
+    previous = signal.getsignal(signal.SIGTERM)
+    stop_on_sigterm()
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            checkpoint.save_training_checkpoint(tmp_path, 3, model, optimizer, config={}, keep=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (number == signal.SIGTERM) == isinstance(stopped.value, Interrupted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000003"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
+
 # A kernel that aborts its process when a test calls it (pytest sets PYTEST_CURRENT_TEST while a test runs):
 # the suite's child dies in the middle, as with a kernel that segfaults. The parent, which draws the pictures
 # with it, is unharmed.

@@ -19,15 +19,18 @@ refusal is what keeps a shared checkpoint from running code.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -113,7 +116,8 @@ def save_training_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mo
             else:
                 scalars[f"{index}.{name}"] = value
     tensors.update(_rng_states(device))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=out_dir))
+    with _signals_held():  # so that a Ctrl-C cannot fall between making the directory and the try that removes it
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=out_dir))
     try:
         _chmod_like_umask(tmp, 0o777)  # mkdtemp makes it private; a checkpoint is an ordinary directory
         save_checkpoint(model, tmp / "model.safetensors")
@@ -131,15 +135,45 @@ def save_training_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mo
         raise
     _fsync_dir(out_dir)
     if keep is not None:
+        _prune(out_dir, keep)
+    return final
+
+
+_DELETING = ".deleting"
+
+
+def _prune(out_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and what an earlier run killed while deleting left.
+    Each is renamed out of sight first, so that no reader ever finds half a checkpoint; a Ctrl-C or SIGTERM
+    that arrives meanwhile takes effect once the deletion is done (it would otherwise leave the hidden
+    remains of a checkpoint on disk)."""
+    with _signals_held():
         for old in checkpoints_in(out_dir)[:-keep]:
-            # Renamed out of sight first: an interrupted deletion never leaves half a checkpoint to be found.
-            hidden = old.with_name(f".{old.name}.deleting")
             try:
-                os.rename(old, hidden)
+                os.rename(old, old.with_name(f".{old.name}{_DELETING}"))
             except OSError:
                 continue
+        for hidden in out_dir.glob(f".step-*{_DELETING}"):
             shutil.rmtree(hidden, ignore_errors=True)
-    return final
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them to the handlers that were in place.
+    Only the main thread can change handlers; elsewhere the block runs unprotected."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {number: signal.signal(number, lambda number, frame: arrived.append(number)) for number in held}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for number in dict.fromkeys(arrived):
+            signal.raise_signal(number)
 
 
 def _write_synced(path: Path, text: str) -> None:
