@@ -7,279 +7,30 @@ computation step by step in the standard model of floating-point arithmetic (SPE
 inputs and parameters are exact in ``dtype``; every operation rounds with unit roundoff at most u; a
 result that carries error e into a function with Lipschitz constant L carries L·e after it.  The oracle's
 own float64 rounding is bounded by the same model with u = 2^-53; since gamma(n, u) is superadditive in u,
-evaluating every step with u_eff = u(dtype) + u(float64) bounds the sum of both errors.  The rules
-(``gamma`` and ``unit_roundoff`` are ``properties.core.tolerance``'s):
-
-- linear   y = x Wᵀ + b with fan-in n:  e_y = e_x |W|ᵀ + gamma(n + 1)·((|x| + e_x)|W|ᵀ + |b|)
-- activation f with max |f'| = L:       e_y = L·e_x + (evaluation error of f at |x| + e_x)
-- product  a ⊙ b:                        e_y = |a| e_b + e_a (|b| + e_b) + u·(|a| + e_a)(|b| + e_b)
-- attention: score errors Δ per query row (propagated from q, k, plus the kernel's gamma(E + 5) and the
-  2u of the max subtraction, as in SPEC step 2) change each weight by a factor within e^{±2Δ} (softmax
-  of scores moved by at most Δ each); evaluating the softmax adds the factor 1 ± gamma(2S + 6)
-  (``properties.core.tolerance.evaluation_error``), underflow ±tiny; the weighted sum adds gamma(S + 2).
+evaluating every step with u_eff = u(dtype) + u(float64) bounds the sum of both errors.  The rules:
+properties/module/approx.py; the attention oracles: properties/module/attention_oracle.py (both re-exported
+here, so that every oracle is imported from this module).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from properties.core.flash import flash_allowed
-from properties.core.oracle import reference_attention, softmax_rows, to_float64
-from properties.core.tolerance import evaluation_error, gamma, unit_roundoff
+from properties.core.oracle import to_float64
+from properties.core.tolerance import gamma, unit_roundoff
+from properties.module.approx import (LIPSCHITZ, Approx, _F64, _vector, activation, angle_u, effective_u,
+                                      exact, linear, product)
+from properties.module.attention_oracle import (PROJECTION_NAMES, Projections, attention_core, module_options,
+                                                multihead_oracle, projections, single_head_oracle)
 
 __all__ = ["Approx", "exact", "effective_u", "angle_u", "linear", "activation", "product", "LIPSCHITZ",
-           "Projections", "projections", "module_options", "multihead_oracle", "single_head_oracle", "ffn_layers", "ffn_oracle",
-           "layer_norm_oracle", "rms_norm_oracle", "sinusoid_table", "sinusoid_error", "rotary_pair_error"]
-
-_F64 = torch.float64
-
-
-@dataclass(frozen=True)
-class Approx:
-    """A float64 value and an elementwise bound on how far a correct computation in the tested dtype is."""
-    value: torch.Tensor
-    error: torch.Tensor
-
-    @property
-    def magnitude(self) -> torch.Tensor:
-        """|value| + error: a bound on the magnitude of the computed quantity."""
-        return self.value.abs() + self.error
-
-    def map(self, fn) -> "Approx":
-        """Apply a pure re-indexing (reshape, permute, gather) to value and error alike."""
-        return Approx(fn(self.value), fn(self.error))
-
-
-def exact(t: torch.Tensor) -> Approx:
-    """A tensor that is exact in the tested dtype (an input or a parameter)."""
-    v = to_float64(t)
-    return Approx(v, torch.zeros_like(v))
-
-
-def effective_u(dtype: torch.dtype) -> float:
-    """u(dtype) + u(float64): the implementation's and the oracle's rounding together."""
-    return unit_roundoff(dtype) + unit_roundoff(_F64)
-
-
-def angle_u(dtype: torch.dtype) -> float:
-    """Unit roundoff of position angles: at most float32's even for float64 modules (SPEC, POS-*)."""
-    return max(unit_roundoff(dtype), unit_roundoff(torch.float32)) + unit_roundoff(_F64)
-
-
-def _vector(t) -> torch.Tensor | None:
-    return None if t is None else to_float64(t)
-
-
-def linear(a: Approx, weight, bias, u: float) -> Approx:
-    w = to_float64(weight)
-    b = _vector(bias)
-    value = a.value @ w.T + (0.0 if b is None else b)
-    magnitude = a.magnitude @ w.abs().T + (0.0 if b is None else b.abs())
-    error = a.error @ w.abs().T + gamma(w.shape[-1] + 1, u) * magnitude
-    return Approx(value, error)
-
-
-def _lipschitz(fn) -> float:
-    """max |f'| on a grid of step 1e-3 over [-12, 12] plus step·max|f''| (max|f''| <= 1 for GELU and SiLU;
-    beyond 12 the derivative is within 1e-30 of 0 or 1)."""
-    x = torch.arange(-12.0, 12.0, 1e-3, dtype=_F64, requires_grad=True)
-    (grad,) = torch.autograd.grad(fn(x).sum(), x)
-    return float(grad.abs().max()) + 1e-3
-
-
-_GELU_TANH_C = math.sqrt(2.0 / math.pi)
-
-
-def _gelu(x):
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + torch.tanh(_GELU_TANH_C * (x + 0.044715 * x ** 3)))
-
-
-def _silu(x):
-    return x / (1.0 + torch.exp(-x))
-
-
-_FUNCTIONS = {"relu": torch.relu, "gelu": _gelu, "gelu_tanh": _gelu_tanh, "silu": _silu}
-LIPSCHITZ = {"relu": 1.0, "gelu": _lipschitz(_gelu), "gelu_tanh": _lipschitz(_gelu_tanh), "silu": _lipschitz(_silu)}
-
-
-def _evaluation(name: str, m: torch.Tensor, u: float) -> torch.Tensor:
-    """Rounding error of evaluating f at an argument of magnitude <= m (absolute).
-
-    relu is exact.  gelu = x/2 (1 + erf(x/√2)): the argument's rounding moves erf by at most
-    max_t |t erf'(t)| u < u, erf itself 2u, the sum, the halving and the product 2u more: gamma(6)|x|.
-    gelu_tanh: the same plus the inner polynomial √(2/π)(x + 0.044715x³) with relative error gamma(5),
-    passed through tanh (1-Lipschitz) and multiplied by |x|/2.  silu = x/(1 + e^{-x}): exp 2u, the sum
-    and the division, relative to |silu(x)| <= |x|: gamma(5)|x|."""
-    if name == "relu":
-        return torch.zeros_like(m)
-    if name == "gelu":
-        return gamma(6, u) * m
-    if name == "gelu_tanh":
-        return m * (gamma(6, u) + 0.5 * gamma(5, u) * _GELU_TANH_C * (m + 0.044715 * m ** 3))
-    if name == "silu":
-        return gamma(5, u) * m
-    raise ValueError(f"no error model for activation {name!r}")
-
-
-def activation(a: Approx, name: str, u: float) -> Approx:
-    value = _FUNCTIONS[name](a.value)
-    return Approx(value, LIPSCHITZ[name] * a.error + _evaluation(name, a.magnitude, u))
-
-
-def product(a: Approx, b: Approx, u: float) -> Approx:
-    return Approx(a.value * b.value,
-                  a.value.abs() * b.error + a.error * b.magnitude + u * a.magnitude * b.magnitude)
-
-
-# ------------------------------------------------------------------------------------ multi-head attention
-@dataclass(frozen=True)
-class Projections:
-    """The four projections of a multi-head attention module, float64 on the CPU (bias None = 0)."""
-    wq: torch.Tensor
-    bq: torch.Tensor | None
-    wk: torch.Tensor
-    bk: torch.Tensor | None
-    wv: torch.Tensor
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
-
-
-PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj")
-
-
-def projections(module) -> tuple[Projections | None, str]:
-    """The module's ``q_proj, k_proj, v_proj, out_proj`` (each with a 2-D ``weight`` (out, in) and a
-    ``bias`` that may be None), or (None, the reason)."""
-    found = []
-    for name in PROJECTION_NAMES:
-        part = getattr(module, name, None)
-        weight = getattr(part, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            return None, (f"{type(module).__qualname__} has no {name}.weight (a 2-D tensor): the oracle reads "
-                          f"{', '.join(PROJECTION_NAMES)} (each .weight (out, in) and .bias or None)")
-        bias = getattr(part, "bias", None)
-        found += [weight.detach(), None if bias is None else bias.detach()]
-    return Projections(*found), ""
-
-
-def _project(x: torch.Tensor, w, b, u: float) -> Approx:
-    return linear(exact(x), w, b, u)
-
-
-def _admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool, window: int | None = None) -> torch.Tensor:
-    """(b, 1, l, s) bool: key j is visible to query i.  ``window`` W (self-attention, l == s): |i - j| < W,
-    Mistral's sliding window (i - W < j <= i under the causal mask)."""
-    visible = torch.ones(b, 1, l, s, dtype=torch.bool)
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask.detach().to("cpu", torch.bool)[:, None, None, :]
-    if is_causal:
-        visible = visible & torch.ones(l, s, dtype=torch.bool).tril()
-    if window is not None:   # flash-attn's window_size (W - 1, W - 1), query i at position i
-        visible = visible & flash_allowed(l, s, window_size=(window - 1, window - 1), offset=0)
-    return visible
-
-
-def _soft_cap(scores: torch.Tensor, delta: torch.Tensor, softcap: float | None, u: float):
-    """Gemma 2's X·tanh(s / X) and its error bound: the cap is 1-Lipschitz, so the score's error passes
-    through unchanged; evaluating it adds the rounding of s / X (at most u|s| after the cap's slope <= 1),
-    of tanh (at most 4 ulp, the accuracy of the libm tanh the kernels call) and of the product (u)."""
-    if not softcap:
-        return scores, delta
-    capped = softcap * torch.tanh(scores / softcap)
-    return capped, delta + u * scores.abs() + gamma(5, u) * capped.abs()
-
-
-def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype: torch.dtype,
-                   value: torch.Tensor | None = None, softcap: float | None = None) -> Approx:
-    """softmax(q kᵀ/√E) v per head, q (b, l, h, E), k and v (b, s, h, E) already mapped to query heads,
-    ``visible`` (b, 1 or h, l, s); scores capped to X·tanh(score / X) under ``softcap`` X.  Returns
-    (b, l, h, E).  ``value`` replaces the float64 result (the single-head clause computes it with
-    ``properties.core.oracle.reference_attention``)."""
-    u = effective_u(dtype)
-    e, s = q.value.shape[-1], k.value.shape[1]
-    sigma = 1.0 / math.sqrt(e)
-    scores = torch.einsum("blhe,bshe->bhls", q.value, k.value) * sigma
-    propagated = sigma * (torch.einsum("blhe,bshe->bhls", q.error, k.magnitude)
-                          + torch.einsum("blhe,bshe->bhls", q.value.abs(), k.error))
-    rounding = gamma(e + 5, u) * sigma * torch.einsum("blhe,bshe->bhls", q.magnitude, k.magnitude)
-    scores, errors = _soft_cap(scores, propagated + rounding, softcap, u)
-    visible = visible.expand_as(scores)
-    zero = torch.zeros_like(scores)
-    delta = torch.where(visible, errors, zero)
-    masked = torch.where(visible, scores, torch.full_like(scores, -math.inf))
-    row_max = masked.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    argument = 2 * u * ((scores - row_max).abs() + delta + delta.amax(-1, keepdim=True))
-    spread = torch.where(visible, delta + argument, zero).amax(-1, keepdim=True)   # Δ per row, (b, h, l, 1)
-    weights = softmax_rows(masked)
-    rho = torch.exp(2 * spread) * (1 + evaluation_error(s, dtype)) - 1            # relative weight error
-    rho = rho.permute(0, 2, 1, 3)                                                    # (b, l, h, 1)
-    tiny = torch.finfo(dtype).tiny
-    w_abs = torch.einsum("bhls,bshe->blhe", weights, v.value.abs())
-    w_err = torch.einsum("bhls,bshe->blhe", weights, v.error)
-    underflow = tiny * torch.einsum("bhls,bshe->blhe", visible.to(_F64), v.magnitude)
-    error = (rho * w_abs + (1 + rho) * w_err + underflow
-             + gamma(s + 2, u) * ((1 + rho) * (w_abs + w_err) + underflow))
-    if value is None:
-        value = torch.einsum("bhls,bshe->blhe", weights, v.value)
-    return Approx(value, error)
-
-
-def multihead_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | None, heads: int, kv_heads: int,
-                     *, key_padding_mask=None, is_causal: bool = False, dtype: torch.dtype,
-                     window: int | None = None, softcap: float | None = None) -> Approx:
-    """MultiHead(x, m) = concat(head_1, ..., head_h) W_O + b_O with head_i = Attention(Q_i, K_g(i), V_g(i)):
-    Q_i the features [iE, (i+1)E) of x W_Qᵀ + b_Q, E = d_q/h, g(i) = i // (h/k) for k key/value heads.
-    ``window`` (self-attention only) and ``softcap``: the FlashAttention options of the module (see
-    ``module_options``)."""
-    u = effective_u(dtype)
-    source = x if memory is None else memory
-    q, k, v = _project(x, p.wq, p.bq, u), _project(source, p.wk, p.bk, u), _project(source, p.wv, p.bv, u)
-    b, l, width = q.value.shape
-    s, e = k.value.shape[1], width // heads
-    group = torch.arange(heads) // (heads // kv_heads)   # query head i -> key/value head i // (h/k)
-    q = q.map(lambda t: t.reshape(b, l, heads, e))
-    k = k.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
-    v = v.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
-    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
-    heads_out = attention_core(q, k, v, visible, dtype, softcap=softcap)
-    concat = heads_out.map(lambda t: t.reshape(b, l, heads * e))
-    return linear(concat, p.wo, p.bo, u)
-
-
-def single_head_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | None, *, key_padding_mask=None,
-                       is_causal: bool = False, dtype: torch.dtype, window: int | None = None,
-                       softcap: float | None = None) -> Approx:
-    """h = 1: softmax((xW_Qᵀ + b_Q)(mW_Kᵀ + b_K)ᵀ/√d)(mW_Vᵀ + b_V) W_Oᵀ + b_O, the attention computed by the
-    kernel oracle (``properties.core.oracle.reference_attention``) on the projections, no head reshaping."""
-    u = effective_u(dtype)
-    source = x if memory is None else memory
-    q, k, v = _project(x, p.wq, p.bq, u), _project(source, p.wk, p.bk, u), _project(source, p.wv, p.bv, u)
-    b, l, _ = q.value.shape
-    s = k.value.shape[1]
-    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
-    # The kernel oracle has no softcap: with one, the value is attention_core's own float64 result.
-    attended = None if softcap else reference_attention(q.value, k.value, v.value,
-                                                         attn_mask=visible[:, 0]).output[:, :, None]  # (b, l, 1, d)
-    one_head = attention_core(q.map(lambda t: t[:, :, None]), k.map(lambda t: t[:, :, None]),
-                              v.map(lambda t: t[:, :, None]), visible, dtype, value=attended, softcap=softcap)
-    return linear(one_head.map(lambda t: t[:, :, 0]), p.wo, p.bo, u)
+           "Projections", "PROJECTION_NAMES", "projections", "attention_core", "module_options", "multihead_oracle",
+           "single_head_oracle", "ffn_layers", "ffn_oracle", "layer_norm_stats", "layer_norm_oracle", "rms_norm_oracle",
+           "sinusoid_table", "angle_relative_error", "sinusoid_error", "rotary_pair_error"]
 
 
 # ---------------------------------------------------------------------------------------- feed-forward
-def module_options(module) -> dict:
-    """The FlashAttention options an attention module declares (``window``, ``softcap``: the zoo's
-    MultiHeadAttention attributes), as keywords of the oracles; a module without them has neither."""
-    return {name: getattr(module, name) for name in ("window", "softcap") if getattr(module, name, None) is not None}
-
-
 def ffn_layers(module, activation_name: str) -> tuple[dict | None, str]:
     """The FFN's linear maps: ``up`` (W1, b1), ``down`` (W2, b2) and for swiglu ``gate`` (W_gate, b_gate)."""
     names = ("up", "down", "gate") if activation_name == "swiglu" else ("up", "down")
