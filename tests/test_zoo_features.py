@@ -1,5 +1,5 @@
 """The zoo's FlashAttention features as model options (issue 16): ``attention.window``, ``attention.softcap``,
-``pos=alibi``, ``task.packing`` and the paged KV cache of ``task=generate``.
+``pos=alibi`` and the paged KV cache of ``task=generate`` (``task.packing``: tests/test_zoo_packing.py).
 
 Each option is checked for what it changes (against zoo/nn/flash.py, the plain-torch reference of flash-attn's
 API, where one exists), for cached decoding equal to the full forward pass, and for the model clauses of the
@@ -18,46 +18,29 @@ import pytest
 import torch
 from einops import rearrange
 
-from properties.core.tolerance import evaluation_error, gamma, unit_roundoff
-from properties.model.checks import assert_same_output, comparison_tolerance
+from properties.core.tolerance import evaluation_error
+from properties.model.checks import assert_same_output
 from zoo.config.builder import build_model, compose_config
 from zoo.config.schema import ConfigError
-from zoo.nn.attention import KVCache, MultiHeadAttention, Packing, PagedKVCache
-from zoo.nn.flash import flash_attn_reference, flash_attn_varlen_packed
+from zoo.nn.attention import KVCache, MultiHeadAttention, PagedKVCache
+from zoo.nn.flash import flash_attn_reference
 from zoo.nn.kernel import math_attention
-from zoo.tasks.data import IGNORE, pack
 from zoo.tasks.generate import generate, generate_task
-from zoo.tasks.train import batch_metrics, fit_config_to_data, forward_batch, train
-from zoo.config.builder import model_from_config
 
-from training import train_config
+from feature_models import F64, SMALL, head_projections, small_model
 
 ROOT = Path(__file__).resolve().parents[1]
-F64 = torch.float64
-SMALL = ("d_model=16", "heads=4", "layers=2", "d_ff=32", "vocab_size=32", "max_len=24", "dropout=0")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model(*overrides: str, dtype=F64):
-    torch.manual_seed(0)
-    return build_model([*SMALL, *overrides], dtype=dtype).eval()
 
 
 def _flash_layout(t: torch.Tensor) -> torch.Tensor:
     return rearrange(t, "b h l e -> b l h e")
 
 
-def _projections(mha: MultiHeadAttention, x: torch.Tensor):
-    q = mha.split_heads(mha.q_proj(x), mha.heads)
-    k = mha.split_heads(mha.k_proj(x), mha.kv_heads)
-    v = mha.split_heads(mha.v_proj(x), mha.kv_heads)
-    return q, k, v
-
-
 def _flash_mha(mha: MultiHeadAttention, x: torch.Tensor, **flash) -> torch.Tensor:
     """The layer's output with the attention computed by the flash-attn reference kernel."""
-    q, k, v = (_flash_layout(t) for t in _projections(mha, x))
+    q, k, v = (_flash_layout(t) for t in head_projections(mha, x))
     out = flash_attn_reference(q, k, v, **flash)
     return mha.out_proj(rearrange(out, "b l h e -> b l (h e)"))
 
@@ -161,7 +144,7 @@ def test_softcap_bounds_the_scores():
     ("pos=alibi", "attention.window=4", "attention.softcap=1.0", "kv_heads=1"),
 ])
 def test_cached_decoding_equals_full_forward(overrides):
-    model = _model("model=decoder_only", *overrides)
+    model = small_model("model=decoder_only", *overrides)
     tokens = _tokens(model, 2, 12)
     with torch.no_grad():
         full = model(tokens)
@@ -172,7 +155,7 @@ def test_cached_decoding_equals_full_forward(overrides):
 def test_cached_decoding_with_left_padding_and_window(pos):
     # Left padding shifts absolute positions; the window and ALiBi's distances count them too, so both stay
     # relative to the token.
-    model = _model("model=decoder_only", "attention.window=3", f"pos={pos}")
+    model = small_model("model=decoder_only", "attention.window=3", f"pos={pos}")
     tokens = _tokens(model, 2, 10)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     mask[0, :3] = False
@@ -197,14 +180,14 @@ def test_alibi_slopes_as_in_the_paper():
 
 
 def test_alibi_adds_no_position_codes():
-    model = _model("model=decoder_only", "pos=alibi")
+    model = small_model("model=decoder_only", "pos=alibi")
     tokens = _tokens(model, 2, 6)
     assert not list(model.decoder.pos.parameters()) and not model.decoder.pos.state_dict()
     assert torch.equal(model.decoder.embed(tokens, offset=3), model.decoder.embedding(tokens))
 
 
 def test_alibi_bias_per_head_by_absolute_distance():
-    model = _model("model=decoder_only", "pos=alibi")
+    model = small_model("model=decoder_only", "pos=alibi")
     pos, heads = model.decoder.pos, 4
     bias = pos.score_bias(3, 7, 4, heads)                  # queries at 4, 5, 6 against keys 0..6 (a cache of 4)
     i = torch.arange(4, 7)[:, None]
@@ -216,114 +199,17 @@ def test_alibi_bias_per_head_by_absolute_distance():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_alibi_attention_equals_flash_alibi_slopes(causal):
-    model = _model("model=decoder_only", "pos=alibi", "kv_heads=2")
+    model = small_model("model=decoder_only", "pos=alibi", "kv_heads=2")
     mha, pos = model.decoder.layers[0].self_attn, model.decoder.pos
     x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0), dtype=F64)
     expected = _flash_mha(mha, x, causal=causal, alibi_slopes=pos.slopes)
     assert_same_output(mha(x, is_causal=causal, positions=pos), expected, "ALiBi vs flash alibi_slopes")
 
 
-# ------------------------------------------------------------------------------------------- task.packing
-def _trained_setup(*overrides: str):
-    cfg, data = fit_config_to_data(compose_config(["model=decoder_only", "task=train", "data=reverse", "d_model=16",
-                                                   "heads=4", "layers=2", "d_ff=32", "dropout=0", "dtype=float64",
-                                                   "data.vocab=6", "data.min_len=2", "data.max_len=6", *overrides]))
-    torch.manual_seed(0)
-    return model_from_config(cfg), data
-
-
-@pytest.mark.parametrize("overrides", [
-    ("pos=sinusoidal",),                        # absolute codes: positions must restart with every sequence
-    ("pos=learned", "norm_placement=pre"),
-    ("pos=rotary", "attention.window=3", "kv_heads=2"),
-    ("pos=alibi", "attention.softcap=1.0"),
-])
-def test_packed_batch_has_the_loss_of_the_unpacked_one(overrides):
-    model, data = _trained_setup(*overrides)
-    batch = data.batch("decoder_only", 12, "train", 0)
-    packed = pack(batch, model.max_len)
-    assert packed["tokens"].shape[0] < 12 and (packed["segments"] > 0).any()   # it did pack
-    assert int((packed["targets"] != IGNORE).sum()) == int((batch["targets"] != IGNORE).sum())
-    model.eval()
-    with torch.no_grad():
-        alone, together = forward_batch(model, batch), forward_batch(model, packed)
-    # Same target tokens in the same order (next fit keeps the order): their logits agree to rounding. The mean
-    # cross-entropy moves by at most 2 max|d logit| (its gradient in a token's logits has 1-norm <= 2), plus the
-    # rounding of each loss, which batch_metrics evaluates in float32: gamma_(n + V + 4) of (loss + max|logit|)
-    # for a log-sum-exp over V logits and a mean over n tokens.
-    expected = alone[batch["targets"] != IGNORE]
-    assert_same_output(together[packed["targets"] != IGNORE], expected, f"packed vs unpacked logits, {overrides}")
-    loss_alone = batch_metrics(alone, batch["targets"])["loss"]
-    loss_packed = batch_metrics(together, packed["targets"])["loss"]
-    n, vocab = expected.shape
-    evaluation = gamma(n + vocab + 4, unit_roundoff(torch.float32)) * (float(loss_alone) + float(expected.abs().max()))
-    assert abs(float(loss_packed - loss_alone)) <= 2 * comparison_tolerance(expected) + 2 * evaluation
-
-
-def test_packed_gradients_equal_unpacked():
-    model, data = _trained_setup("pos=rotary")
-    batch = data.batch("decoder_only", 10, "train", 3)
-    grads = []
-    for b in (batch, pack(batch, model.max_len)):
-        model.zero_grad()
-        batch_metrics(forward_batch(model, b), b["targets"])["loss"].backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-    for name, g in grads[0].items():
-        assert_same_output(grads[1][name], g, f"gradient of {name}, packed vs unpacked")
-
-
-def test_packed_sequence_does_not_see_its_neighbours():
-    model, data = _trained_setup("pos=learned")
-    packed = pack(data.batch("decoder_only", 8, "train", 1), model.max_len)
-    row, segments = 0, packed["segments"][0]
-    first, second = segments == 0, segments == 1
-    changed = packed["tokens"].clone()
-    changed[row, first] = torch.where(changed[row, first] == 5, 6, 5)   # another symbol at every token of seq 0
-    with torch.no_grad():
-        before = model(packed["tokens"], segments=packed["segments"])
-        after = model(changed, segments=packed["segments"])
-    assert_same_output(after[row, second], before[row, second], "sequence 1 after changing sequence 0 of its row")
-    assert not torch.allclose(after[row, first], before[row, first])
-
-
-def test_packing_is_flash_varlen():
-    # Self-attention over packed rows equals flash_attn_varlen_func over the same sequences (cu_seqlens).
-    torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 4, kv_heads=2, kernel="math", window=3, dtype=F64)
-    segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0, 1, 1, -1, -1]])
-    x = torch.randn(2, 10, 16, dtype=F64)
-    out = mha(x, is_causal=True, packing=Packing.from_segments(segments))
-    real = segments >= 0
-    lengths = [int((segments[b] == k).sum()) for b in range(2) for k in range(int(segments[b].max()) + 1)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v = (rearrange(t, "b h l e -> b l h e")[real] for t in _projections(mha, x))
-    flash = flash_attn_varlen_packed(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, window_size=(2, 0))
-    expected = mha.out_proj(rearrange(flash, "t h e -> t (h e)"))
-    assert_same_output(out[real], expected, "packed self-attention vs flash varlen")
-    assert Packing.from_segments(segments).positions[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 0]
-
-
-def test_bad_packing_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="non-decreasing sequence indices"):
-        Packing.from_segments(torch.tensor([[0, 1, 0, -1]]))
-    with pytest.raises(ValueError, match="non-decreasing sequence indices"):
-        Packing.from_segments(torch.tensor([[0, -1, 1, 1]]))
-    model = _model("model=decoder_only")
-    with pytest.raises(ValueError, match="not cached decoding"):
-        model(torch.ones(1, 3, dtype=torch.long), cache=KVCache(), segments=torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(ConfigError, match=r"^task.packing=True: packs decoder_only sequences"):
-        compose_config(["model=encoder_decoder", "task=train", "data=sort", "task.packing=true"])
-
-
-def test_training_with_packing_runs(tmp_path):
-    result = train(train_config(tmp_path, "task.steps=2", "task.packing=true", "task.eval_every=2"), quiet=True)
-    assert 0.0 <= result["exact"] <= 1.0 and result["loss"] == result["loss"]
-
-
 # ------------------------------------------------------------------------------ task=generate task.block_size
 @pytest.mark.parametrize("family", ["decoder_only", "encoder_decoder"])
 def test_paged_cache_decoding_gives_the_tokens_of_the_contiguous_cache(family):
-    model = _model(f"model={family}", "pos=alibi", "attention.window=4", "kv_heads=2", dtype=torch.float32)
+    model = small_model(f"model={family}", "pos=alibi", "attention.window=4", "kv_heads=2", dtype=torch.float32)
     prompt = _tokens(model, 3, 2)
     kw = {}
     if family == "encoder_decoder":
@@ -337,7 +223,7 @@ def test_paged_cache_decoding_gives_the_tokens_of_the_contiguous_cache(family):
 
 
 def test_paged_cache_holds_each_position_through_its_block_table():
-    model = _model("model=decoder_only", "kv_heads=1")
+    model = small_model("model=decoder_only", "kv_heads=1")
     tokens = _tokens(model, 3, 11)
     contiguous, paged = KVCache(), PagedKVCache(block_size=4)
     with torch.no_grad():
