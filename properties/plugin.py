@@ -19,18 +19,14 @@ Options (``pytest properties/ --help``, group "spec properties"):
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
-
-Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``): ``default`` (few examples, so
-the whole suite stays fast), ``ci`` (the same, derandomized: reproducible runs), ``thorough`` (many
-examples).  All disable the deadline: kernel timings vary with the device, its warm-up and other load.
+Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``: default, ci, thorough, quick, pinned),
+the run's seed and SIGTERM are properties/plugin_session.py's; the clause text of a failure and --report-json are
+properties/plugin_report.py's (their hooks are registered through this module, the plugin pytest loads).
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from hypothesis import Phase, settings
 
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
@@ -42,84 +38,20 @@ from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
 from properties.core.flash import set_window_right_below_lk
 from properties.core.flash_guard import KERNEL_APIS, kernel_params
-from zoo.io.atomic import write_text
+from properties.plugin_report import clause_ids, configure_report
+from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.config.plugins import PluginError
+# The hooks of the session and the report: pytest registers the hooks it finds in this module.
+from properties.plugin_report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
+                                      pytest_sessionfinish)
+from properties.plugin_session import pytest_report_header, pytest_terminal_summary, pytest_unconfigure  # noqa: F401
 
-# No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
-_PHASES = tuple(p for p in Phase if p != Phase.explain)
-_DEFAULT = settings(max_examples=12, deadline=None, phases=_PHASES)
-_PROFILES = {
-    "default": _DEFAULT,
-    "ci": settings(_DEFAULT, derandomize=True, print_blob=True),
-    "thorough": settings(_DEFAULT, max_examples=400),
-    # `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
-    "quick": settings(_DEFAULT, max_examples=3),
-    # Only the @example shapes pinned for known bug classes: a seconds-long smoke run, and the check that no
-    # catalogued bug depends on a lucky draw (python -m properties.catalog.pinned).
-    "pinned": settings(_DEFAULT, phases=(Phase.explicit,)),
-}
-PROFILE_NAMES = tuple(_PROFILES)   # --hypothesis-profile values the suite registers
-
-
-def _use_suite_profiles() -> None:
-    """Register the suite's profiles (``default`` among them, replacing Hypothesis' own) and load ``default``."""
-    for name, profile in _PROFILES.items():
-        settings.register_profile(name, profile)
-    settings.load_profile("default")
-
-
-_SEED = pytest.StashKey[int]()
-
-
-def _fix_seed(config) -> None:
-    """Every suite run has one Hypothesis seed, printed in the header and after failures, so that a failure
-    reproduces with --hypothesis-seed=N (given, it is honoured; otherwise one is drawn)."""
-    seed = getattr(config.option, "hypothesis_seed", None)
-    if seed is None:
-        import random
-        seed = random.SystemRandom().randrange(2**31)
-        config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
-    config.stash[_SEED] = seed
-
-
-def pytest_report_header(config):
-    if _SEED in config.stash:
-        seed = config.stash[_SEED]
-        return f"spec suite: Hypothesis seed {seed} (reproduce with --hypothesis-seed={seed})"
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _SEED in config.stash and terminalreporter.stats.get("failed"):
-        seed = config.stash[_SEED]
-        terminalreporter.write_line(f"spec suite: reproduce these failures with --hypothesis-seed={seed} "
-                                    f"(the counterexamples above are also kept in .hypothesis/)")
-
-
-def _targets_suite(config) -> bool:
-    """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
-    properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
-    an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
-    and profiles."""
-    from pathlib import Path
-    suite = Path(__file__).resolve().parent
-    for arg in config.args:
-        name = arg.split("::")[0]
-        if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):
-            return True
-        path = (Path(config.invocation_params.dir) / name).resolve()
-        if path == suite or suite in path.parents:
-            return True
-        if path in suite.parents:   # collected from above, unless it lies where pytest does not look
-            hidden = [p for p in suite.relative_to(path).parts if p.startswith(".") or p.endswith("-packages")]
-            if not hidden:
-                return True
-    return False
+__all__ = ["PROFILE_NAMES"]   # --hypothesis-profile values the suite registers (properties.catalog.mutation_report)
 
 _KERNELS = pytest.StashKey[list]()
 _FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.core.flash_guard.kernel_params)
 _DEVICES = pytest.StashKey[list]()
-_records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
 
 
 def pytest_addoption(parser):
@@ -160,69 +92,15 @@ def _device_param(name: str):
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise pytest.UsageError(f"--device {name!r}: {exc}") from None
-    reason = None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            reason = "CUDA not available"
-        elif device.index is not None and device.index >= torch.cuda.device_count():
-            reason = f"{name} not present ({torch.cuda.device_count()} CUDA device(s))"
-    elif device.type != "cpu":
-        try:
-            torch.empty(1, device=device)
-        except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend)
-            reason = f"{name} not available on this machine"
+    reason = device_unavailable(device)
     marks = [pytest.mark.skip(reason=reason)] if reason else []
     return pytest.param(name, marks=marks, id=name)
 
 
-def _report_path_problem(path: str) -> str | None:
-    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
-    import os
-    from pathlib import Path
-    target = Path(path).absolute()
-    if target.is_dir():
-        return "is a directory"
-    ancestor = next((p for p in target.parents if p.exists()), None)
-    if ancestor is not None and not ancestor.is_dir():
-        return f"{ancestor} is not a directory"
-    if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not writable"
-    if target.exists() and not os.access(target, os.W_OK):
-        return "is not writable"
-    return None
-
-
-_SIGTERM = pytest.StashKey[object]()
-
-
-def _interrupt_on_sigterm(config) -> None:
-    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt): fixtures tear down and pytest-xdist stops its
-    workers, instead of the process vanishing and leaving its children running. Restored at unconfigure."""
-    import signal
-    import threading
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        config.stash[_SIGTERM] = signal.signal(signal.SIGTERM, interrupt)
-
-
-def pytest_unconfigure(config):
-    if _SIGTERM in config.stash:
-        import signal
-        signal.signal(signal.SIGTERM, config.stash[_SIGTERM])
-
-
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
-    if _targets_suite(config):
-        _use_suite_profiles()
-        _fix_seed(config)
-        _interrupt_on_sigterm(config)
-    report_json = config.getoption("--report-json", None)
-    if report_json and (problem := _report_path_problem(report_json)):
-        raise pytest.UsageError(f"--report-json {report_json}: cannot be written: {problem}")
+    configure_session(config)
+    configure_report(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
         config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
@@ -244,7 +122,6 @@ def pytest_configure(config):
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
     select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
-    _records.clear()
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 
@@ -284,10 +161,6 @@ def fully_masked(pytestconfig) -> str:
     return pytestconfig.getoption("--fully-masked")
 
 
-def _clause_ids(item) -> list[str]:
-    return [cid for mark in item.iter_markers("clause") for cid in mark.args]
-
-
 def _levels_selected(config) -> set[str]:
     """--kernel alone checks kernels; --model alone checks the model (plus kernels if --kernel is also
     given); --zoo or --zoo-config checks the assembled model at every level; no plug-in option checks the zoo
@@ -301,7 +174,7 @@ def _levels_selected(config) -> set[str]:
 
 def pytest_collection_modifyitems(config, items):
     mine = [item for item in items if in_suite(item)]
-    unbound = [item.nodeid for item in mine if not _clause_ids(item)]
+    unbound = [item.nodeid for item in mine if not clause_ids(item)]
     if unbound:
         raise pytest.UsageError(f"property tests must name their spec clause with @properties.clause(...): "
                                 f"{', '.join(unbound[:5])}{' ...' if len(unbound) > 5 else ''}")
@@ -331,73 +204,3 @@ def _one_intra_op_thread(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    ids = _clause_ids(item) if in_suite(item) else []
-    report.level = level_of(item)
-    report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
-    mut = getattr(item, "funcargs", {}).get("mut")
-    report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
-    if report.failed and ids:
-        clauses = load_clauses()
-        report.sections.insert(0, (f"spec clause {', '.join(ids)}",
-                                   "\n\n".join(clauses[i].describe() for i in ids)))
-    return report
-
-
-def _message(report) -> str:
-    if report.passed:
-        return ""
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    crash = getattr(report.longrepr, "reprcrash", None)
-    return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
-
-
-def _counterexample(report) -> str:
-    """Hypothesis' minimal failing input ("Falsifying example: test(case=..., ...)"), as one line."""
-    text = str(report.longrepr)
-    markers = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # Hypothesis' wordings
-    starts = [i for i in (text.find(marker) for marker in markers) if i >= 0]
-    if not starts:
-        return ""
-    parts = []
-    for line in text[min(starts):].splitlines():
-        line = line.removeprefix("E").strip()
-        parts.append(line)
-        if line == ")" or (len(parts) == 1 and line.endswith(")")):
-            break
-    return " ".join(" ".join(parts).replace("( ", "(").replace(", )", ")").split())
-
-
-def pytest_runtest_logreport(report):
-    ids = getattr(report, "clauses", None)
-    if not ids:
-        return
-    record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
-                                                "status": "passed", "duration_s": 0.0,
-                                                "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", "")})
-    record["duration_s"] += report.duration
-    if report.failed:
-        status = "failed" if report.when == "call" else "error"
-        if record["status"] not in ("failed", "error"):
-            record["status"], record["message"] = status, _message(report)
-            record["counterexample"] = _counterexample(report)
-    elif report.skipped and record["status"] == "passed":
-        record["status"], record["message"] = "skipped", _message(report)
-
-
-def pytest_sessionfinish(session):
-    path = session.config.getoption("--report-json")
-    if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
-        return
-    clauses = load_clauses()
-    rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
-             "duration_s": round(r["duration_s"], 6), "message": r["message"],
-             "counterexample": r["counterexample"], "resolution": r["resolution"]}
-            for nodeid, r in _records.items() for cid in r["clauses"]]
-    write_text(path, json.dumps(rows, indent=1))

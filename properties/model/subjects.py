@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from properties.core.tolerance import unit_roundoff
 from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
+from properties.plugin_session import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, zoo_subject
 
@@ -68,15 +69,14 @@ class _Source:
 
 def add_options(parser) -> None:
     group = parser.getgroup("models", "model-level clauses (properties/SPEC.md, section Models)")
-    group.addoption("--model", default=None, metavar="pkg.module:factory",
-                    help="verify the model factory() returns (a zoo model or a properties.Subject); "
-                         "also path/to/file.py:factory")
-    group.addoption("--zoo", default=None, metavar="OVERRIDES",
-                    help='verify the zoo model built from Hydra overrides, e.g. '
-                         '"model=decoder_only attention._target_=mypkg.MyAttention"')
-    group.addoption("--zoo-config", default=None, metavar="PATH",
-                    help="verify the zoo model a saved config builds (a YAML such as `python -m zoo task=verify` "
-                         "writes); like --zoo, every level runs")
+    for option, metavar, text in [
+        ("--model", "pkg.module:factory", "verify the model factory() returns (a zoo model or a properties.Subject); "
+                                          "also path/to/file.py:factory"),
+        ("--zoo", "OVERRIDES", 'verify the zoo model built from Hydra overrides, e.g. '
+                               '"model=decoder_only attention._target_=mypkg.MyAttention"'),
+        ("--zoo-config", "PATH", "verify the zoo model a saved config builds (a YAML such as `python -m zoo "
+                                 "task=verify` writes); like --zoo, every level runs")]:
+        group.addoption(option, default=None, metavar=metavar, help=text)
 
 
 def _device_dtype(config):
@@ -90,19 +90,6 @@ def _device_dtype(config):
     return torch.device(devices[0]), getattr(torch, dtypes[0])
 
 
-def _unavailable(device: torch.device) -> str:
-    """Why no tensor can be made on `device` here ('' when one can): CUDA absent, MPS absent, ..."""
-    if device.type == "cpu":
-        return ""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA not available"
-    try:
-        torch.empty(1, device=device)
-    except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend it has)
-        return f"{device.type} not available on this machine"
-    return ""
-
-
 def configure(config) -> None:
     """Check --model and --zoo at startup: an unusable model is a one-line UsageError."""
     text = config.getoption("zoo", None)
@@ -113,7 +100,7 @@ def configure(config) -> None:
             raise pytest.UsageError(f"--zoo {text!r}: {exc} (the overrides are split as a shell would: "
                                     f"balance the quotes, e.g. --zoo \"heads=8 'attention.kernel=a b.py:f'\")") from None
     device, dtype = _device_dtype(config)
-    reason = _unavailable(device)
+    reason = device_unavailable(device)
     if reason:
         config.stash[_KEY] = {}
         config.stash[_SKIP] = f"--device {device}: {reason}, model clauses not run"

@@ -1,0 +1,117 @@
+"""The spec suite's reports (properties/plugin.py calls ``configure_report``): each failure opens with the text of
+the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
+message and Hypothesis' counterexample.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from properties.core.levels import in_suite, level_of
+from properties.core.spec import load_clauses
+from zoo.io.atomic import write_text
+
+__all__ = ["clause_ids", "configure_report", "pytest_runtest_makereport", "pytest_runtest_logreport",
+           "pytest_sessionfinish"]
+
+_records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
+
+
+def _report_path_problem(path: str) -> str | None:
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    import os
+    from pathlib import Path
+    target = Path(path).absolute()
+    if target.is_dir():
+        return "is a directory"
+    ancestor = next((p for p in target.parents if p.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        return f"{ancestor} is not a directory"
+    if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "is not writable"
+    return None
+
+
+def configure_report(config) -> None:
+    """Refuse a --report-json PATH that could not be written at the end (a UsageError now); start afresh."""
+    report_json = config.getoption("--report-json", None)
+    if report_json and (problem := _report_path_problem(report_json)):
+        raise pytest.UsageError(f"--report-json {report_json}: cannot be written: {problem}")
+    _records.clear()
+
+
+def clause_ids(item) -> list[str]:
+    return [cid for mark in item.iter_markers("clause") for cid in mark.args]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    ids = clause_ids(item) if in_suite(item) else []
+    report.level = level_of(item)
+    report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
+    mut = getattr(item, "funcargs", {}).get("mut")
+    report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
+    if report.failed and ids:
+        clauses = load_clauses()
+        report.sections.insert(0, (f"spec clause {', '.join(ids)}",
+                                   "\n\n".join(clauses[i].describe() for i in ids)))
+    return report
+
+
+def _message(report) -> str:
+    if report.passed:
+        return ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
+
+
+def _counterexample(report) -> str:
+    """Hypothesis' minimal failing input ("Falsifying example: test(case=..., ...)"), as one line."""
+    text = str(report.longrepr)
+    markers = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # Hypothesis' wordings
+    starts = [i for i in (text.find(marker) for marker in markers) if i >= 0]
+    if not starts:
+        return ""
+    parts = []
+    for line in text[min(starts):].splitlines():
+        line = line.removeprefix("E").strip()
+        parts.append(line)
+        if line == ")" or (len(parts) == 1 and line.endswith(")")):
+            break
+    return " ".join(" ".join(parts).replace("( ", "(").replace(", )", ")").split())
+
+
+def pytest_runtest_logreport(report):
+    ids = getattr(report, "clauses", None)
+    if not ids:
+        return
+    record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
+                                                "status": "passed", "duration_s": 0.0,
+                                                "message": "", "counterexample": "",
+                                                "resolution": getattr(report, "resolution", "")})
+    record["duration_s"] += report.duration
+    if report.failed:
+        status = "failed" if report.when == "call" else "error"
+        if record["status"] not in ("failed", "error"):
+            record["status"], record["message"] = status, _message(report)
+            record["counterexample"] = _counterexample(report)
+    elif report.skipped and record["status"] == "passed":
+        record["status"], record["message"] = "skipped", _message(report)
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--report-json")
+    if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
+        return
+    clauses = load_clauses()
+    rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
+             "duration_s": round(r["duration_s"], 6), "message": r["message"],
+             "counterexample": r["counterexample"], "resolution": r["resolution"]}
+            for nodeid, r in _records.items() for cid in r["clauses"]]
+    write_text(path, json.dumps(rows, indent=1))

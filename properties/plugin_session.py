@@ -1,0 +1,132 @@
+"""The spec suite's run as a whole (properties/plugin.py calls ``configure_session``): its Hypothesis profiles
+and seed, SIGTERM as Ctrl-C, whether a pytest run targets the suite at all, and which devices are usable.
+
+Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``): ``default`` (few examples, so
+the whole suite stays fast), ``ci`` (the same, derandomized: reproducible runs), ``thorough`` (many
+examples).  All disable the deadline: kernel timings vary with the device, its warm-up and other load.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, settings
+
+__all__ = ["PROFILE_NAMES", "configure_session", "device_unavailable", "pytest_report_header",
+           "pytest_terminal_summary", "pytest_unconfigure"]
+
+# No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
+_PHASES = tuple(p for p in Phase if p != Phase.explain)
+_DEFAULT = settings(max_examples=12, deadline=None, phases=_PHASES)
+_PROFILES = {
+    "default": _DEFAULT,
+    "ci": settings(_DEFAULT, derandomize=True, print_blob=True),
+    "thorough": settings(_DEFAULT, max_examples=400),
+    # `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
+    "quick": settings(_DEFAULT, max_examples=3),
+    # Only the @example shapes pinned for known bug classes: a seconds-long smoke run, and the check that no
+    # catalogued bug depends on a lucky draw (python -m properties.catalog.pinned).
+    "pinned": settings(_DEFAULT, phases=(Phase.explicit,)),
+}
+PROFILE_NAMES = tuple(_PROFILES)   # --hypothesis-profile values the suite registers
+
+
+def _use_suite_profiles() -> None:
+    """Register the suite's profiles (``default`` among them, replacing Hypothesis' own) and load ``default``."""
+    for name, profile in _PROFILES.items():
+        settings.register_profile(name, profile)
+    settings.load_profile("default")
+
+
+_SEED = pytest.StashKey[int]()
+
+
+def _fix_seed(config) -> None:
+    """Every suite run has one Hypothesis seed, printed in the header and after failures, so that a failure
+    reproduces with --hypothesis-seed=N (given, it is honoured; otherwise one is drawn)."""
+    seed = getattr(config.option, "hypothesis_seed", None)
+    if seed is None:
+        import random
+        seed = random.SystemRandom().randrange(2**31)
+        config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
+    config.stash[_SEED] = seed
+
+
+def pytest_report_header(config):
+    if _SEED in config.stash:
+        seed = config.stash[_SEED]
+        return f"spec suite: Hypothesis seed {seed} (reproduce with --hypothesis-seed={seed})"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SEED in config.stash and terminalreporter.stats.get("failed"):
+        seed = config.stash[_SEED]
+        terminalreporter.write_line(f"spec suite: reproduce these failures with --hypothesis-seed={seed} "
+                                    f"(the counterexamples above are also kept in .hypothesis/)")
+
+
+def _targets_suite(config) -> bool:
+    """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
+    properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
+    an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
+    and profiles."""
+    from pathlib import Path
+    suite = Path(__file__).resolve().parent
+    for arg in config.args:
+        name = arg.split("::")[0]
+        if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):
+            return True
+        path = (Path(config.invocation_params.dir) / name).resolve()
+        if path == suite or suite in path.parents:
+            return True
+        if path in suite.parents:   # collected from above, unless it lies where pytest does not look
+            hidden = [p for p in suite.relative_to(path).parts if p.startswith(".") or p.endswith("-packages")]
+            if not hidden:
+                return True
+    return False
+
+_SIGTERM = pytest.StashKey[object]()
+
+
+def _interrupt_on_sigterm(config) -> None:
+    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt): fixtures tear down and pytest-xdist stops its
+    workers, instead of the process vanishing and leaving its children running. Restored at unconfigure."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        config.stash[_SIGTERM] = signal.signal(signal.SIGTERM, interrupt)
+
+
+def pytest_unconfigure(config):
+    if _SIGTERM in config.stash:
+        import signal
+        signal.signal(signal.SIGTERM, config.stash[_SIGTERM])
+
+
+def configure_session(config) -> None:
+    """For a run that collects the suite: its profiles (``default`` loaded), one seed, SIGTERM as Ctrl-C."""
+    if _targets_suite(config):
+        _use_suite_profiles()
+        _fix_seed(config)
+        _interrupt_on_sigterm(config)
+
+
+def device_unavailable(device: torch.device) -> str:
+    """Why ``device`` cannot be used here ('' when it can): CUDA absent, an index past the CUDA devices, or
+    another backend that refuses to make a tensor (MPS absent, ...)."""
+    if device.type == "cpu":
+        return ""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA not available"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"{device} not present ({torch.cuda.device_count()} CUDA device(s))"
+        return ""
+    try:
+        torch.empty(1, device=device)
+    except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend)
+        return f"{device} not available on this machine"
+    return ""
