@@ -18,8 +18,7 @@ from typing import Callable
 import pytest
 import torch
 
-from properties.core.assertions import assert_all
-from properties.kernel.guard import KernelContractError, describe_call
+from properties.kernel.guard import KernelContractError, check_output, describe_call
 
 __all__ = ["Unsupported", "FlashKernel", "skip_unsupported", "flash_weights", "FEATURES"]
 
@@ -89,20 +88,7 @@ class FlashKernel:
             raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n  in {call}") from exc
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             out = out[0]
-        if not isinstance(out, torch.Tensor):
-            raise KernelContractError(f"kernel {self.name} returned {type(out).__name__}, not a tensor, in {call}")
-        expected = (*q.shape[:-1], value.shape[-1])
-        if tuple(out.shape) != expected:
-            raise KernelContractError(f"output shape {tuple(out.shape)} != expected {expected} in {call}")
-        if out.dtype != q.dtype:
-            raise KernelContractError(f"output dtype {out.dtype} != q dtype {q.dtype} in {call}")
-        if out.device != q.device:
-            raise KernelContractError(f"output device {out.device} != q device {q.device} in {call}")
-        finite = torch.isfinite(out)
-        if nan_rows is not None:
-            finite = finite | nan_rows.to(out.device)[..., None]
-        assert_all(finite.cpu(), out.cpu(), what=f"output is finite (kernel {self.name})", note=f" in {call}")
-        return out
+        return check_output(self.name, out, q, value, call, nan_rows)
 
     # ------------------------------------------------------------------------------ optional features
     def unsupported(self, device) -> dict[str, str]:

@@ -12,14 +12,15 @@ from typing import Callable
 
 import torch
 
-from properties.core.assertions import assert_all, assert_within
+from properties.core.assertions import assert_all, assert_within, fmt
 from properties.core.oracle import expand_kv_heads, to_float64
+from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
 from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, softmax_bounds,
                                        unit_roundoff)
 
-__all__ = ["KernelContractError", "GuardedKernel", "describe_call",
-           "check_against_oracle"]
+__all__ = ["KernelContractError", "GuardedKernel", "describe_call", "check_output", "check_against_oracle",
+           "check_dropout_rate"]
 
 
 class KernelContractError(AssertionError):
@@ -36,6 +37,27 @@ def describe_call(query, key, value, kwargs) -> str:
     args = ", ".join([_describe(query), _describe(key), _describe(value)]
                      + [f"{k}={_describe(v)}" for k, v in kwargs.items()])
     return f"kernel({args})"
+
+
+def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The output contract of every kernel API: a tensor of shape (*query.shape[:-1], value's last dim), the
+    query's dtype and device, finite except at ``nan_rows`` (bool, query shape without its last dim)."""
+    __tracebackhide__ = True
+    if not isinstance(out, torch.Tensor):
+        raise KernelContractError(f"kernel {name} returned {type(out).__name__}, not a tensor, in {call}")
+    expected = (*query.shape[:-1], value.shape[-1])
+    if tuple(out.shape) != expected:
+        raise KernelContractError(f"output shape {tuple(out.shape)} != expected {expected} "
+                                  f"(query's leading dims, value's last dim) in {call}")
+    if out.dtype != query.dtype:
+        raise KernelContractError(f"output dtype {out.dtype} != query dtype {query.dtype} in {call}")
+    if out.device != query.device:
+        raise KernelContractError(f"output device {out.device} != query device {query.device} in {call}")
+    finite = torch.isfinite(out)
+    if nan_rows is not None:
+        finite = finite | nan_rows.to(out.device)[..., None]
+    assert_all(finite.cpu(), out.cpu(), what=f"output is finite (kernel {name})", note=f" in {call}")
+    return out
 
 
 @dataclass(frozen=True, repr=False)
@@ -68,22 +90,7 @@ class GuardedKernel:
         except Exception as exc:  # any failure of user code is a finding, not a crash of the suite
             raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n"
                                       f"  in {call}") from exc
-        if not isinstance(out, torch.Tensor):
-            raise KernelContractError(f"kernel {self.name} returned {type(out).__name__}, not a tensor, "
-                                      f"in {call}")
-        expected = (*query.shape[:-1], value.shape[-1])
-        if tuple(out.shape) != expected:
-            raise KernelContractError(f"output shape {tuple(out.shape)} != expected {expected} "
-                                      f"(query's leading dims and L, value's Ev) in {call}")
-        if out.dtype != query.dtype:
-            raise KernelContractError(f"output dtype {out.dtype} != query dtype {query.dtype} in {call}")
-        if out.device != query.device:
-            raise KernelContractError(f"output device {out.device} != query device {query.device} in {call}")
-        finite = torch.isfinite(out)
-        if nan_rows is not None:
-            finite = finite | nan_rows.to(out.device)[..., None]
-        assert_all(finite.cpu(), out.cpu(), what=f"output is finite (kernel {self.name})", note=f" in {call}")
-        return out
+        return check_output(self.name, out, query, value, call, nan_rows)
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
         """The kernel's attention weights: its output for V = I_S (attention is linear in V)."""
@@ -127,6 +134,19 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
     assert_within(actual, bounds.reference.output, output_bound(bounds, value), what=what)
     return out, bounds
+
+
+def check_dropout_rate(w: torch.Tensor, positive: torch.Tensor, p: float, note: str = "") -> None:
+    """DROPOUT-RATE: ``w`` holds a kernel's weights over independent dropout draws (the draws on the first axis),
+    ``positive`` marks the weights that are nonzero without dropout; the fraction of those that are 0 is p within
+    Hoeffding's bound at false-alarm probability FALSE_ALARM."""
+    __tracebackhide__ = True
+    n = w.shape[0] * int(positive.sum())
+    dropped = float((w[:, positive] == 0).sum()) / n
+    halfwidth = hoeffding_halfwidth(n, 1.0, FALSE_ALARM)
+    assert abs(dropped - p) <= halfwidth, (
+        f"fraction of dropped weights = {fmt(dropped)}, dropout_p = {fmt(p)}: |difference| > {fmt(halfwidth)} "
+        f"(Hoeffding, n = {n} weights, false-alarm probability <= {FALSE_ALARM:g}){note}")
 
 
 # What a query with no admissible key may output (SPEC.md, MASK-FULLY-MASKED; --fully-masked): zeros (the

@@ -11,6 +11,7 @@ from properties.core.assertions import assert_identical, assert_within, fmt
 from properties.core.oracle import to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng
+from properties.kernel.guard import check_dropout_rate
 from properties.core.strategies import cases, on, with_pinned_cases
 from properties.core.tolerance import output_bound, softmax_bounds
 
@@ -50,12 +51,7 @@ def test_dropout_zeroes_weights_with_probability_p(kernel, device, case, p):
     bounds = softmax_bounds(q, k)
     positive = bounds.lower > 0  # weights that are nonzero without dropout (even after rounding)
     w = _on_copies(kernel.weights, COPIES_FOR_RATE, (q, k), p, device, case.seed)
-    n = COPIES_FOR_RATE * int(positive.sum())
-    dropped = float((w[:, positive] == 0).sum()) / n
-    halfwidth = hoeffding_halfwidth(n, 1.0, FALSE_ALARM)
-    assert abs(dropped - p) <= halfwidth, (
-        f"fraction of dropped weights = {fmt(dropped)}, dropout_p = {fmt(p)}: |difference| > "
-        f"{fmt(halfwidth)} (Hoeffding, n = {n} weights, false-alarm probability <= {FALSE_ALARM:g})")
+    check_dropout_rate(w, positive, p)
 
 
 COPIES_FOR_MEAN = 2048

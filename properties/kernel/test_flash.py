@@ -18,6 +18,7 @@ from properties.core.oracle import to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng, selected_dtypes
 from properties.core.tolerance import evaluation_error, gamma, rowsum_error, unit_roundoff
+from properties.kernel.guard import check_dropout_rate
 
 F32 = selected_dtypes()[0]   # pinned examples use the first selected dtype (float32 unless --dtype says otherwise)
 
@@ -308,43 +309,46 @@ def test_flash_zero_dropout_is_deterministic(flash_kernel, device, case):
     assert_identical(second, first, what="second call with dropout_p=0", reference="first call")
 
 
+def dropout_property(test):
+    """The statistical dropout clauses draw a small case and a rate p (p = 0.5 on the pinned case)."""
+    return example(case=FlashCase(1, 2, 4, 1, 1, 4, F32), p=0.5)(
+        given(case=dropout_cases, p=st.floats(0.05, 0.95))(test))
+
+
+def _dropout_problem(kernel, device, case: FlashCase, *, nonnegative_values: bool = False):
+    """(case, q, k, v, slopes, bounds) for a dropout clause (skipped if the kernel declines dropout);
+    ``nonnegative_values``: v drawn from [0, 1)."""
+    kernel.require(device, "dropout")
+    case = _supported(kernel, device, case)
+    q, k, v, slopes = case.tensors(device)
+    if nonnegative_values:
+        g = torch.Generator().manual_seed(case.seed)
+        v = case.place(torch.rand(1, case.lk, case.kv_heads, case.d, generator=g, dtype=torch.float64), device)
+    return case, q, k, v, slopes, flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
+
+
 COPIES_FOR_RATE = 256
 
 
 @clause("FLASH-DROPOUT-RATE")
-@example(case=FlashCase(1, 2, 4, 1, 1, 4, F32), p=0.5)
-@given(case=dropout_cases, p=st.floats(0.05, 0.95))
+@dropout_property
 def test_flash_dropout_zeroes_weights_with_probability_p(flash_kernel, device, case, p):
-    flash_kernel.require(device, "dropout")
-    case = _supported(flash_kernel, device, case)
-    q, k, v, slopes = case.tensors(device)
-    bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
+    case, q, k, _, slopes, bounds = _dropout_problem(flash_kernel, device, case)
     positive = (bounds.softmax.lower > 0)[0]                                  # (H, Lq, Lk)
+    assume(bool(positive.any()))
     with seeded_rng(device, case.seed), skip_unsupported(flash_kernel, "dropout"):
         w = flash_weights(flash_kernel, _copies(q, COPIES_FOR_RATE), _copies(k, COPIES_FOR_RATE),
                           dropout_p=p, **case.kwargs(slopes))
-    n = COPIES_FOR_RATE * int(positive.sum())
-    assume(n > 0)
-    dropped = float((w[:, positive] == 0).sum()) / n
-    halfwidth = hoeffding_halfwidth(n, 1.0, FALSE_ALARM)
-    assert abs(dropped - p) <= halfwidth, (
-        f"fraction of dropped weights = {fmt(dropped)}, dropout_p = {fmt(p)}: |difference| > {fmt(halfwidth)} "
-        f"(Hoeffding, n = {n} weights, false-alarm probability <= {FALSE_ALARM:g}); {case!r}")
+    check_dropout_rate(w, positive, p, note=f"; {case!r}")
 
 
 COPIES_FOR_MEAN = 2048
 
 
 @clause("FLASH-DROPOUT-EXPECTATION")
-@example(case=FlashCase(1, 2, 4, 1, 1, 4, F32), p=0.5)
-@given(case=dropout_cases, p=st.floats(0.05, 0.95))
+@dropout_property
 def test_flash_dropout_leaves_the_expected_output_unchanged(flash_kernel, device, case, p):
-    flash_kernel.require(device, "dropout")
-    case = _supported(flash_kernel, device, case)
-    q, k, _, slopes = case.tensors(device)
-    g = torch.Generator().manual_seed(case.seed)
-    v = case.place(torch.rand(1, case.lk, case.kv_heads, case.d, generator=g, dtype=torch.float64), device)
-    bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
+    case, q, k, v, slopes, bounds = _dropout_problem(flash_kernel, device, case, nonnegative_values=True)
     with seeded_rng(device, case.seed):
         out = to_float64(_call(flash_kernel, case, _copies(q, COPIES_FOR_MEAN), _copies(k, COPIES_FOR_MEAN),
                                _copies(v, COPIES_FOR_MEAN), slopes, dropout_p=p))
