@@ -16,14 +16,16 @@ import inspect
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
-from hypothesis import assume, example, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 from zoo.config.options import DTYPES
 
 __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
            "pinned_cases", "with_pinned_cases", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
-           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit"]
+           "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit",
+           "pinned_property", "required"]
 
 # DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
 # float32 unless the failure needs another dtype.
@@ -112,6 +114,25 @@ def with_pinned_cases(argname: str = "case", n_lead: int = 2, **other_args):
             test = example(**{argname: case}, **other_args)(test)
         return test
     return decorate
+
+
+def pinned_property(settings, drawn: dict, *pinned: dict):
+    """Decorator: the stack that a family of properties shares, so that each test names only its clause:
+    ``settings`` (a ``hypothesis.settings``), an ``@example(**p)`` for each ``p`` of ``pinned`` (run in that
+    order, before anything drawn) and ``@given(**drawn)``."""
+    def decorate(test):
+        test = given(**drawn)(test)
+        for p in reversed(pinned):
+            test = example(**p)(test)
+        return settings(test)
+    return decorate
+
+
+def required(value, reason: str):
+    """``value``, once the test is skipped with ``reason`` where it is None (an option this run was not given)."""
+    if value is None:
+        pytest.skip(reason)
+    return value
 
 
 class PinnedData:

@@ -18,7 +18,7 @@ from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, feed_forward
 from properties.module.oracle import ffn_layers, ffn_oracle
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
-from properties.core.strategies import dtypes, seeds, selected_dtypes
+from properties.core.strategies import dtypes, pinned_property, seeds, selected_dtypes
 
 FIRST = selected_dtypes()[0]
 
@@ -46,6 +46,8 @@ problems = st.builds(Ffn, batch=st.integers(1, 3), l=st.integers(1, 6), d_model=
 # inputs) that some pre-activations fall where a wrong activation departs from the formula (a forgotten one
 # for t < 0, GELU's tanh form for exact GELU near |t| ≈ 2).
 PINNED = Ffn(3, 3, 5, 16, FIRST, 0)
+# The settings, the pinned shape, then drawn shapes: the stack of the clauses run on PINNED.
+ffn_property = pinned_property(module_settings, {"p": problems}, {"p": PINNED})
 
 
 def build(ffn, p: Ffn, device, dtype=None):
@@ -69,9 +71,7 @@ def oracle(ffn, module, x, dtype):
 
 # ------------------------------------------------------------------------------------ FFN-POSITIONWISE
 @clause("FFN-POSITIONWISE")
-@module_settings
-@example(p=PINNED)
-@given(p=problems)
+@ffn_property
 def test_each_position_alone(ffn, device, p):
     module = build(ffn, p, device)
     x = inputs(p.seed, 1, (p.batch, p.l, p.d_model), p.dtype, device)
@@ -88,9 +88,7 @@ def test_each_position_alone(ffn, device, p):
 
 # ----------------------------------------------------------------------------------------- FFN-FORMULA
 @clause("FFN-FORMULA")
-@module_settings
-@example(p=PINNED)
-@given(p=problems)
+@ffn_property
 def test_formula_with_own_weights(ffn, device, p):
     module = build(ffn, p, device)
     x = inputs(p.seed, 1, (p.batch, p.l, p.d_model), p.dtype, device, scale=2.0)

@@ -14,7 +14,7 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_identical
-from properties.core.strategies import PinnedData
+from properties.core.strategies import PinnedData, pinned_property
 from properties.model.checks import assert_same_output, comparison_tolerance
 from properties.module.parts import OneLine, inputs, layer_params, layer_subject, module_settings
 
@@ -43,6 +43,8 @@ draws = st.builds(Draw, batch=st.integers(1, 3), l=st.integers(1, 8), s=st.integ
 # Pinned shape (drawn every run): B == L == 3 (an axis mixed up with another raises no shape error) and a
 # memory of 5 positions, so that the decoder's length differs from the encoder's.
 PINNED = Draw(batch=3, l=3, s=5, seed=0)
+# The settings, the pinned shape, then drawn shapes: the stack of every layer clause with one drawn argument.
+layer_property = pinned_property(module_settings, {"p": draws}, {"p": PINNED})
 
 
 def _get(obj, dotted: str):
@@ -113,27 +115,21 @@ def _check_equation(layer_key, device, p, placement):
 
 # ------------------------------------------------------------------------------------- LAYER-POST-NORM
 @clause("LAYER-POST-NORM")
-@module_settings
-@example(p=PINNED)
-@given(p=draws)
+@layer_property
 def test_post_norm_equation(layer_key, device, p):
     _check_equation(layer_key, device, p, "post")
 
 
 # -------------------------------------------------------------------------------------- LAYER-PRE-NORM
 @clause("LAYER-PRE-NORM")
-@module_settings
-@example(p=PINNED)
-@given(p=draws)
+@layer_property
 def test_pre_norm_equation(layer_key, device, p):
     _check_equation(layer_key, device, p, "pre")
 
 
 # ------------------------------------------------------------------------------------- LAYER-RESIDUAL
 @clause("LAYER-RESIDUAL")
-@module_settings
-@example(p=PINNED)
-@given(p=draws)
+@layer_property
 def test_residual_carries_the_input(layer_key, device, p):
     subject = subject_for(layer_key, device, p)
     x, memory = tensors(subject, p, device)

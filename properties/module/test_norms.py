@@ -21,7 +21,7 @@ from properties.module.oracle import effective_u, layer_norm_oracle, layer_norm_
 from properties.module.gradients import check_gradients, layer_norm, rms_norm
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
-from properties.core.strategies import PinnedData, dtypes, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, dtypes, pinned_property, seeds, selected_dtypes
 from properties.core.tolerance import gamma, unit_roundoff
 
 KINDS = ("layernorm", "rmsnorm")
@@ -70,6 +70,9 @@ problems = st.builds(Tokens, batch=st.integers(1, 3), l=st.integers(1, 6), d=st.
 PINNED = Tokens(3, 3, 5, 0, 0.5, FIRST, 0)
 # Small tokens far from 0 (mean -2s, s = 1/8) over 16 features: the variance's cancellation at its edge.
 PINNED_SHIFTED = Tokens(2, 4, 16, -3, -2.0, FIRST, 1)
+# The settings, the pinned shapes (one or both), then drawn tokens: the stack of the clauses drawing only p.
+on_pinned_tokens = pinned_property(module_settings, {"p": problems}, {"p": PINNED})
+on_both_pinned_tokens = pinned_property(module_settings, {"p": problems}, {"p": PINNED}, {"p": PINNED_SHIFTED})
 
 
 def tokens(p: Tokens, device, stream: int = 1, dtype=None):
@@ -137,10 +140,7 @@ def assert_mean_square(n, n_exact, e, expected, **message):
 # ------------------------------------------------------------------------------------ NORM-STANDARDIZE
 @clause("NORM-STANDARDIZE")
 @kinds("layernorm")
-@module_settings
-@example(p=PINNED)
-@example(p=PINNED_SHIFTED)
-@given(p=problems)
+@on_both_pinned_tokens
 def test_layernorm_mean_zero_variance_one(norm, device, p):
     x, eps, n_exact, n, e = normalized(norm, p, device)
     _, v, _ = layer_norm_stats(x, eps)
@@ -154,10 +154,7 @@ def test_layernorm_mean_zero_variance_one(norm, device, p):
 # ---------------------------------------------------------------------------------------------- NORM-RMS
 @clause("NORM-RMS")
 @kinds("rmsnorm")
-@module_settings
-@example(p=PINNED)
-@example(p=PINNED_SHIFTED)
-@given(p=problems)
+@on_both_pinned_tokens
 def test_rmsnorm_unit_rms(norm, device, p):
     x, eps, n_exact, n, e = normalized(norm, p, device)
     ms = (to_float64(x) ** 2).mean(-1)
@@ -234,9 +231,7 @@ def test_positive_scaling(norm, device, p, k):
 
 # ------------------------------------------------------------------------------------------- NORM-GRAD
 @clause("NORM-GRAD")
-@module_settings
-@example(p=PINNED)
-@given(p=problems)
+@on_pinned_tokens
 def test_gradients_follow_the_formula(norm, device, p):
     module = build(norm, p, device)
     eps, _, _ = affine(norm, module)

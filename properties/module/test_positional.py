@@ -18,7 +18,7 @@ from properties.core.strategies import require_dtype
 from properties.module.oracle import rotary_pair_error, sinusoid_error, sinusoid_table
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
-from properties.core.strategies import PinnedData, dtypes, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, dtypes, pinned_property, seeds, selected_dtypes
 from properties.core.tolerance import gamma, unit_roundoff
 
 U64 = unit_roundoff(torch.float64)
@@ -72,6 +72,8 @@ def tables(draw, min_len=1):
 # d = 6 (three frequencies, so an exponent off by a factor shows at i = 1, 2; with d = 2 only i = 0 exists), an
 # offset > 0 (positions counted from the offset) and a batch of 2.
 PINNED = Table(6, 12, 3, 5, 2, FIRST, 0)
+# The settings, the pinned table, then drawn tables: the stack of the clauses run on PINNED and tables().
+table_property = pinned_property(module_settings, {"p": tables()}, {"p": PINNED})
 
 
 def build(pos, p: Table, device):
@@ -86,9 +88,7 @@ def codes(module, p: Table, device, offset: int, length: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- POS-SINUSOID-FORMULA
 @clause("POS-SINUSOID-FORMULA")
-@module_settings
-@example(p=PINNED)
-@given(p=tables())
+@table_property
 def test_sinusoid_formula(pos, device, p):
     module = build(pos, p, device)
     x = inputs(p.seed, 1, (p.batch, p.l, p.d), p.dtype, device)
@@ -104,9 +104,7 @@ def test_sinusoid_formula(pos, device, p):
 
 # ------------------------------------------------------------------------------------ POS-SINUSOID-RANGE
 @clause("POS-SINUSOID-RANGE")
-@module_settings
-@example(p=PINNED)
-@given(p=tables())
+@table_property
 def test_sinusoid_range_and_distinct_rows(pos, device, p):
     module = build(pos, p, device)
     table = codes(module, p, device, 0, p.max_len)
@@ -289,9 +287,7 @@ def test_alibi_bias_is_slope_times_distance(alibi, device, p):
 
 # -------------------------------------------------------------------------------------------- POS-GRAD
 @clause("POS-GRAD")
-@module_settings
-@example(p=PINNED)
-@given(p=tables())
+@table_property
 def test_additive_positions_pass_gradients_through(pos_any, device, p):
     if pos_any.choice == "rotary" or pos_any.has("heads"):   # a loaded config names no choice: rotary takes heads
         _rotary_gradient(pos_any, device, p)
