@@ -17,6 +17,7 @@ from properties import clause
 from properties.core.assertions import assert_within
 from properties.core.gradients import gradient_oracle
 from properties.core.oracle import default_scale, to_float64
+from properties.core.strategies import required
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import NON_FINITE_CONVENTIONS
 from properties.kernel.test_gradients import GradCase, backward, grad_cases
@@ -25,10 +26,8 @@ from properties.reference import reference_kernel_of
 
 @pytest.fixture(scope="session")
 def reference_kernel(pytestconfig):
-    ref = reference_kernel_of(pytestconfig)
-    if ref is None:
-        pytest.skip("no --reference-kernel given: the differential kernel clauses compare with a reference kernel")
-    return ref
+    return required(reference_kernel_of(pytestconfig),
+                    "no --reference-kernel given: the differential kernel clauses compare with a reference kernel")
 
 
 def _problem(case: GradCase, device, causal_alignment):

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import Phase, example, given, settings, strategies as st
+from hypothesis import Phase, settings, strategies as st
 
 from properties import clause
+from properties.core.strategies import pinned_property, required
 from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
                                      comparison_tolerance, model_settings, only, real_tokens, subject_args)
 from properties.model.test_models import MIXED, MIXED_SOURCE, pinned
@@ -33,10 +34,22 @@ ARRANGEMENTS = ("float64", "as-built")
 
 @pytest.fixture(scope="session")
 def reference(pytestconfig):
-    ref = reference_of(pytestconfig)
-    if ref is None:
-        pytest.skip("no --reference given: the differential clauses compare the model with a reference model")
-    return ref
+    return required(reference_of(pytestconfig),
+                    "no --reference given: the differential clauses compare the model with a reference model")
+
+
+def differential_property(data, **options):
+    """The stack of every differential clause: once per arrangement, the model settings with ``options``, first
+    on the pinned ``data`` (a PinnedData), then on drawn data."""
+    def decorate(test):
+        test = pinned_property(settings(model_settings, **options), {"data": st.data()}, {"data": data})(test)
+        return pytest.mark.parametrize("arrangement", ARRANGEMENTS)(test)
+    return decorate
+
+
+# Pinned inputs of the forward and gradient clauses (drawn every run): three samples of mixed real lengths, and an
+# encoder-decoder's source longer than its target (test_models.py: MIXED, MIXED_SOURCE).
+PINNED_INPUTS = {"batch": MIXED, "source": MIXED_SOURCE}
 
 
 def _pair(mut, reference, arrangement: str):
@@ -106,10 +119,7 @@ def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
 
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD
 @clause("MODEL-DIFF-FORWARD")
-@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@settings(model_settings, max_examples=FORWARD_EXAMPLES)
-@example(data=pinned({"batch": MIXED, "source": MIXED_SOURCE}))
-@given(data=st.data())
+@differential_property(pinned(PINNED_INPUTS), max_examples=FORWARD_EXAMPLES)
 def test_outputs_agree_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
     (src_a, tgt_a), (src_r, tgt_r), b = _draw_inputs(data, a, r, mut.device)
@@ -152,10 +162,7 @@ def _gradient_noise(s, src, tgt, r, names) -> tuple[dict, float]:
 
 
 @clause("MODEL-DIFF-GRADIENT")
-@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@settings(model_settings, max_examples=OTHER_EXAMPLES)
-@example(data=pinned({"batch": MIXED, "source": MIXED_SOURCE}))
-@given(data=st.data())
+@differential_property(pinned(PINNED_INPUTS), max_examples=OTHER_EXAMPLES)
 def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
     for s, who in ((a, "the model under test"), (r, f"the reference {reference.spec}")):
@@ -268,10 +275,7 @@ _NO_SHRINK = tuple(p for p in model_settings.phases if p != Phase.shrink)
 
 
 @clause("MODEL-DIFF-DECODE")
-@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-@settings(model_settings, max_examples=OTHER_EXAMPLES, phases=_NO_SHRINK)
-@example(data=pinned(PINNED_DECODE, schedules=_schedule_fits))
-@given(data=st.data())
+@differential_property(pinned(PINNED_DECODE, schedules=_schedule_fits), max_examples=OTHER_EXAMPLES, phases=_NO_SHRINK)
 def test_cached_decoding_agrees_with_the_reference(mut, reference, arrangement, data):
     a, r = _pair(mut, reference, arrangement)
     only(a, *DECODERS)

@@ -7,12 +7,11 @@ r Gaussian from the batch's seed.
 from __future__ import annotations
 
 import torch
-from hypothesis import example
 
 from properties import clause
-from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe, model_property,
+from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe,
                                      requires, subject_args)
-from properties.model.test_models import PAIR, _pad, pinned
+from properties.model.test_models import PAIR, _pad, pinned_model_property
 
 
 def _weights(s, src, tokens, mask, seed: int, length: int) -> torch.Tensor:
@@ -39,8 +38,7 @@ def _embedding_gradient(s, src, tokens, mask, r) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------- MODEL-GRAD-PADDING
 @clause("MODEL-GRAD-PADDING")
-@example(data=pinned(PAIR))
-@model_property
+@pinned_model_property(PAIR)
 def test_padding_gets_no_gradient(mut, data):
     s = mut.precise
     requires(s, "embedding", "the embeddings' gradients cannot be read")
@@ -62,8 +60,7 @@ def test_padding_gets_no_gradient(mut, data):
 
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
 @clause("MODEL-GRAD-BATCH")
-@example(data=pinned(PAIR))
-@model_property
+@pinned_model_property(PAIR)
 def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
     s = mut.precise
     requires(s, "module", "the parameters are unknown")

@@ -34,6 +34,11 @@ def pinned(values: dict, **checks) -> PinnedData:
     return PinnedData(values, checks={"batches": _batch_fits, **checks})
 
 
+def pinned_model_property(values: dict, **checks):
+    """checks.model_property, run first on the example whose draws are ``pinned(values, **checks)``."""
+    return lambda test: example(data=pinned(values, **checks))(model_property(test))
+
+
 # Pinned structure, drawn every run (SPEC.md: a known bug class is never a coin flip). Three samples of mixed real
 # lengths, right-padded: padding that is attended, a mask over the wrong axis or inverted, statistics across the
 # batch show there. An encoder-decoder's source is longer than its target (L_x != L_y) and padded differently.
@@ -48,8 +53,7 @@ FULL_PAIR = {"batch": FULL, "target": FULL, "source": FULL_SOURCE}
 
 # ---------------------------------------------------------------------------------------- MODEL-SHAPE
 @clause("MODEL-SHAPE")
-@example(data=pinned(PAIR))
-@model_property
+@pinned_model_property(PAIR)
 def test_output_shape(mut, data):
     s = mut.native
     src, tgt = draw_pair(data, s, mut.device)
@@ -65,8 +69,7 @@ def _causal_case(s, mut, data):
 
 
 @clause("MODEL-CAUSAL")
-@example(data=pinned(PAIR | {"position i": 1}))      # sample 1 has no real position after i: padding only
-@model_property
+@pinned_model_property(PAIR | {"position i": 1})      # sample 1 has no real position after i: padding only
 def test_causal_perturbation(mut, data):
     s = only(mut.precise, *DECODERS)
     src, tokens, mask, b, i = _causal_case(s, mut, data)
@@ -80,8 +83,7 @@ def test_causal_perturbation(mut, data):
 
 
 @clause("MODEL-CAUSAL")
-@example(data=pinned(PAIR | {"position i": 1}))
-@model_property
+@pinned_model_property(PAIR | {"position i": 1})
 def test_causal_gradient(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "embedding", "only the perturbation half of MODEL-CAUSAL runs")
@@ -101,8 +103,7 @@ def test_causal_gradient(mut, data):
 
 # ----------------------------------------------------------------------------------- MODEL-DEPENDENCE
 @clause("MODEL-DEPENDENCE")
-@example(data=pinned(PAIR | {"source position j": 2}))    # the last position that is real in every source
-@model_property
+@pinned_model_property(PAIR | {"source position j": 2})    # the last position that is real in every source
 def test_every_target_depends_on_every_source(mut, data):
     s = only(mut.precise, "encoder_decoder")
     (src, src_mask, sb), (tgt, tgt_mask, tb) = draw_pair(data, s, mut.device)
@@ -120,8 +121,7 @@ def test_every_target_depends_on_every_source(mut, data):
 
 # ---------------------------------------------------------------------------------- MODEL-PERMUTATION
 @clause("MODEL-PERMUTATION")
-@example(data=pinned(FULL_PAIR | {"permutation": (4, 2, 0, 3, 1)}))
-@model_property
+@pinned_model_property(FULL_PAIR | {"permutation": (4, 2, 0, 3, 1)})
 def test_permutation(mut, data):
     s = only(mut.precise, "encoder_only")
     _, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=3, padding=False)
@@ -144,8 +144,7 @@ def test_permutation(mut, data):
 
 # ---------------------------------------------------------------------------------------- MODEL-BATCH
 @clause("MODEL-BATCH")
-@example(data=pinned(PAIR))
-@model_property
+@pinned_model_property(PAIR)
 def test_batch_independence(mut, data):
     s = mut.precise
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=4)
@@ -189,15 +188,13 @@ PADS = {"pads": 2, "pads (target)": 1, "pads (source)": 2}
 
 
 @clause("MODEL-PADDING")
-@example(data=pinned(PAIR | PADS))
-@model_property
+@pinned_model_property(PAIR | PADS)
 def test_right_padding(mut, data):
     _padding_case(mut, data, left=False)
 
 
 @clause("MODEL-PADDING")
-@example(data=pinned(PAIR | PADS))
-@model_property
+@pinned_model_property(PAIR | PADS)
 def test_left_padding(mut, data):
     if not mut.precise.left_padding:
         pytest.skip("Subject.left_padding is False: the model does not claim left-padding invariance")
@@ -205,8 +202,7 @@ def test_left_padding(mut, data):
 
 
 @clause("MODEL-PADDING")
-@example(data=pinned(FULL_PAIR))
-@model_property
+@pinned_model_property(FULL_PAIR)
 def test_mask_none_means_all_real(mut, data):
     s = mut.precise
     src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
@@ -237,8 +233,7 @@ def test_eval_determinism(mut, data, seeds):
 
 # --------------------------------------------------------------------------------- MODEL-DISTRIBUTION
 @clause("MODEL-DISTRIBUTION")
-@example(data=pinned(PAIR))
-@model_property
+@pinned_model_property(PAIR)
 def test_output_distribution(mut, data):
     s = only(mut.native, *DECODERS)
     src, (tokens, mask, _) = draw_pair(data, s, mut.device)
