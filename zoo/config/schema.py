@@ -4,7 +4,8 @@ Hydra's structured config (``ZooSchema``) fixes the top-level keys and their typ
 key or a non-integer size is refused while composing. ``validate`` then checks what types cannot
 say (positive sizes, divisibility, known choices) and every part node against the constructor of
 its ``_target_``, so that no key is ever dropped silently. Each problem is one ``ConfigError``
-line naming the key, the value and what is allowed.
+line naming the key, the value and what is allowed. The options of each task and of the data, and
+their checks, are in zoo/config/task_schemas.py (their names are importable from here too).
 """
 from __future__ import annotations
 
@@ -24,16 +25,15 @@ from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
+from zoo.config.errors import ConfigError, _fail
 from zoo.config.options import DTYPES, PARTS
 from zoo.config.plugins import PluginError, locate
-from zoo.tasks.data import DATA_TASKS
+from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_task
+from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
+                                     TrainTask, VerifyTask)
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
            "integral_overrides"]
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be used; str() is one line for the user."""
 
 
 @dataclass
@@ -64,104 +64,6 @@ class ZooSchema:
     allow_plugins: bool = False
 
 
-PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin.py
-
-
-@dataclass
-class RunTask:
-    name: str = "run"
-    batch: int = 2
-    seq_len: int = 32
-    verify: bool = True         # then a quick verification of the assembled model (task=verify does it fully)
-    profile: str = "quick"
-
-
-@dataclass
-class VerifyTask:
-    """Options of task=verify (zoo/tasks/verify.py): the Hypothesis profile the suite runs with."""
-    name: str = "verify"
-    profile: str = "default"
-
-
-@dataclass
-class SummaryTask:
-    name: str = "summary"
-
-
-@dataclass
-class TrainTask:
-    """Options of task=train (zoo/tasks/train.py); the model's vocab_size and max_len are derived from the data."""
-    name: str = "train"
-    steps: int = 2000
-    batch: int = 64
-    lr: float = 1e-3
-    warmup: int = 100           # linear warm-up steps, then cosine decay to min_lr_ratio * lr at `steps`
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01  # on matrices and embeddings only, never on biases and norms
-    clip: float = 1.0           # max global gradient norm
-    eval_every: int = 200
-    eval_batches: int = 4       # held-out sequences per evaluation: eval_batches * batch
-    checkpoint_every: int = 500
-    out_dir: str = "${hydra:runtime.output_dir}"  # the current directory when not run by Hydra
-    resume: bool = False        # continue from the last checkpoint in out_dir
-    keep: int = 2               # checkpoints kept in out_dir (older ones are deleted)
-    packing: bool = False       # decoder_only: pack the sequences of a batch into rows (zoo.tasks.data.pack)
-
-
-@dataclass
-class GenerateTask:
-    """Options of task=generate (zoo/tasks/generate.py): decode with the model and data of a train checkpoint."""
-    name: str = "generate"
-    checkpoint: str = ""        # a train out_dir (its last checkpoint) or one step-NNNNNNN directory
-    samples: int = 8            # held-out prompts to decode when no prompt is given
-    prompt: str = ""            # symbols separated by spaces, e.g. "3 1 4 1 5"; empty: held-out samples
-    max_new: Optional[int] = None  # null: the longest answer plus EOS
-    temperature: float = 0.0    # 0: greedy
-    top_k: Optional[int] = None  # null: sample from the whole vocabulary
-    cache: bool = True          # incremental decoding with a KV cache (false: recompute the prefix)
-    block_size: Optional[int] = None  # a paged KV cache of blocks of this many positions; null: contiguous
-    seed: int = 0
-
-
-@dataclass
-class CompareTask:
-    """Options of task=compare (zoo/tasks/compare.py): the reduced size both models are built at."""
-    name: str = "compare"
-    layers: int = 2
-    d_model: int = 64
-    heads: int = 4
-    vocab_size: int = 512
-    max_len: int = 64
-    batch: int = 3
-    seq_len: int = 16
-    padding: bool = True
-
-
-TASK_SCHEMAS: dict[str, type] = {"verify": VerifyTask, "compare": CompareTask, "run": RunTask, "summary": SummaryTask, "train": TrainTask,
-                                 "generate": GenerateTask}
-
-
-@dataclass
-class DataOptions:
-    name: str = MISSING
-    vocab: int = 16
-    min_len: int = 8
-    max_len: int = 16
-    seed: int = 0
-
-
-# Ranges of float (and optional) task options that a type cannot say; checked for any task that has them.
-_TASK_RANGES = {
-    "lr": (lambda v: v > 0, "must be positive"),
-    "min_lr_ratio": (lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
-    "weight_decay": (lambda v: v >= 0, "must be non-negative"),
-    "clip": (lambda v: v > 0, "must be positive"),
-    "temperature": (lambda v: v >= 0, "must be non-negative (0 is greedy)"),
-    "top_k": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
-    "max_new": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
-    "block_size": (lambda v: v is None or v >= 1, "must be a positive integer or null (a contiguous KV cache)"),
-}
-
 ConfigStore.instance().store(name="zoo_schema", node=ZooSchema)
 
 
@@ -169,10 +71,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype={name}: unknown dtype (allowed: {', '.join(DTYPES)})")
     return DTYPES[name]
-
-
-def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}={value}: {allowed}")
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -368,66 +266,7 @@ def validate(cfg: DictConfig) -> None:
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
         _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 
-    name = cfg.task.get("name")
-    if name not in TASK_SCHEMAS:
-        _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
-    schema = TASK_SCHEMAS[name]
-    allowed = {f.name for f in fields(schema)}
-    for key in cfg.task:
-        if key not in allowed:
-            _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
-    try:
-        OmegaConf.merge(OmegaConf.structured(schema), cfg.task)
-    except Exception as exc:
-        key = getattr(exc, "full_key", "") or "task"
-        _fail(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
-              str(exc).splitlines()[0])
-    if "profile" in allowed and cfg.task.profile not in PROFILES:
-        _fail("task.profile", cfg.task.profile, f"unknown profile (allowed: {', '.join(PROFILES)})")
-    for f in fields(schema):
-        if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
-            _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
-    for key in cfg.task:
-        if OmegaConf.is_interpolation(cfg.task, key):  # out_dir=${hydra:...}: resolved only inside a Hydra run
-            continue
-        value = cfg.task[key]
-        if isinstance(value, float) and not math.isfinite(value):
-            _fail(f"task.{key}", value, "must be a finite number")
-    for key, (ok, allowed) in _TASK_RANGES.items():
-        if key in cfg.task and not ok(cfg.task[key]):
-            _fail(f"task.{key}", cfg.task[key], allowed)
-    if cfg.task.get("block_size") is not None and not cfg.task.get("cache", True):
-        _fail("task.block_size", cfg.task.block_size, "pages the KV cache, and task.cache=false decodes without one "
-                                                      "(set task.cache=true or task.block_size=null)")
-    if cfg.task.get("packing") and getattr(locate(cfg.model._target_), "kind", None) != "decoder_only":
-        _fail("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an encoder's "
-                                                "batches keep one sequence per row")
-    if "seq_len" in cfg.task:
-        limit, limit_key = (cfg.task.max_len, "task.max_len") if "max_len" in cfg.task else (cfg.max_len, "max_len")
-        if cfg.task.seq_len > limit:
-            _fail("task.seq_len", cfg.task.seq_len, f"beyond {limit_key}={limit}, the longest sequence the model's "
-                                                    f"positions cover (lower task.seq_len or raise {limit_key})")
-    if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
-        _check_data(cfg.data)
-
-
-def _check_data(data: DictConfig) -> None:
-    if data.get("name") not in DATA_TASKS:
-        _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
-    allowed = {f.name for f in fields(DataOptions)}
-    for key in data:
-        if key not in allowed:
-            _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
-    try:
-        OmegaConf.merge(OmegaConf.structured(DataOptions), data)
-    except Exception as exc:
-        key = str(getattr(exc, "full_key", "") or "").split(".")[-1]
-        _fail(f"data.{key}" if key else "data", data.get(key, ""), str(exc).splitlines()[0])
-    for key in ("vocab", "min_len"):
-        if data[key] < 1:
-            _fail(f"data.{key}", data[key], "must be a positive integer")
-    if data.max_len < data.min_len:
-        _fail("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")
+    check_task(cfg)
 
 
 def zoo_targets() -> frozenset[str]:
