@@ -51,6 +51,25 @@ def _gpt2_keys(g: Geometry) -> list[str]:
     return keys + [f"h.{i}.{k}" for i in range(g.layers) for k in per_layer]
 
 
+# Every GPT-2 module with a zoo counterpart, in state-dict order: (zoo name, GPT-2 name, kind). kind "weight": the
+# weight alone; "norm": weight and bias as they are; "conv1d": HF's Conv1D computes x @ W + b, so W is the transpose
+# of nn.Linear's weight; "qkv": c_attn fuses q|k|v along its output axis (the zoo name is the q/k/v prefix).
+_GPT2_CONV1D = (("self_attn.out_proj", "attn.c_proj"), ("ffn.up", "mlp.c_fc"), ("ffn.down", "mlp.c_proj"))
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _gpt2_modules(g: Geometry, transformer: str) -> list[tuple[str, str, str]]:
+    """The modules both conversions map, GPT-2's names prefixed with ``transformer`` ("" or "transformer.")."""
+    modules = [("decoder.embedding.embedding", f"{transformer}wte", "weight"),
+               ("decoder.pos.embedding", f"{transformer}wpe", "weight")]
+    for i in range(g.layers):
+        z, h = f"decoder.layers.{i}.", f"{transformer}h.{i}."
+        modules += [(z + "attn_block.norm", h + "ln_1", "norm"), (z + "ffn_block.norm", h + "ln_2", "norm"),
+                    (z + "self_attn.", h + "attn.c_attn", "qkv")]
+        modules += [(z + zoo_name, h + hf_name, "conv1d") for zoo_name, hf_name in _GPT2_CONV1D]
+    return modules + [("decoder.final_norm", f"{transformer}ln_f", "norm")]
+
+
 def gpt2_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel (or GPT2Model) state dict -> DecoderOnly state dict.
 
@@ -64,21 +83,18 @@ def gpt2_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
         _require(geometry.tie_head, "a GPT2Model state dict has no lm_head.weight, so the head must be tied")
         src["lm_head.weight"] = src.get("wte.weight")
     _check_keys(src, _gpt2_keys(geometry), "GPT-2 state dict")
-    out: dict[str, torch.Tensor] = {"decoder.embedding.embedding.weight": src["wte.weight"],
-                                    "decoder.pos.embedding.weight": src["wpe.weight"]}
-    for i in range(geometry.layers):
-        h, z = f"h.{i}.", f"decoder.layers.{i}."
-        _linear(out, z + "attn_block.norm", src, h + "ln_1")
-        _linear(out, z + "ffn_block.norm", src, h + "ln_2")
-        q, k, v = rearrange(src[h + "attn.c_attn.weight"], "d (three o) -> three o d", three=3)
-        qb, kb, vb = _split_rows(src[h + "attn.c_attn.bias"])
-        for name, w, b in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
-            out[f"{z}self_attn.{name}.weight"], out[f"{z}self_attn.{name}.bias"] = w, b
-        for zoo_name, hf_name in (("self_attn.out_proj", "attn.c_proj"), ("ffn.up", "mlp.c_fc"),
-                                  ("ffn.down", "mlp.c_proj")):
-            out[f"{z}{zoo_name}.weight"] = src[f"{h}{hf_name}.weight"].t()
-            out[f"{z}{zoo_name}.bias"] = src[f"{h}{hf_name}.bias"]
-    _linear(out, "decoder.final_norm", src, "ln_f")
+    out: dict[str, torch.Tensor] = {}
+    for z, h, kind in _gpt2_modules(geometry, ""):
+        if kind == "qkv":
+            q, k, v = rearrange(src[h + ".weight"], "d (three o) -> three o d", three=3)
+            qb, kb, vb = _split_rows(src[h + ".bias"])
+            for name, w, b in zip(_QKV, (q, k, v), (qb, kb, vb)):
+                out[f"{z}{name}.weight"], out[f"{z}{name}.bias"] = w, b
+        elif kind == "conv1d":
+            out[f"{z}.weight"] = src[f"{h}.weight"].t()
+            out[f"{z}.bias"] = src[f"{h}.bias"]
+        else:
+            _linear(out, z, src, h, bias=kind == "norm")
     head = src["lm_head.weight"]
     if geometry.tie_head:
         # A tied zoo model has one matrix; refuse a checkpoint whose head differs from its embedding.
@@ -92,32 +108,24 @@ def gpt2_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
 def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     """DecoderOnly state dict -> GPT2LMHeadModel state dict (the inverse of ``gpt2_to_zoo``)."""
     _gpt2_compatible(geometry)
-    zoo_keys = {"decoder.embedding.embedding.weight", "decoder.pos.embedding.weight", "decoder.final_norm.weight",
-                "decoder.final_norm.bias", "lm_head.weight"}
-    for i in range(geometry.layers):
-        z = f"decoder.layers.{i}."
-        zoo_keys |= {z + n + s for n in ("attn_block.norm", "ffn_block.norm", "self_attn.q_proj", "self_attn.k_proj",
-                                         "self_attn.v_proj", "self_attn.out_proj", "ffn.up", "ffn.down")
-                     for s in (".weight", ".bias")}
+    modules = _gpt2_modules(geometry, "transformer.")
+    zoo_keys = {"lm_head.weight"} | {f"{z}{name}{suffix}" for z, _, kind in modules
+                                     for name in (_QKV if kind == "qkv" else ("",))
+                                     for suffix in ((".weight",) if kind == "weight" else (".weight", ".bias"))}
     _check_keys(state, zoo_keys, "zoo DecoderOnly state dict")
-    out: dict[str, torch.Tensor] = {"transformer.wte.weight": state["decoder.embedding.embedding.weight"],
-                                    "transformer.wpe.weight": state["decoder.pos.embedding.weight"]}
-    for i in range(geometry.layers):
-        h, z = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        _linear(out, h + "ln_1", state, z + "attn_block.norm")
-        _linear(out, h + "ln_2", state, z + "ffn_block.norm")
-        qkv = torch.stack([state[f"{z}self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
-        out[h + "attn.c_attn.weight"] = rearrange(qkv, "three o d -> d (three o)")
-        out[h + "attn.c_attn.bias"] = torch.cat([state[f"{z}self_attn.{n}.bias"]
-                                                 for n in ("q_proj", "k_proj", "v_proj")])
-        for zoo_name, hf_name in (("self_attn.out_proj", "attn.c_proj"), ("ffn.up", "mlp.c_fc"),
-                                  ("ffn.down", "mlp.c_proj")):
-            out[f"{h}{hf_name}.weight"] = state[f"{z}{zoo_name}.weight"].t()
-            out[f"{h}{hf_name}.bias"] = state[f"{z}{zoo_name}.bias"]
-    _linear(out, "transformer.ln_f", state, "decoder.final_norm")
+    out: dict[str, torch.Tensor] = {}
+    for z, h, kind in modules:
+        if kind == "qkv":
+            qkv = torch.stack([state[f"{z}{n}.weight"] for n in _QKV])
+            out[h + ".weight"] = rearrange(qkv, "three o d -> d (three o)")
+            out[h + ".bias"] = torch.cat([state[f"{z}{n}.bias"] for n in _QKV])
+        elif kind == "conv1d":
+            out[f"{h}.weight"] = state[f"{z}.weight"].t()
+            out[f"{h}.bias"] = state[f"{z}.bias"]
+        else:
+            _linear(out, h, state, z, bias=kind == "norm")
     out["lm_head.weight"] = out["transformer.wte.weight"] if geometry.tie_head else state["lm_head.weight"]
     return {k: v.contiguous() for k, v in out.items()}
-
 
 
 def zoo_gpt2_from_hf(hf_model: nn.Module, *, device=None, dtype=None, kernel: str | Callable = "math") -> DecoderOnly:
