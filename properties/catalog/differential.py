@@ -67,27 +67,21 @@ def _scale_2_percent_off(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 
 class FusedQKVWithoutBias(MultiHeadAttention):
     """Queries, keys and values from one fused GEMM over the concatenated weights — without their biases (a fused
-    projection written for models that have none, such as Llama, reused on one that has). The rest is the zoo's."""
+    projection written for models that have none, such as Llama, reused on one that has). The rest is the zoo's:
+    in self-attention the fused outputs stand in for the three projections' (forward hooks for the one call)."""
 
-    def forward(self, x, memory=None, *, key_padding_mask=None, is_causal=False, positions=None, cache=None):
-        source = x if memory is None else memory
-        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if memory is None:   # self-attention: the fused path
-            q, k, v = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)
-        q, k, v = self.split_heads(q, self.heads), self.split_heads(k, self.kv_heads), self.split_heads(v, self.kv_heads)
-        offset = cache.length if cache is not None else 0
-        if positions is not None:
-            q, k = positions.rotate(q, offset), positions.rotate(k, offset)
-        if cache is not None:
-            k, v = cache.extend(self.layer_index, k, v)
-        l, s = q.shape[-2], k.shape[-2]
-        bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
-        mask = self.mask(l, s, offset, key_padding_mask, is_causal, None if bias is None else bias.to(q.dtype),
-                         x.device)
-        out = self.attend(q, k, v, mask, is_causal and mask is None)
-        return self.out_proj(self.merge_heads(out))
+    def forward(self, x, memory=None, **kwargs):
+        if memory is not None:   # cross-attention: the zoo's separate projections
+            return super().forward(x, memory, **kwargs)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weights = [p.weight for p in projections]
+        fused = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        hooks = [p.register_forward_hook(lambda module, args, out, t=t: t) for p, t in zip(projections, fused)]
+        try:
+            return super().forward(x, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def _split_kv_decode(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

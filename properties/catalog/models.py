@@ -128,24 +128,20 @@ class _MemoryMaskDropped(DecoderLayer):
 
 
 # ------------------------------------------------------------------------------------------------ factories
-def no_causal_mask():
-    return DecoderOnly(**parts(attention=NoCausalMask))
+def _factory(family, **replaced):
+    """A factory for ``--model``: the tiny ``family`` model with the ``replaced`` parts, a fresh model each call."""
+    return partial(family, **parts(**replaced))
 
 
-def causal_mask_dropped_with_padding():
-    return DecoderOnly(**parts(attention=CausalDroppedWithPadding))
-
-
-def query_padding_mask():
-    return EncoderOnly(**parts(attention=QueryPaddingMask))
-
-
-def padding_mask_inverted():
-    return EncoderOnly(**parts(attention=PaddingMaskInverted))
-
-
-def cross_attends_to_decoder():
-    return EncoderDecoder(**parts(attention=SelfInsteadOfCross))
+no_causal_mask = _factory(DecoderOnly, attention=NoCausalMask)
+causal_mask_dropped_with_padding = _factory(DecoderOnly, attention=CausalDroppedWithPadding)
+query_padding_mask = _factory(EncoderOnly, attention=QueryPaddingMask)
+padding_mask_inverted = _factory(EncoderOnly, attention=PaddingMaskInverted)
+cross_attends_to_decoder = _factory(EncoderDecoder, attention=SelfInsteadOfCross)
+dropout_in_eval = _factory(DecoderOnly, ffn=DropoutInEval)
+batch_statistics_norm = _factory(EncoderOnly, norm=BatchStatisticsNorm)
+positions_not_added = _factory(EncoderOnly, pos=PositionsNotAdded)
+cache_offset_ignored = _factory(DecoderOnly, pos=CacheOffsetIgnored)
 
 
 def memory_padding_mask_dropped():
@@ -153,19 +149,3 @@ def memory_padding_mask_dropped():
     for layer in model.decoder.layers:
         layer.__class__ = _MemoryMaskDropped
     return model
-
-
-def dropout_in_eval():
-    return DecoderOnly(**parts(ffn=DropoutInEval))
-
-
-def batch_statistics_norm():
-    return EncoderOnly(**parts(norm=BatchStatisticsNorm))
-
-
-def positions_not_added():
-    return EncoderOnly(**parts(pos=PositionsNotAdded))
-
-
-def cache_offset_ignored():
-    return DecoderOnly(**parts(pos=CacheOffsetIgnored))
