@@ -16,7 +16,7 @@ from zoo.tasks.data import DATA_TASKS
 __all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "RunTask", "VerifyTask", "SummaryTask", "TrainTask",
            "GenerateTask", "CompareTask", "check_task"]
 
-PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin.py
+PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin_session.py
 
 
 @dataclass
