@@ -73,19 +73,6 @@ def _init_weights(model: nn.Module, embed_scale: bool, d_model: int) -> None:
             nn.init.normal_(module.weight, std=d_model ** -0.5 if embed_scale else 0.02)
 
 
-# The _Stack arguments that a family's constructor passes on unchanged (all but the layer count and kind).
-_STACK_ARGUMENTS = ("vocab_size", "d_model", "max_len", "attention", "ffn", "norm", "pos", "norm_placement",
-                    "final_norm", "embed_scale", "embed_norm", "dropout", "device", "dtype")
-
-
-def _shared_arguments(model: nn.Module, arguments: dict) -> dict:
-    """What the three families' constructors share: from their arguments (``locals()``), set the sizes every
-    family exposes (vocab_size, max_len, pad_id, d_model) and return the _Stack arguments passed on unchanged."""
-    model.vocab_size, model.max_len, model.pad_id, model.d_model = (arguments[name] for name in
-                                                                    ("vocab_size", "max_len", "pad_id", "d_model"))
-    return {name: arguments[name] for name in _STACK_ARGUMENTS}
-
-
 class EncoderOnly(nn.Module):
     kind = "encoder_only"
 
@@ -95,9 +82,12 @@ class EncoderOnly(nn.Module):
                  type_vocab_size: int = 0, pooler: bool = False, head_classes: int = 0,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()
-        common = _shared_arguments(self, locals())
         kw = dict(device=device, dtype=dtype)
-        self.encoder = _Stack(layers=layers, layer=EncoderLayer, layer_kwargs={}, **common)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        self.encoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
+                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
+                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
+                              dropout=dropout, layer=EncoderLayer, layer_kwargs={}, **kw)
         self.token_types = nn.Embedding(type_vocab_size, d_model, **kw) if type_vocab_size else None
         self.pooler = nn.Linear(d_model, d_model, **kw) if pooler else None
         self.head = nn.Linear(d_model, head_classes, **kw) if head_classes else None
@@ -126,9 +116,12 @@ class DecoderOnly(nn.Module):
                  final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
                  tie_head: bool = True, dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()
-        common = _shared_arguments(self, locals())
         kw = dict(device=device, dtype=dtype)
-        self.decoder = _Stack(layers=layers, layer=DecoderLayer, layer_kwargs={"cross_attention": False}, **common)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        self.decoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
+                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
+                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
+                              dropout=dropout, layer=DecoderLayer, layer_kwargs={"cross_attention": False}, **kw)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False, **kw)
         _init_weights(self, embed_scale, d_model)
         if tie_head:
@@ -161,8 +154,11 @@ class EncoderDecoder(nn.Module):
                  embed_norm: bool = False, share_embeddings: bool = True, tie_head: bool = True,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
         super().__init__()
-        common = _shared_arguments(self, locals())
         kw = dict(device=device, dtype=dtype)
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        common = dict(vocab_size=vocab_size, d_model=d_model, max_len=max_len, attention=attention, ffn=ffn,
+                      norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
+                      embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, **kw)
         self.encoder = _Stack(layers=layers, layer=EncoderLayer, layer_kwargs={}, **common)
         self.decoder = _Stack(layers=layers if decoder_layers is None else decoder_layers, layer=DecoderLayer,
                               layer_kwargs={"cross_attention": True},
