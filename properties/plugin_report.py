@@ -62,11 +62,16 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+_HYPOTHESIS_MARKERS = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # its wordings
+
+
 def _message(report) -> str:
     if report.passed:
         return ""
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if report.skipped and isinstance(report.longrepr, tuple):  # without the example Hypothesis notes on it
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        return min((reason[:i] for i in (reason.find(m) for m in _HYPOTHESIS_MARKERS) if i >= 0), key=len,
+                   default=reason).strip()
     crash = getattr(report.longrepr, "reprcrash", None)
     return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
 
@@ -74,8 +79,7 @@ def _message(report) -> str:
 def _counterexample(report) -> str:
     """Hypothesis' minimal failing input ("Falsifying example: test(case=..., ...)"), as one line."""
     text = str(report.longrepr)
-    markers = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # Hypothesis' wordings
-    starts = [i for i in (text.find(marker) for marker in markers) if i >= 0]
+    starts = [i for i in (text.find(marker) for marker in _HYPOTHESIS_MARKERS) if i >= 0]
     if not starts:
         return ""
     parts = []
