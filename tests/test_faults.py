@@ -158,10 +158,12 @@ def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_pa
 
 
 
+@pytest.mark.parametrize("moment", ["deleting old checkpoints", "making the temporary directory"])
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_while_old_checkpoints_are_deleted_waits_until_they_are_gone(tmp_path, monkeypatch, number):
+def test_a_signal_while_checkpointing_waits_and_leaves_nothing_hidden(tmp_path, monkeypatch, number, moment):
     """The race a CI run hit: Ctrl-C in the middle of deleting an old checkpoint left its hidden remains."""
     import shutil
+    import tempfile
     import torch
     import zoo.io.checkpoint as checkpoint
 
@@ -176,13 +178,14 @@ def test_a_signal_while_old_checkpoints_are_deleted_waits_until_they_are_gone(tm
     for step in (1, 2):
         checkpoint.save_training_checkpoint(tmp_path, step, model, optimizer, config={})
     (tmp_path / ".step-0000000.deleting").mkdir()  # what a run killed (-9) while deleting leaves
-    delete = shutil.rmtree
+    module, name = (shutil, "rmtree") if moment.startswith("deleting") else (tempfile, "mkdtemp")
+    original = getattr(module, name)
 
-    def signalled_while_deleting(path, *args, **kwargs):
-        signal.raise_signal(number)  # delivered at once without the fix, in the middle of the deletion
-        delete(path, *args, **kwargs)
+    def signalled(*args, **kwargs):  # without the fix the signal is handled at once, in the middle
+        signal.raise_signal(number)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", signalled_while_deleting)
+    monkeypatch.setattr(getattr(checkpoint, module.__name__), name, signalled)
     previous = signal.signal(number, handler)
     try:
         with pytest.raises(Delivered) as stopped:
@@ -190,8 +193,12 @@ def test_a_signal_while_old_checkpoints_are_deleted_waits_until_they_are_gone(tm
         assert signal.getsignal(number) is handler  # the handler in place before is back
     finally:
         signal.signal(number, previous)
-    assert stopped.value.args == (number,)  # delivered once, to that handler, after the deletion
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000003"]
+    assert stopped.value.args == (number,)  # delivered once, to that handler, once the step was done
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if moment.startswith("deleting"):  # the new checkpoint is whole, the old ones and earlier remains gone
+        assert left == ["step-0000003"]
+    else:  # stopped before writing: the temporary directory removed, the earlier checkpoints untouched
+        assert left == [".step-0000000.deleting", "step-0000001", "step-0000002"]
 
 
 # A kernel that aborts its process when a test calls it (pytest sets PYTEST_CURRENT_TEST while a test runs):

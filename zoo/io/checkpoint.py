@@ -99,9 +99,10 @@ def save_training_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mo
             else:
                 scalars[f"{index}.{name}"] = value
     tensors.update(_rng_states(device))
-    with _signals_held():  # so that a Ctrl-C cannot fall between making the directory and the try that removes it
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=out_dir))
+    tmp = None
     try:
+        with _signals_held():  # a Ctrl-C cannot fall between making the directory and naming it for removal
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=out_dir))
         _chmod_like_umask(tmp, 0o777)  # mkdtemp makes it private; a checkpoint is an ordinary directory
         save_checkpoint(model, tmp / "model.safetensors")
         save_checkpoint(tensors, tmp / "train_state.safetensors")
@@ -114,7 +115,8 @@ def save_training_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mo
             _chmod_like_umask(tmp / name, 0o666)
         os.rename(tmp, final)  # a directory rename is atomic; it fails rather than replace a checkpoint
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(out_dir)
     if keep is not None:
