@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from properties import Subject
 from properties.catalog.models import MAX_LEN, VOCAB, parts
@@ -36,6 +37,32 @@ def not_a_model():
 def unknown_kind():
     model = DecoderOnly(**parts()).eval()
     return Subject("decoder", model, vocab_size=VOCAB, max_len=MAX_LEN)
+
+
+def misnamed_unused_parameter():
+    model = DecoderOnly(**parts()).eval()
+    return Subject("decoder_only", model, vocab_size=VOCAB, max_len=MAX_LEN, module=model,
+                   unused_parameters=("pooler.weight",))
+
+
+TINY_BERT = "preset=bert_base d_model=32 heads=2 layers=1 d_ff=64 vocab_size=64 max_len=16"
+
+
+def bert_with_a_dead_layer():
+    """The zoo's BERT (its pooler apart from forward, declared unused by the zoo's Subject) with one more
+    layer that forward never calls: that one is a real finding."""
+    from zoo.config.builder import build_model
+    model = build_model(TINY_BERT.split())
+    model.dead = torch.nn.Linear(4, 4)
+    return model
+
+
+def hf_bert_with_pooler():
+    import transformers
+    from properties.adapters import hf_subject
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=16, pad_token_id=0)
+    return hf_subject(transformers.BertModel(config))  # add_pooling_layer=True, the default
 
 
 def run_suite(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict[str, set[str]]]:
@@ -73,6 +100,8 @@ def test_wrong_shape_message_names_the_expected_shape(tmp_path):
     (f"{HERE}:no_such_factory", "has no attribute 'no_such_factory'"),
     (f"{HERE}:not_a_model", "returned builtins.str; expected a zoo model"),
     (f"{HERE}:unknown_kind", "Subject.kind='decoder': expected 'decoder_only' | 'encoder_decoder' | 'encoder_only'"),
+    (f"{HERE}:misnamed_unused_parameter", "Subject.unused_parameters=('pooler.weight',): expected names of "
+                                          "Subject.module's parameters (not parameters: ['pooler.weight'])"),
 ])
 def test_unusable_factory_is_a_one_line_usage_error(tmp_path, spec, expected):
     proc, _ = run_suite(tmp_path, "--model", spec)
@@ -87,3 +116,19 @@ def test_bad_zoo_override_is_a_one_line_usage_error(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR:")]
     assert len(errors) == 1 and "heads=5" in errors[0], proc.stderr
 
+
+@pytest.mark.parametrize("options,dead", [
+    (("--zoo", TINY_BERT), None),
+    (("--model", f"{HERE}:hf_bert_with_pooler"), None),
+    (("--model", f"{HERE}:bert_with_a_dead_layer"), "dead.weight"),
+], ids=["zoo-bert", "hf-bert", "zoo-bert-dead-layer"])
+def test_a_pooler_apart_from_forward_is_no_finding_and_a_dead_layer_is(tmp_path, options, dead):
+    """MODEL-GRADIENT on BERT: the pooler feeds pooler_output, not the hidden states the Subject returns."""
+    if "hf_bert" in options[1]:
+        pytest.importorskip("transformers")
+    proc, statuses = run_suite(tmp_path, *options, "-k", "every_parameter")
+    if dead is None:
+        assert proc.returncode == 0 and statuses == {"passed": {"MODEL-GRADIENT"}}, proc.stdout[-3000:]
+    else:
+        assert proc.returncode == 1 and "MODEL-GRADIENT" in statuses["failed"], proc.stdout[-3000:]
+        assert f"['{dead}', '{dead.replace('weight', 'bias')}']" in proc.stdout, proc.stdout[-3000:]

@@ -107,8 +107,12 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         def forward(tokens, mask):
             out = model(input_ids=tokens, attention_mask=_long(mask))
             return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+        # A base model (no head) gives last_hidden_state; its pooler (BERT's, RoBERTa's) makes pooler_output only.
+        pooled = model is getattr(model, "base_model", model) and getattr(model, "pooler", None) is not None
         return Subject("encoder_only", forward, **common, embedding=model.get_input_embeddings(),
-                       left_padding=relative if left_padding is None else left_padding)
+                       left_padding=relative if left_padding is None else left_padding,
+                       unused_parameters=tuple(n for n, _ in model.named_parameters()
+                                               if pooled and n.startswith("pooler.")))
 
     if kind == "decoder_only":
         def positions(mask, new):

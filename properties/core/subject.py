@@ -58,6 +58,9 @@ class Subject:
     extrapolates: True when inputs longer than max_len are valid (no length limit); False when
         they must raise an exception (learned or tabulated positions); None (the default): False for a
         positional model, and for one without positions (positional=False) either outcome is accepted.
+    unused_parameters: names (as ``module.named_parameters()`` gives them) of parameters that forward does
+        not use by design, such as BERT's pooler when forward returns the hidden states. MODEL-GRADIENT
+        leaves them out; every name must be a parameter of ``module``.
     """
     kind: str
     forward: Callable
@@ -70,6 +73,7 @@ class Subject:
     decode_step: Callable | None = None
     left_padding: bool = False
     extrapolates: bool | None = None
+    unused_parameters: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_subject(self)
@@ -98,6 +102,14 @@ def check_subject(s: Subject) -> None:
             fail(name, getattr(s, name), "a torch.nn.Module or None")
     if s.decode_step is not None and not callable(s.decode_step):
         fail("decode_step", s.decode_step, "a callable or None")
+    if isinstance(s.unused_parameters, str) or not all(isinstance(n, str) for n in s.unused_parameters):
+        fail("unused_parameters", s.unused_parameters, "a tuple of parameter names")
+    if s.unused_parameters:
+        known = set() if s.module is None else {name for name, _ in s.module.named_parameters()}
+        unknown = [name for name in s.unused_parameters if name not in known]
+        if unknown:
+            fail("unused_parameters", s.unused_parameters, "names of Subject.module's parameters "
+                 f"({'no module given' if s.module is None else f'not parameters: {unknown[:3]}'})")
 
 
 def _adds_absolute_positions(pos: nn.Module) -> bool:
@@ -118,8 +130,9 @@ def _zoo_subject(model: nn.Module) -> Subject:
                   left_padding=not any(_adds_absolute_positions(s.pos) for s in stacks),
                   # NoPositions never checks a length; every other zoo scheme refuses > max_len.
                   extrapolates=all(isinstance(s.pos, NoPositions) for s in stacks))
-    if isinstance(model, EncoderOnly):
-        return Subject(**common, embedding=model.encoder.embedding)
+    if isinstance(model, EncoderOnly):  # forward returns the hidden states (or the head's): the pooler is apart
+        unused = tuple(name for name, _ in model.named_parameters() if name.startswith("pooler."))
+        return Subject(**common, embedding=model.encoder.embedding, unused_parameters=unused)
     if isinstance(model, DecoderOnly):
         def decode_step(tokens, mask, state):
             cache = KVCache() if state is None else state

@@ -263,7 +263,7 @@ def test_every_parameter_gets_a_gradient(mut, data):
     # And two different tokens: without positions, equal tokens give equal keys, constant weights again.
     if bool(tokens[0, 1] == tokens[0, 0]):
         tokens[0, 1] = other_real_tokens(tokens[0, :1], b.seed, s)[0]
-    named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad and n not in s.unused_parameters]
     with torch.enable_grad():
         out = call_subject(s, *subject_args(src, tokens, mask))
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
