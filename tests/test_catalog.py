@@ -60,6 +60,17 @@ def _explain(run: Run) -> str:
     return f"{' '.join(run.command[2:])}\nexit status {run.returncode}\n{run.output[-3000:]}"
 
 
+def test_readme_counts_the_catalog():
+    import re
+    from pathlib import Path
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").split())
+    said = re.search(r"(\d+) deliberately broken implementations \((\d+) kernels, (\d+) modules, (\d+) models;", readme)
+    assert said, "README no longer counts the catalog's broken implementations"
+    levels = [e.level for e in CATALOG]
+    assert tuple(map(int, said.groups())) == (len(CATALOG), *(levels.count(level) for level in LEVELS))
+    assert f"and {len(CORRECT)} correct implementations" in readme
+
+
 def test_catalog_is_well_formed():
     clauses = load_clauses()
     names = [e.name for e in CATALOG + CORRECT]
