@@ -53,3 +53,18 @@ def test_the_spec_cites_its_sources():
     text = SPEC_PATH.read_text(encoding="utf-8")
     for source in ("3.2.1", "scaled_dot_product_attention", "000_b825df1c85f3440b.txt", "004_f5071b93f474a819.txt"):
         assert source in text, source
+
+
+def test_readme_counts_the_clauses_of_a_spec_section_right():
+    import re
+    readme = " ".join((SPEC_PATH.parents[1] / "README.md").read_text(encoding="utf-8").split())
+    said = re.findall(r'(\d+) clauses in SPEC\.md, "([^"]+)"', readme)
+    assert said, "README names no section's clause count"
+    section, counts = None, {}
+    for line in SPEC_PATH.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif line.startswith("### ") and section is not None:
+            counts[section] = counts.get(section, 0) + 1
+    assert [(int(n), name) for n, name in said] == [(counts.get(name, 0), name) for _, name in said]
+
