@@ -79,7 +79,7 @@ def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a wind
 def bert(dtype=F32):
     return _build(t.BertModel, t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                             intermediate_size=64, max_position_embeddings=MAX_LEN, type_vocab_size=1,
-                                            pad_token_id=0), dtype, add_pooling_layer=False)  # no pooler: unused
+                                            pad_token_id=0), dtype)  # with its pooler, as BertModel is built by default
 
 
 def distilbert(dtype=F32):

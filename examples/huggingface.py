@@ -28,7 +28,7 @@ def gpt2() -> Subject:
 def bert() -> Subject:
     return hf_subject(BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                            intermediate_size=64, max_position_embeddings=MAX_LEN, type_vocab_size=1,
-                                           pad_token_id=PAD), add_pooling_layer=False))  # the pooler is not in forward
+                                           pad_token_id=PAD)))  # its pooler: Subject.unused_parameters
 
 
 def bart() -> Subject:
