@@ -26,6 +26,9 @@ CASES = [
     ("--model", "examples/huggingface.py:bart", ENCODER_DECODER),
     ("--model", "examples/torch_nn.py:encoder", ENCODER_ONLY),
     ("--model", "examples/torch_nn.py:transformer", ENCODER_DECODER - {"MODEL-KV-CACHE"}),  # no cache
+    ("--model", "examples/xtransformers.py:decoder", DECODER_ONLY - {"MODEL-KV-CACHE"}),  # one-token cache only
+    ("--model", "examples/xtransformers.py:decoder_rotary", DECODER_ONLY - {"MODEL-KV-CACHE"}),
+    ("--model", "examples/xtransformers.py:encoder", ENCODER_ONLY),
     ("--zoo", "model=encoder_decoder pos=rotary d_model=32 heads=2 layers=1 d_ff=64 vocab_size=64 max_len=16",
      ENCODER_DECODER),
 ]
@@ -33,7 +36,7 @@ CASES = [
 
 @pytest.mark.parametrize("option,value,expected", CASES, ids=[c[1].split()[0].split(":")[-1] for c in CASES])
 def test_example_passes_the_model_clauses(tmp_path, option, value, expected):
-    pytest.importorskip("transformers")
+    pytest.importorskip("x_transformers" if "xtransformers" in value else "transformers")
     report = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; runs may share the machine
     proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-m", "model", "-q",
