@@ -150,9 +150,10 @@ def _signals_held() -> Iterator[None]:
         yield
         return
     arrived: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    previous = {number: signal.signal(number, lambda number, frame: arrived.append(number)) for number in held}
-    try:
+    previous = {}
+    try:  # installed inside the try: a signal between the two installations still finds its handler restored
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, lambda number, frame: arrived.append(number))
         yield
     finally:
         for number, handler in previous.items():
