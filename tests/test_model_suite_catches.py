@@ -132,3 +132,16 @@ def test_a_pooler_apart_from_forward_is_no_finding_and_a_dead_layer_is(tmp_path,
     else:
         assert proc.returncode == 1 and "MODEL-GRADIENT" in statuses["failed"], proc.stdout[-3000:]
         assert f"['{dead}', '{dead.replace('weight', 'bias')}']" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("value,words", [
+    (None, "expected a tuple of parameter names"), ("pooler.weight", "expected a tuple of parameter names"),
+    ((3,), "expected a tuple of parameter names"), (("nowhere.weight",), "not parameters: ['nowhere.weight']"),
+])
+def test_bad_unused_parameters_are_one_clear_error(value, words):
+    from properties.core.subject import SubjectError
+    model = DecoderOnly(**parts()).eval()
+    with pytest.raises(SubjectError, match=r"^Subject\.unused_parameters=") as refused:
+        Subject("decoder_only", model, vocab_size=VOCAB, max_len=MAX_LEN, module=model, unused_parameters=value)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+

@@ -102,7 +102,7 @@ def check_subject(s: Subject) -> None:
             fail(name, getattr(s, name), "a torch.nn.Module or None")
     if s.decode_step is not None and not callable(s.decode_step):
         fail("decode_step", s.decode_step, "a callable or None")
-    if isinstance(s.unused_parameters, str) or not all(isinstance(n, str) for n in s.unused_parameters):
+    if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):
         fail("unused_parameters", s.unused_parameters, "a tuple of parameter names")
     if s.unused_parameters:
         known = set() if s.module is None else {name for name, _ in s.module.named_parameters()}
