@@ -26,11 +26,12 @@ SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
                decoder_start_token_id=2, **SPECIAL)
 
 
-def _build(model_class, config, dtype, **init):
+def _build(model_class, config, dtype, subject=None, **init):
+    """hf_subject of model_class(config, **init) in dtype, weights from seed 0; ``subject``: hf_subject's keywords."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = model_class(config, **init)
-    return hf_subject(model.to(dtype).eval())
+    return hf_subject(model.to(dtype).eval(), **(subject or {}))
 
 
 # ------------------------------------------------------------------------------------------ decoders
@@ -67,6 +68,21 @@ def opt(dtype=F32):
 
 def phi(dtype=F32):
     return _build(t.PhiForCausalLM, t.PhiConfig(**DECODER), dtype)
+
+
+def gemma2(dtype=F32):   # sliding and global layers alternate; soft-capped scores; eager attention
+    return _build(t.Gemma2ForCausalLM, t.Gemma2Config(**DECODER, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                      attn_implementation="eager"), dtype)
+
+
+def bloom(dtype=F32):    # ALiBi, positions from the mask; no length in its config (ALiBi has no limit): max_len given
+    return _build(t.BloomForCausalLM, t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **SPECIAL),
+                  dtype, subject=dict(max_len=32))
+
+
+def mpt(dtype=F32):      # ALiBi; its length is max_seq_len
+    return _build(t.MptForCausalLM, t.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, expansion_ratio=2,
+                                                max_seq_len=32, **SPECIAL), dtype)
 
 
 def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a window of 4 positions
@@ -144,6 +160,18 @@ def phi_bf16():
 
 def gpt_neo_bf16():
     return gpt_neo(BF16)
+
+
+def gemma2_bf16():
+    return gemma2(BF16)
+
+
+def bloom_bf16():
+    return bloom(BF16)
+
+
+def mpt_bf16():
+    return mpt(BF16)
 
 
 def bert_bf16():

@@ -133,7 +133,10 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     config = model.config
     kind = kind or _kind(model)
     rotary, tabulated = _rotary(model)
-    relative = rotary or _alibi(model, config) or _relative(config)
+    alibi = _alibi(model, config)
+    relative = rotary or alibi or _relative(config)
+    # MPT builds its ALiBi bias for max_seq_len positions in every forward pass: a table it cannot run past.
+    tabulated = tabulated or (alibi and getattr(config, "model_type", "") == "mpt")
     # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
     counted = getattr(getattr(getattr(model, "base_model", model), "embeddings", None), "padding_idx", None)
     if left_padding is None and counted is not None:

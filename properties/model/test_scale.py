@@ -9,9 +9,10 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from properties import clause
-from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, batches, call_subject, comparison_tolerance,
-                                     difference_threshold, draw_pair, forward, model_property, model_settings, only,
-                                     other_real_tokens, real_tokens, requires, subject_args)
+from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, batches, call_subject,
+                                     comparison_tolerance, difference_threshold, draw_pair, forward, model_property,
+                                     model_settings, only, other_real_tokens, real_tokens, requires, subject_args)
+from properties.model.twin import twin_fallback
 from properties.model.precision import precision_of
 from properties.model.scale import SLACK, horizon, length_edges, near, position_edges
 from properties.model.test_decoding import _check_cached_decoding
@@ -105,6 +106,7 @@ def _shift_case(mut, arrangement, data):
 @_pinned({"batch": FULL, "target": FULL, "source": FULL_SOURCE, "last position": _past(257)})
 @_pinned({"batch": FULL, "target": FULL, "source": FULL_SOURCE, "last position": _max})
 @long_property
+@twin_fallback
 def test_shift(mut, arrangement, data):
     s, src, tgt, offset, last = _shift_case(mut, arrangement, data)
     mask = tgt[1]
@@ -146,6 +148,7 @@ def _resolution(s) -> str:
 @clause("MODEL-WINDOW")
 @_pinned({"length": lambda edges, low, high: low, "perturbed position": 0, "seed": 0, "batch size": 2})
 @model_property
+@twin_fallback
 def test_window(mut, data):
     s = mut.precise
     if s.window is None:
@@ -191,6 +194,7 @@ def test_window(mut, data):
 @_pinned({"length": _past(65), "new tokens": 3, "chunk sizes": [1, 2], "seed": 0, "source": ONE_SOURCE})
 @_pinned({"length": _max, "new tokens": 4, "chunk sizes": [1, 1, 2], "seed": 0, "source": ONE_SOURCE})
 @long_property
+@twin_fallback
 def test_cached_decoding_at_length(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "decode_step", "the model offers no cached incremental decoding")
