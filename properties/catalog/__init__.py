@@ -104,6 +104,16 @@ def _decode_bug(name):
     return Entry(name, "model", BUGS[name], ("MODEL-BATCHED-DECODING",), "--model", f"{_DB}:{name}")
 
 
+_SB = "properties.catalog.scale_bugs"
+
+
+def _scale_bug(name):
+    """A model exact below a length by construction and wrong past it (scale_bugs.py)."""
+    from properties.catalog.scale_bugs import BUGS
+    mechanism, expected = BUGS[name]
+    return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
+
+
 def _fast(name, *expected):
     """A "fast" model that differs from its reference (differential.reference: the same weights, the zoo's math)."""
     from properties.catalog.differential import BUGS
@@ -245,6 +255,9 @@ CATALOG: list[Entry] = [
     _fast("attention_bias_dropped", "MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE"),
     _fast("one_layer_wrong_backward", "MODEL-DIFF-GRADIENT"),
     _fast("split_kv_decode_drops_last_block", "MODEL-DIFF-DECODE"),
+    # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
+    *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
+                                    "alibi_positions_clamped", "position_table_clamped")),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
@@ -278,6 +291,8 @@ CORRECT: list[Entry] = [
     Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
     Entry("HF-style decoder", "model", "decode_bugs.TinyLM, the model the decode-path bugs vary", (), "--model",
           f"{_DB}:tiny_lm"),
+    Entry("HF-style decoder at scale", "model", "scale_bugs.ScaleLM in bfloat16, rotary, a window of 16, max_len "
+          "1280: the model the at-scale bugs vary", (), "--model", f"{_SB}:scale_lm"),
     Entry("memory_efficient vs math", "model", "the zoo's memory-efficient kernel (16-key blocks) against the math "
           "kernel, the same weights", (), "--model", f"{_DIFF}:memory_efficient", ("--reference", f"{_DIFF}:reference")),
     Entry("torch vs math (enc-dec)", "model", "an encoder-decoder on PyTorch's SDPA against the math kernel, the same "
