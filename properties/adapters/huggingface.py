@@ -146,7 +146,7 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     if max_len is None:
         raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length (none of "
                            f"{', '.join(LENGTH_NAMES)}); pass max_len=")
-    pad = config.pad_token_id if pad_id is None else pad_id
+    pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
         extrapolates = (relative and not tabulated) or (False if positional else None)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
