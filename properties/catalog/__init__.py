@@ -3,7 +3,8 @@
 ``CATALOG`` lists every broken implementation at three levels — kernels (``kernels.py``, SDPA signature,
 plugged in with ``--kernel``), modules (``modules.py``, zoo parts replaced through ``_target_`` with
 ``--zoo``) and models (``models.py``, factories for ``--model``) — with its mechanism and the spec clauses
-(``properties/SPEC.md``) whose statements it violates. ``CORRECT`` lists implementations that must pass
+(``properties/SPEC.md``) whose statements it violates (``decode_bugs.py``, ``differential.py`` and ``scale_bugs.py`` hold
+more model bugs: decode paths, fast models against a reference, bugs that hide below a length). ``CORRECT`` lists implementations that must pass
 with zero failures. ``python -m properties.catalog.mutation_report`` runs the suite on all of them;
 ``tests/test_catalog.py`` checks the same in CI.
 

@@ -19,6 +19,7 @@ from hypothesis import settings, given, strategies as st
 from properties import clause
 from properties.model.checks import (DECODERS, call_subject, comparison_tolerance, forward, model_settings,
                                      only, real_tokens, requires, subject_args)
+from properties.model.scale import SLACK
 from properties.model.twin import twin_fallback
 
 DECODE_LEN = 16   # positions decoded at most: past the 8 the older clauses draw, and a block boundary at 8
@@ -62,9 +63,16 @@ def fit(plan: DecodePlan, limit: int) -> DecodePlan:
     return DecodePlan(prompts, tuple(chunks), plan.seed, sources)
 
 
+def decode_limit(s) -> int:
+    """Positions decoded at most: DECODE_LEN, or just past a declared sliding window of up to 64 positions, so that
+    prompts plus generation cross it (properties/model/scale.py)."""
+    windows = [w + SLACK for w in s.window or () if w is not None and w + SLACK <= 64]
+    return min(s.max_len, max([DECODE_LEN, *windows]))
+
+
 @st.composite
 def decode_plans(draw, s) -> DecodePlan:
-    limit = min(s.max_len, DECODE_LEN)
+    limit = decode_limit(s)
     longest = min(MAX_PROMPT, limit - 1)
     size = draw(st.integers(2, min(3, longest)), label="batch size")
     prompts = tuple(draw(st.lists(st.integers(1, longest), min_size=size, max_size=size, unique=True),
