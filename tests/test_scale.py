@@ -191,5 +191,20 @@ def test_a_nan_gradient_is_reported_as_a_nan_not_a_tolerance(one_thread):
     assert "tolerance nan" not in str(failure.value)
 
 
+@pytest.mark.parametrize("field,value,expected", [
+    ("window", (16, 0), "a tuple with one entry per layer, each a positive int or None"),
+    ("window", 16, "a tuple with one entry per layer"),
+    ("window", (), "a tuple with one entry per layer"),
+    ("edges", (96, "block"), "a tuple of positive ints"),
+    ("shifted", "position_ids", "a callable or None"),
+    ("relative_positions", None, "a bool"),
+])
+def test_the_scale_fields_are_checked_in_one_line(field, value, expected):
+    from properties.core.subject import SubjectError
+    with pytest.raises(SubjectError, match=f"Subject.{field}=.*expected .*{expected}") as error:
+        Subject("decoder_only", lambda tokens, mask: tokens, 16, 8, **{field: value})
+    assert "\n" not in str(error.value)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
