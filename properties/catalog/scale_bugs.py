@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from properties.catalog.decode_bugs import KVCache as Cache   # every column decoded so far, per layer
 from properties.core.subject import Subject
 from zoo.nn.positional import alibi_slopes
 
@@ -35,21 +36,6 @@ __all__ = ["ScaleLM", "scale_lm", "rotary_positions_in_bf16", "window_admits_one
 VOCAB, D, HEADS, LAYERS, MAX_LEN, PAD = 64, 32, 4, 2, 1280, 0
 WINDOW, KEPT, TRAINED, TABLE = 16, 100, 256, 1024
 E = D // HEADS
-
-
-class Cache:
-    """Keys and values of every column decoded so far (padding included), per layer."""
-
-    def __init__(self):
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.length = 0
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer in self.keys:
-            k, v = torch.cat([self.keys[layer], k], -2), torch.cat([self.values[layer], v], -2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
 
 
 class ScaleLM(nn.Module):
