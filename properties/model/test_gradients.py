@@ -79,7 +79,7 @@ def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
             grads = torch.autograd.grad(_loss(out, mask[rows], r[rows]), [p for _, p in named], allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for (_, p), g in zip(named, grads)]
         for (name, _), g in zip(named, grads):
-            observe(s, g, f"gradient of {name}")
+            observe(s, g, "parameter gradients")
         return grads
 
     together = gradients(slice(None))
