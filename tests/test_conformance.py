@@ -48,7 +48,7 @@ def test_hf_subject_fields(conformance, name, kind, pad, max_len, left, extrapol
 POSITIONS = [
     ("llama_sdpa", True, None, True),
     ("gpt2", False, None, True),
-XX
+    ("mistral", True, (8, 8), True),           # sliding_window, on every layer
     ("gemma2", True, (4, None), True),         # layer_types: sliding, full
     ("gpt_neo", False, (None, 4), True),       # attention_layers: global, local
     ("bloom", True, None, False),              # ALiBi from the mask: no position_ids to shift
