@@ -101,7 +101,8 @@ class ScaleLM(nn.Module):
         if self.table is not None:
             x = x + self.table(self.table_rows(positions[:, -n:]))
         for i in range(LAYERS):
-            q, k, v = (rearrange(t, "b l (h e) -> b h l e", h=HEADS) for t in self.qkv[i](self.norms[2 * i](x)).chunk(3, -1))
+            projected = self.qkv[i](self.norms[2 * i](x)).chunk(3, -1)
+            q, k, v = (rearrange(t, "b l (h e) -> b h l e", h=HEADS) for t in projected)
             if self.scheme == "rotary":
                 q, k = self._rotate(q, positions[:, -n:]), self._rotate(k, positions[:, -n:])
             if cache is not None:
