@@ -87,6 +87,12 @@ def test_hf_subject_guesses_what_the_config_says():
                                                           num_attention_heads=2, intermediate_size=64,
                                                           max_position_embeddings=32, relative_attention=True))
     assert (absolute.relative_positions, absolute.left_padding) == (False, False)   # position_biased_input
+    dynamic = _tiny(t.LlamaForCausalLM, t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                      max_position_embeddings=32,
+                                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                       "rope_theta": 10000.0}))
+    assert not dynamic.relative_positions   # its frequencies depend on the length reached, not only on offsets
 
 
 def test_hf_subject_names_the_keyword_it_cannot_guess():
