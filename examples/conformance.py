@@ -6,9 +6,12 @@
 Every public function here is a factory (the conformance runner lists them): hidden size 32, 2 layers,
 vocabulary 64, at most 16 to 32 positions. The ``*_bf16`` variants are the same models in bfloat16 (the
 clauses that compare two evaluations still run on a float64 copy). Weights are drawn from a fixed seed, so
-the suite's float64 twin (a second call) is the same model.
+the suite's float64 twin (a second call) is the same model. With ``CONFORMANCE_MAX_LEN=N`` in the environment
+(the runner's second run, ``--long N``) every model takes N positions instead.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,20 +20,22 @@ from properties.adapters import hf_subject, require_transformers
 t = require_transformers()
 
 F32, BF16 = torch.float32, torch.bfloat16
-VOCAB, MAX_LEN = 64, 16
+LONG = int(os.environ.get("CONFORMANCE_MAX_LEN") or 0)   # python -m properties.adapters.conformance --long N
+VOCAB, MAX_LEN, DECODER_LEN = 64, LONG or 16, LONG or 32
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=32, **SPECIAL)
+               max_position_embeddings=DECODER_LEN, **SPECIAL)
 SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=MAX_LEN,
                decoder_start_token_id=2, **SPECIAL)
 
 
-def _build(model_class, config, dtype, **init):
+def _build(model_class, config, dtype, subject=None, **init):
+    """hf_subject of model_class(config, **init) in dtype, weights from seed 0; ``subject``: hf_subject's keywords."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = model_class(config, **init)
-    return hf_subject(model.to(dtype).eval())
+    return hf_subject(model.to(dtype).eval(), **(subject or {}))
 
 
 # ------------------------------------------------------------------------------------------ decoders
@@ -48,7 +53,7 @@ def llama_sdpa(dtype=F32):
 
 
 def mistral(dtype=F32):
-    return _build(t.MistralForCausalLM, t.MistralConfig(**DECODER, num_key_value_heads=2), dtype)
+    return _build(t.MistralForCausalLM, t.MistralConfig(**DECODER, num_key_value_heads=2, sliding_window=8), dtype)
 
 
 def qwen2(dtype=F32):
@@ -67,6 +72,21 @@ def opt(dtype=F32):
 
 def phi(dtype=F32):
     return _build(t.PhiForCausalLM, t.PhiConfig(**DECODER), dtype)
+
+
+def gemma2(dtype=F32):   # sliding and global layers alternate; soft-capped scores; eager attention
+    return _build(t.Gemma2ForCausalLM, t.Gemma2Config(**DECODER, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                      attn_implementation="eager"), dtype)
+
+
+def bloom(dtype=F32):    # ALiBi, positions from the mask; no length in its config (ALiBi has no limit): max_len given
+    return _build(t.BloomForCausalLM, t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **SPECIAL),
+                  dtype, subject=dict(max_len=DECODER_LEN))
+
+
+def mpt(dtype=F32):      # ALiBi; its length is max_seq_len
+    return _build(t.MptForCausalLM, t.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, expansion_ratio=2,
+                                                max_seq_len=DECODER_LEN, **SPECIAL), dtype)
 
 
 def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a window of 4 positions
@@ -144,6 +164,18 @@ def phi_bf16():
 
 def gpt_neo_bf16():
     return gpt_neo(BF16)
+
+
+def gemma2_bf16():
+    return gemma2(BF16)
+
+
+def bloom_bf16():
+    return bloom(BF16)
+
+
+def mpt_bf16():
+    return mpt(BF16)
 
 
 def bert_bf16():

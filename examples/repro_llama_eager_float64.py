@@ -2,9 +2,10 @@
 
     python examples/repro_llama_eager_float64.py
 
-The conformance run's MODEL-PADDING and MODEL-BATCHED-DECODING failures for llama_eager (and llama_eager_bf16,
-whose comparisons run on a float64 copy), reproduced without the suite: a left-padded prefill with
-past_key_values goes NaN the same way. Cause: the eager path adds a mask of finfo(float64).min and
+The departure of the suite's float64 twin that the conformance run notes for llama_eager (and llama_eager_bf16,
+whose comparisons start on a float64 copy), reproduced without the suite: a left-padded prefill with
+past_key_values goes NaN the same way. The model is correct in the precisions it ships in, so MODEL-PADDING and
+MODEL-BATCHED-DECODING run there instead and pass (properties/model/twin.py; SPEC.md, "When the twin departs"). Cause: the eager path adds a mask of finfo(float64).min and
 then takes softmax(..., dtype=torch.float32); cast to float32 that minimum is -inf, so the padded query at
 column 0 (causal: its only key is itself, which is masked) gets a row of -inf and softmax returns NaN. In the
 next layer the real queries give that padded key weight 0, and 0 * NaN = NaN. float32, and sdpa in either

@@ -10,6 +10,7 @@ import pytest
 
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
+from properties.model.twin import pop_notes
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -55,6 +56,8 @@ def pytest_runtest_makereport(item, call):
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
     mut = getattr(item, "funcargs", {}).get("mut")
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
+    # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
+    report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
@@ -98,8 +101,9 @@ def pytest_runtest_logreport(report):
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", "")})
+                                                "resolution": getattr(report, "resolution", ""), "note": ""})
     record["duration_s"] += report.duration
+    record["note"] = record["note"] or getattr(report, "note", "")
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -116,6 +120,6 @@ def pytest_sessionfinish(session):
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
-             "counterexample": r["counterexample"], "resolution": r["resolution"]}
+             "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     write_text(path, json.dumps(rows, indent=1))

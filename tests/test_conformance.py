@@ -28,6 +28,9 @@ CASES = [
     ("gpt2", "decoder_only", 0, 16, True, False),           # learned table; position ids from the mask
     ("roberta", "encoder_only", 1, 16, True, False),        # positions counted over non-pad tokens, from 2
     ("bart", "encoder_decoder", 0, 16, False, False),
+    ("bloom", "decoder_only", 0, 32, True, True),           # ALiBi computed for any length; max_len given
+    ("mpt", "decoder_only", 0, 32, True, False),            # ALiBi tabulated for max_seq_len (its length's name)
+    ("gemma2", "decoder_only", 0, 32, True, True),
 ]
 
 
@@ -39,6 +42,65 @@ def test_hf_subject_fields(conformance, name, kind, pad, max_len, left, extrapol
     assert s.module is not None and not s.module.training
     assert s.embedding in set(s.module.modules())
     assert (s.decode_step is None) == (kind == "encoder_only")
+
+
+# (factory, relative_positions, window, shifted given)
+POSITIONS = [
+    ("llama_sdpa", True, None, True),
+    ("gpt2", False, None, True),
+    ("mistral", True, (8, 8), True),           # sliding_window, on every layer
+    ("gemma2", True, (4, None), True),         # layer_types: sliding, full
+    ("gpt_neo", False, (None, 4), True),       # attention_layers: global, local
+    ("bloom", True, None, False),              # ALiBi from the mask: no position_ids to shift
+    ("t5", True, None, False),
+]
+
+
+@pytest.mark.parametrize("name,relative,window,shifted", POSITIONS, ids=[c[0] for c in POSITIONS])
+def test_hf_subject_reads_positions_and_windows(conformance, name, relative, window, shifted):
+    s = getattr(conformance, name)()
+    assert (s.relative_positions, s.window, s.shifted is not None) == (relative, window, shifted)
+
+
+def _tiny(model_class, config):
+    from properties.adapters import hf_subject
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return hf_subject(model_class(config))
+
+
+def test_hf_subject_guesses_what_the_config_says():
+    import transformers as t
+    gptj = _tiny(t.GPTJForCausalLM, t.GPTJConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                                 rotary_dim=8))
+    codegen = _tiny(t.CodeGenForCausalLM, t.CodeGenConfig(vocab_size=64, n_positions=32, n_ctx=32, n_embd=32,
+                                                          n_layer=1, n_head=2, rotary_dim=8))
+    for s in (gptj, codegen):   # rotary through a fixed sin/cos table: relative, but no extrapolation
+        assert (s.max_len, s.relative_positions, s.extrapolates, s.left_padding) == (32, True, False, True)
+    deberta = _tiny(t.DebertaV2Model, t.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=64,
+                                                         max_position_embeddings=32, relative_attention=True,
+                                                         position_biased_input=False, position_buckets=8))
+    assert (deberta.kind, deberta.relative_positions, deberta.left_padding, deberta.extrapolates) == \
+        ("encoder_only", True, True, True)
+    absolute = _tiny(t.DebertaV2Model, t.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=64,
+                                                          max_position_embeddings=32, relative_attention=True))
+    assert (absolute.relative_positions, absolute.left_padding) == (False, False)   # position_biased_input
+    dynamic = _tiny(t.LlamaForCausalLM, t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                      max_position_embeddings=32,
+                                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                       "rope_theta": 10000.0}))
+    assert not dynamic.relative_positions   # its frequencies depend on the length reached, not only on offsets
+
+
+def test_hf_subject_names_the_keyword_it_cannot_guess():
+    import transformers as t
+    from properties.core.subject import SubjectError
+    with pytest.raises(SubjectError, match=r"BloomConfig names no maximum length \(none of max_position_embeddings, "
+                                           r".*\); pass max_len=$"):
+        _tiny(t.BloomForCausalLM, t.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
 
 
 def _inputs(b: int, length: int, seed: int):

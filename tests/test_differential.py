@@ -113,7 +113,8 @@ def test_decode_path_bugs_escape_the_older_clauses():
     entries = [e for e in CATALOG if e.expected == ("MODEL-BATCHED-DECODING",)]
     assert len(entries) >= 4
     with ThreadPoolExecutor(max_workers=int(os.environ.get("CATALOG_JOBS", "2"))) as pool:
-        runs = list(pool.map(lambda e: run_entry(e, clauses=OLDER, seed=0), entries))
+        # MODEL-KV-CACHE's long draws (test_cached_decoding_at_length, issue 25) came after MODEL-BATCHED-DECODING.
+        runs = list(pool.map(lambda e: run_entry(e, clauses=OLDER, seed=0, extra=("-k", "not at_length")), entries))
     for run in runs:
         assert run.returncode == 0 and run.rows and not run.failed_clauses, \
             f"{run.entry.name}: older clauses failed {run.failed_clauses}\n{run.output[-3000:]}"

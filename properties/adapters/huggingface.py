@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from properties.core.subject import Subject, SubjectError
 
 __all__ = ["hf_subject", "require_transformers"]
@@ -49,27 +51,75 @@ def _kind(model) -> str:
     return "encoder_only"
 
 
-def _rotary(model) -> bool:
-    return any("Rotary" in type(m).__name__ for m in model.modules())
+def _rotary(model) -> tuple[bool, bool]:
+    """(rotary positions?, backed by a fixed table?): GPT-J's and CodeGen's rotary modules index a sin/cos table of
+    max_position_embeddings rows (``embed_positions``), so they cannot run past it."""
+    rotary = [m for m in model.modules() if "Rotary" in type(m).__name__]
+    return bool(rotary), any(isinstance(getattr(m, "embed_positions", None), torch.Tensor) for m in rotary)
+
+
+def _rope_type(config) -> str:
+    """The rotary scaling type (transformers 5: rope_parameters; 4.x: rope_scaling), "default" when none."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return "default"
+
+
+def _alibi(model, config) -> bool:
+    """ALiBi: Bloom (no position table at all), MPT (attn_config.alibi), Falcon (config.alibi)."""
+    attn = getattr(config, "attn_config", None)
+    return (getattr(config, "model_type", "") == "bloom" or bool(getattr(config, "alibi", False))
+            or bool(getattr(attn, "alibi", False) if attn is not None and not isinstance(attn, dict)
+                    else (attn or {}).get("alibi", False)))
 
 
 def _relative(config) -> bool:
-    """Positions that enter only as query-key offsets: T5's buckets, BERT's relative_key(_query)."""
+    """Positions that enter only as query-key offsets: T5's buckets, BERT's relative_key(_query), DeBERTa-v2's
+    relative_attention when no absolute position is added to the input (position_biased_input False)."""
     return getattr(config, "relative_attention_num_buckets", None) is not None or \
-        str(getattr(config, "position_embedding_type", "absolute")).startswith("relative")
+        str(getattr(config, "position_embedding_type", "absolute")).startswith("relative") or \
+        (bool(getattr(config, "relative_attention", False)) and not getattr(config, "position_biased_input", True))
+
+
+# The names transformers' configs give their longest input: most models, GPT-2 / GPT-J, MPT, old GPT-2 checkpoints,
+# ChatGLM and Falcon-style configs, XLNet-style and Marian-style.
+LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length", "max_sequence_length",
+                "max_length_positions")
 
 
 def _max_len(config):
-    for name in ("max_position_embeddings", "n_positions", "max_length_positions"):
-        if isinstance(getattr(config, name, None), int):
+    for name in LENGTH_NAMES:
+        if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             return getattr(config, name)
     # T5: no table; beyond max_distance all offsets share a bucket, so longer inputs add nothing new.
     return getattr(config, "relative_attention_max_distance", None)
 
 
+def _windows(config) -> tuple[int | None, ...] | None:
+    """Subject.window from the config: Mistral's / Qwen2's / Gemma 2's sliding_window (on the layers layer_types
+    marks "sliding_attention", or on every layer), GPT-Neo's window_size on its "local" layers. In transformers a
+    window W admits the W most recent keys, the query's own included (masking_utils.sliding_window_overlay)."""
+    layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
+                   if isinstance(getattr(config, n, None), int)), None)
+    kinds = getattr(config, "attention_layers", None)         # GPT-Neo: "global" / "local" per layer
+    if kinds and isinstance(getattr(config, "window_size", None), int):
+        return tuple(config.window_size if k == "local" else None for k in kinds)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or not getattr(config, "use_sliding_window", True):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types:
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+        return windows if any(w is not None for w in windows) else None
+    return (window,) * layers if layers else None
+
+
 def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, left_padding: bool | None = None,
                max_len: int | None = None, decode: bool = True, positional: bool = True,
-               extrapolates: bool | None = None) -> Subject:
+               extrapolates: bool | None = None, relative_positions: bool | None = None,
+               window: tuple[int | None, ...] | None = None, edges: tuple[int, ...] = ()) -> Subject:
     """The Subject of a transformers model (already built; put in eval mode here).
 
     kind: "decoder_only" (a model that generates), "encoder_decoder" (config.is_encoder_decoder) or
@@ -78,8 +128,13 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     left_padding: decoders True (position ids from the mask, or positions that are relative), encoders and
     encoder-decoders only when their positions are relative (T5) or counted over the non-pad tokens (RoBERTa;
     BERT's, BART's and Marian's are counted from column 0).
-    extrapolates: True for rotary and relative positions (no table to run past). decode=False: no
-    decode_step (MODEL-KV-CACHE is then skipped).
+    extrapolates: True for rotary, ALiBi and relative positions (no table to run past), False for a rotary module
+    backed by a fixed table (GPT-J, CodeGen) and for absolute positions. relative_positions: rotary (not dynamic NTK
+    or LongRoPE scaling, whose frequencies depend on the length reached), ALiBi and relative positions (MODEL-SHIFT
+    then requires shifted inputs to give the same outputs). window: per layer,
+    from sliding_window / layer_types / GPT-Neo's window_size (MODEL-WINDOW). edges: more lengths for the long
+    draws (a cache block). decode=False: no decode_step (MODEL-KV-CACHE is then skipped). Models whose forward
+    takes position_ids get ``shifted`` (MODEL-SHIFT): the same position ids plus the offset.
     """
     transformers = require_transformers()
     if not isinstance(model, transformers.PreTrainedModel):
@@ -87,7 +142,12 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     model.eval()
     config = model.config
     kind = kind or _kind(model)
-    relative = _rotary(model) or _relative(config)
+    rotary, tabulated = _rotary(model)
+    alibi = _alibi(model, config)
+    # Dynamic NTK and LongRoPE rescale the rotary frequencies by the length reached: no longer a function of offsets.
+    relative = (rotary and _rope_type(config) not in ("dynamic", "longrope")) or alibi or _relative(config)
+    # MPT builds its ALiBi bias for max_seq_len positions in every forward pass: a table it cannot run past.
+    tabulated = tabulated or (alibi and getattr(config, "model_type", "") == "mpt")
     # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
     counted = getattr(getattr(getattr(model, "base_model", model), "embeddings", None), "padding_idx", None)
     if left_padding is None and counted is not None:
@@ -95,21 +155,35 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     table = _max_len(config)
     max_len = max_len or (table - counted - 1 if counted is not None and table else table)
     if max_len is None:
-        raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length; pass max_len=")
-    pad = config.pad_token_id if pad_id is None else pad_id
+        raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length (none of "
+                           f"{', '.join(LENGTH_NAMES)}); pass max_len=")
+    pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
+    if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
+        extrapolates = (relative and not tabulated) or (False if positional else None)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
-                  pad_id=0 if pad is None else pad, module=model,
-                  # None for a model without positions: the suite then accepts either outcome past max_len.
-                  extrapolates=(relative or (False if positional else None)) if extrapolates is None else extrapolates)
+                  pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
+                  relative_positions=relative if relative_positions is None else relative_positions,
+                  window=_windows(config) if window is None else window, edges=tuple(edges))
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
+    def shifted_positions(tokens, mask, offset):
+        """position_ids of forward (counted over the real tokens for a decoder, columns for an encoder) + offset."""
+        if kind == "decoder_only" and mask is not None:
+            return _positions(mask, tokens.shape[1]) + offset
+        return torch.arange(offset, offset + tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+
     if kind == "encoder_only":
-        def forward(tokens, mask):
-            out = model(input_ids=tokens, attention_mask=_long(mask))
+        def forward(tokens, mask, position_ids=None):
+            extra = {} if position_ids is None else {"position_ids": position_ids}
+            out = model(input_ids=tokens, attention_mask=_long(mask), **extra)
             return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+        def shifted(tokens, mask, offset):
+            return forward(tokens, mask, shifted_positions(tokens, mask, offset))
         # A base model (no head) gives last_hidden_state; its pooler (BERT's, RoBERTa's) makes pooler_output only.
         pooled = model is getattr(model, "base_model", model) and getattr(model, "pooler", None) is not None
-        return Subject("encoder_only", forward, **common, embedding=model.get_input_embeddings(),
+        return Subject("encoder_only", lambda tokens, mask: forward(tokens, mask), **common,
+                       embedding=model.get_input_embeddings(), shifted=shifted if takes_positions else None,
                        left_padding=relative if left_padding is None else left_padding,
                        unused_parameters=tuple(n for n, _ in model.named_parameters()
                                                if pooled and n.startswith("pooler.")))
@@ -121,12 +195,16 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         def forward(tokens, mask):
             return model(input_ids=tokens, attention_mask=_long(mask), **positions(mask, tokens.shape[1])).logits
 
+        def shifted(tokens, mask, offset):
+            return model(input_ids=tokens, attention_mask=_long(mask),
+                         position_ids=shifted_positions(tokens, mask, offset)).logits
+
         def decode_step(tokens, mask, state):
             out = model(input_ids=tokens, attention_mask=_long(mask), past_key_values=state, use_cache=True,
                         **positions(mask, tokens.shape[1]))
             return out.logits, out.past_key_values
         return Subject("decoder_only", forward, **common, embedding=model.get_input_embeddings(),
-                       decode_step=decode_step if decode else None,
+                       decode_step=decode_step if decode else None, shifted=shifted if takes_positions else None,
                        left_padding=(takes_positions or relative) if left_padding is None else left_padding)
 
     if kind != "encoder_decoder":

@@ -3,7 +3,8 @@
 ``CATALOG`` lists every broken implementation at three levels — kernels (``kernels.py``, SDPA signature,
 plugged in with ``--kernel``), modules (``modules.py``, zoo parts replaced through ``_target_`` with
 ``--zoo``) and models (``models.py``, factories for ``--model``) — with its mechanism and the spec clauses
-(``properties/SPEC.md``) whose statements it violates. ``CORRECT`` lists implementations that must pass
+(``properties/SPEC.md``) whose statements it violates (``decode_bugs.py``, ``differential.py`` and ``scale_bugs.py`` hold
+more model bugs: decode paths, fast models against a reference, bugs that hide below a length). ``CORRECT`` lists implementations that must pass
 with zero failures. ``python -m properties.catalog.mutation_report`` runs the suite on all of them;
 ``tests/test_catalog.py`` checks the same in CI.
 
@@ -102,6 +103,16 @@ def _decode_bug(name):
     """A model whose cached decoding of a left-padded batch is wrong and whose forward pass is right."""
     from properties.catalog.decode_bugs import BUGS
     return Entry(name, "model", BUGS[name], ("MODEL-BATCHED-DECODING",), "--model", f"{_DB}:{name}")
+
+
+_SB = "properties.catalog.scale_bugs"
+
+
+def _scale_bug(name):
+    """A model exact below a length by construction and wrong past it (scale_bugs.py)."""
+    from properties.catalog.scale_bugs import BUGS
+    mechanism, expected = BUGS[name]
+    return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
 
 
 def _fast(name, *expected):
@@ -245,6 +256,9 @@ CATALOG: list[Entry] = [
     _fast("attention_bias_dropped", "MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE"),
     _fast("one_layer_wrong_backward", "MODEL-DIFF-GRADIENT"),
     _fast("split_kv_decode_drops_last_block", "MODEL-DIFF-DECODE"),
+    # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
+    *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
+                                    "alibi_positions_clamped", "position_table_clamped")),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
@@ -278,6 +292,8 @@ CORRECT: list[Entry] = [
     Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
     Entry("HF-style decoder", "model", "decode_bugs.TinyLM, the model the decode-path bugs vary", (), "--model",
           f"{_DB}:tiny_lm"),
+    Entry("HF-style decoder at scale", "model", "scale_bugs.ScaleLM in bfloat16, rotary, a window of 16, max_len "
+          "1280: the model the at-scale bugs vary", (), "--model", f"{_SB}:scale_lm"),
     Entry("memory_efficient vs math", "model", "the zoo's memory-efficient kernel (16-key blocks) against the math "
           "kernel, the same weights", (), "--model", f"{_DIFF}:memory_efficient", ("--reference", f"{_DIFF}:reference")),
     Entry("torch vs math (enc-dec)", "model", "an encoder-decoder on PyTorch's SDPA against the math kernel, the same "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from zoo.nn.attention import KVCache
@@ -61,6 +62,18 @@ class Subject:
     unused_parameters: names (as ``module.named_parameters()`` gives them) of parameters that forward does
         not use by design, such as BERT's pooler when forward returns the hidden states. MODEL-GRADIENT
         leaves them out; every name must be a parameter of ``module``.
+    shifted: forward with every sample's positions counted from ``offset`` instead of 0, enabling MODEL-SHIFT:
+        shifted(tokens, mask, offset) (encoder_decoder: shifted(src, tgt, src_mask, tgt_mask, offset), both sides
+        shifted); offset 0 is forward. Hugging Face models: position_ids + offset; zoo models: offset padded
+        columns prepended.
+    relative_positions: True when positions enter only as offsets between query and key (rotary, ALiBi, relative
+        buckets): shifting every position by one offset must change nothing (MODEL-SHIFT). False (absolute codes
+        or a table) requires shifted outputs to differ from one offset to the next.
+    window: the sliding window of each self-attention layer of the (target) stack, in order: W means a query
+        attends its W most recent positions, itself included (Mistral's ``sliding_window``; an encoder: W - 1 on
+        either side), None a layer that attends every position. Enables MODEL-WINDOW when every layer has one.
+    edges: further lengths where the implementation changes path (a cache block, a chunk size): the long draws
+        (properties/model/scale.py) put sequences just below and above each.
     """
     kind: str
     forward: Callable
@@ -74,6 +87,10 @@ class Subject:
     left_padding: bool = False
     extrapolates: bool | None = None
     unused_parameters: tuple[str, ...] = ()
+    shifted: Callable | None = None
+    relative_positions: bool = False
+    window: tuple[int | None, ...] | None = None
+    edges: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_subject(self)
@@ -94,14 +111,21 @@ def check_subject(s: Subject) -> None:
         fail("max_len", s.max_len, "an int >= 2")
     if not isinstance(s.pad_id, int) or not 0 <= s.pad_id < s.vocab_size:
         fail("pad_id", s.pad_id, f"an int in [0, vocab_size={s.vocab_size})")
-    for name in ("positional", "left_padding", "extrapolates"):
+    for name in ("positional", "left_padding", "extrapolates", "relative_positions"):
         if not isinstance(getattr(s, name), bool) and not (name == "extrapolates" and s.extrapolates is None):
             fail(name, getattr(s, name), "a bool" + (" or None" if name == "extrapolates" else ""))
     for name in ("module", "embedding"):
         if getattr(s, name) is not None and not isinstance(getattr(s, name), nn.Module):
             fail(name, getattr(s, name), "a torch.nn.Module or None")
-    if s.decode_step is not None and not callable(s.decode_step):
-        fail("decode_step", s.decode_step, "a callable or None")
+    for name in ("decode_step", "shifted"):
+        if getattr(s, name) is not None and not callable(getattr(s, name)):
+            fail(name, getattr(s, name), "a callable or None")
+    positive = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1  # noqa: E731
+    if s.window is not None and not (isinstance(s.window, (tuple, list)) and s.window
+                                     and all(w is None or positive(w) for w in s.window)):
+        fail("window", s.window, "None or a tuple with one entry per layer, each a positive int or None")
+    if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
+        fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):
         fail("unused_parameters", s.unused_parameters, "a tuple of parameter names")
     if s.unused_parameters:
@@ -119,15 +143,41 @@ def _adds_absolute_positions(pos: nn.Module) -> bool:
     return not isinstance(pos, _Positions) or type(pos).forward is not _Positions.forward
 
 
+def _shifted(model: nn.Module) -> Callable:
+    """Subject.shifted of a zoo model: its positions count columns, so ``offset`` masked pad columns prepended to
+    every sequence shift every real position by ``offset``; their outputs are dropped."""
+    def pad(tokens, mask, offset):
+        pads = torch.full((tokens.shape[0], offset), model.pad_id, dtype=tokens.dtype, device=tokens.device)
+        real = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
+        return torch.cat([pads, tokens], 1), torch.cat([torch.zeros_like(pads, dtype=torch.bool), real], 1)
+
+    def shifted(*args):
+        *args, offset = args
+        if model.kind == "encoder_decoder":
+            src, tgt, src_mask, tgt_mask = args
+            (src, src_mask), (tgt, tgt_mask) = pad(src, src_mask, offset), pad(tgt, tgt_mask, offset)
+            return model(src, tgt, src_mask, tgt_mask)[:, offset:]
+        return model(*pad(*args, offset))[:, offset:]
+    return shifted
+
+
+def _windows(stack: nn.Module) -> tuple[int | None, ...] | None:
+    """Subject.window of a zoo stack: each layer's self-attention window (None when no layer has one)."""
+    windows = tuple(getattr(layer.self_attn, "window", None) for layer in stack.layers)
+    return windows if any(w is not None for w in windows) else None
+
+
 def _zoo_subject(model: nn.Module) -> Subject:
     """A zoo model as a Subject. The clauses are about inference, so the model is put in eval mode."""
     model.eval()
     stacks = [model.encoder, model.decoder] if isinstance(model, EncoderDecoder) else \
         [model.encoder if isinstance(model, EncoderOnly) else model.decoder]
+    relative = not any(_adds_absolute_positions(s.pos) for s in stacks)
     common = dict(kind=model.kind, forward=model, vocab_size=model.vocab_size, max_len=model.max_len,
                   pad_id=model.pad_id, module=model,
                   positional=any(getattr(s.pos, "injects_order", True) for s in stacks),
-                  left_padding=not any(_adds_absolute_positions(s.pos) for s in stacks),
+                  left_padding=relative, relative_positions=relative, shifted=_shifted(model),
+                  window=_windows(stacks[-1]),
                   # NoPositions never checks a length; every other zoo scheme refuses > max_len.
                   extrapolates=all(isinstance(s.pos, NoPositions) for s in stacks))
     if isinstance(model, EncoderOnly):  # forward returns the hidden states (or the head's): the pooler is apart

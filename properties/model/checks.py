@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
+from properties.model.twin import observe
 from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDINGS, Precision,  # noqa: F401
                                         accumulation_roundoff, precision_of, register_precision)
 
@@ -77,6 +78,7 @@ def _describe(out) -> str:
 def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
     """subject.forward (or fn, e.g. decode_step's logits) with its output checked against the contract."""
     out = (fn or subject.forward)(*args)
+    observe(subject, out, "forward" if fn is None else "shifted" if fn is subject.shifted else "decode_step")
     tokens = args[1] if subject.kind == "encoder_decoder" else args[0]
     b, l = tokens.shape
     if subject.kind == "encoder_only":
@@ -107,7 +109,8 @@ COMPARISON_FACTOR = 2.0 ** 21
 def comparison_tolerance(reference: torch.Tensor, subject: Subject | None = None) -> float:
     """Tolerance for two evaluations of ``subject`` that differ only in rounding: 2^21 u max|y| for a float64
     computation, else its own-precision tolerance (above) times max|y|."""
-    scale = reference.detach().abs().max().item() if reference.numel() else 0.0
+    finite = reference.detach()[torch.isfinite(reference.detach())]   # a NaN or inf is a failure, not a scale
+    scale = finite.abs().max().item() if finite.numel() else 0.0
     scale = max(scale, torch.finfo(reference.dtype).tiny)
     precision = precision_of(subject)
     if precision is not None and precision.own:
@@ -152,9 +155,15 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
     """|actual - expected| <= comparison_tolerance(expected, subject) elementwise, else a readable failure."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shapes differ, {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    nan = torch.isnan(actual) | torch.isnan(expected)
+    if nan.any():   # a NaN is reported as one, never as a difference or a tolerance
+        first = tuple(int(i) for i in nan.nonzero()[0])
+        where = " and ".join(w for w, t in (("the first", actual), ("the second", expected)) if torch.isnan(t).any())
+        raise AssertionError(f"{what}: NaN in {where} at {int(nan.sum())} of {nan.numel()} entries, first at index "
+                             f"{first}")
     tol = comparison_tolerance(expected, subject)
     diff = (actual.double() - expected.double()).abs()
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)   # inf - inf
     if diff.numel() and diff.max().item() > tol:
         worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
         precision = precision_of(subject)

@@ -24,7 +24,8 @@ from properties.plugin_session import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, zoo_subject
 
-__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "ModelUnderTest", "ZOO_TINY"]
+__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "build_model_under_test", "ModelUnderTest",
+           "ZOO_TINY"]
 
 # Small enough that all twelve zoo models run every clause in seconds (task=verify: the suite checks models,
 # not a task, and verify has no sequence length of its own to contradict max_len); two layers so that a
@@ -154,14 +155,19 @@ def subject_ids(config) -> list:
 def model_under_test(config, key: str) -> ModelUnderTest:
     source = config.stash[_KEY][key]
     if source.built is None:
-        native = source.make()
-        device = _device_of(native, config)
-        precise, note = _float64_twin(source.make, device)
-        precise = precise or native
-        for subject in {id(native): native, id(precise): precise}.values():
-            register_precision(subject, measure_precision(subject, device))
-        source.built = ModelUnderTest(key, native, precise, device, note)
+        source.built = build_model_under_test(source.make, key, config)
     return source.built
+
+
+def build_model_under_test(make: Callable[[], Subject], name: str = "model", config=None) -> ModelUnderTest:
+    """The subject ``make()`` returns, its float64 twin (a second call, cast) and what the suite measures of both."""
+    native = make()
+    device = _device_of(native, config)
+    precise, note = _float64_twin(make, device)
+    precise = precise or native
+    for subject in {id(native): native, id(precise): precise}.values():
+        register_precision(subject, measure_precision(subject, device))
+    return ModelUnderTest(name, native, precise, device, note)
 
 
 _FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -218,7 +224,7 @@ def _device_of(subject: Subject, config) -> torch.device:
     if subject.module is not None:
         for tensor in (*subject.module.parameters(), *subject.module.buffers()):
             return tensor.device
-    return _device_dtype(config)[0]
+    return _device_dtype(config)[0] if config is not None else torch.device("cpu")
 
 
 def _float64_twin(make: Callable[[], Subject], device: torch.device) -> tuple[Subject | None, str]:

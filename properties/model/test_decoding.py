@@ -11,6 +11,7 @@ from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, forward,
                                      model_property, model_settings, only, subject_args, real_tokens, requires)
+from properties.model.twin import twin_fallback
 from properties.model.test_models import FULL_PAIR, PAIR, pinned
 
 
@@ -23,6 +24,7 @@ def _log_p(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
 @settings(model_settings, max_examples=max(2, EXAMPLES // 2))
 @example(data=pinned(FULL_PAIR))
 @given(data=st.data())
+@twin_fallback
 def test_autoregressive_factorisation(mut, data):
     s = only(mut.precise, *DECODERS)
     src, (y, mask, b) = draw_pair(data, s, mut.device, min_len=2, padding=False, max_size=2)
@@ -62,6 +64,7 @@ def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
 @clause("MODEL-KV-CACHE")
 @example(data=pinned(PAIR | {"chunk boundaries": {2, 3}}))   # mixed lengths: sample 1 (2 real) all pads after the prefill
 @model_property
+@twin_fallback
 def test_cached_decoding(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "decode_step", "the model offers no cached incremental decoding")
@@ -91,6 +94,7 @@ PINNED_DECODING = {
 
 @clause("MODEL-KV-CACHE")
 @pytest.mark.parametrize("shape", list(PINNED_DECODING))
+@twin_fallback
 def test_cached_decoding_pinned_shapes(mut, shape):
     s = only(mut.precise, *DECODERS)
     requires(s, "decode_step", "the model offers no cached incremental decoding")

@@ -11,6 +11,7 @@ import torch
 from properties import clause
 from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe,
                                      requires, subject_args)
+from properties.model.twin import observe, twin_fallback
 from properties.model.test_models import PAIR, _pad, pinned_model_property
 
 
@@ -33,12 +34,14 @@ def _embedding_gradient(s, src, tokens, mask, r) -> torch.Tensor:
     assert len(deltas) == 1, (f"Subject.embedding was called {len(deltas)} times with the target tokens; "
                               f"expected once (the module that embeds the tokens passed to forward)")
     (grad,) = torch.autograd.grad(_loss(out, mask, r), deltas[0])
+    observe(s, grad, "gradient with respect to the token embeddings")
     return grad
 
 
 # --------------------------------------------------------------------------------- MODEL-GRAD-PADDING
 @clause("MODEL-GRAD-PADDING")
 @pinned_model_property(PAIR)
+@twin_fallback
 def test_padding_gets_no_gradient(mut, data):
     s = mut.precise
     requires(s, "embedding", "the embeddings' gradients cannot be read")
@@ -61,6 +64,7 @@ def test_padding_gets_no_gradient(mut, data):
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
 @clause("MODEL-GRAD-BATCH")
 @pinned_model_property(PAIR)
+@twin_fallback
 def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
     s = mut.precise
     requires(s, "module", "the parameters are unknown")
@@ -73,10 +77,17 @@ def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
         with torch.enable_grad():
             out = call_subject(s, *subject_args(part_src, tokens[rows], mask[rows]))
             grads = torch.autograd.grad(_loss(out, mask[rows], r[rows]), [p for _, p in named], allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(named, grads)]
+        grads = [torch.zeros_like(p) if g is None else g for (_, p), g in zip(named, grads)]
+        for (name, _), g in zip(named, grads):
+            observe(s, g, "parameter gradients")
+        return grads
 
     together = gradients(slice(None))
     alone = [gradients(slice(k, k + 1)) for k in range(b.size)]
+    for who, grads in [("the batch's", together), *((f"sample {k}'s", g) for k, g in enumerate(alone))]:
+        bad = [name for (name, _), g in zip(named, grads) if not torch.isfinite(g).all()]
+        assert not bad, (f"{who} gradient is NaN or infinite in {len(bad)} parameter(s): {bad[:4]} (its loss is "
+                         f"over the real positions only)")
     # One scale for all parameters: a gradient that is 0 in exact arithmetic (the key bias's) is rounding
     # noise of the size of the others' rounding, not of its own.
     scale = max(float(g.abs().max()) for g in together if g.numel())
