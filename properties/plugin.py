@@ -25,9 +25,13 @@ properties/plugin_report.py's (their hooks are registered through this module, t
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from properties.core import watchdog
+from properties.core.watchdog import CallTimeout, user_call
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
@@ -39,7 +43,8 @@ from properties.core.strategies import DTYPES, select_dtypes
 from properties.core.flash import set_window_right_below_lk
 from properties.core.flash_guard import KERNEL_APIS, kernel_params
 from properties.plugin_report import clause_ids, configure_report
-from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable
+from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable, targets_suite
+from properties import plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.config.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
@@ -77,6 +82,7 @@ def pytest_addoption(parser):
     group.addoption("--window-right-below-lk", action="store_true",
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
+    plugin_watchdog.add_options(group)
     subjects.add_options(parser)
     reference.add_options(parser)
 
@@ -99,6 +105,7 @@ def _device_param(name: str):
 
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
+    plugin_watchdog.configure(config, targets_suite(config))   # first: it may fork before any plug-in is imported
     configure_session(config)
     configure_report(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
@@ -108,20 +115,35 @@ def pytest_configure(config):
         load_clauses()
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
+    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
+    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
+    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
+    try:
+        _load_code_under_test(config)
+    except CallTimeout as exc:   # importing a plug-in, its factory or building the model hung: one line
+        raise pytest.UsageError(str(exc)) from None
+    except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
+        sys.stderr.write(f"ERROR: interrupted ({exc or 'Ctrl-C'}) while loading the code under test"
+                         f"{watchdog.last_call()}\n")
+        raise
+
+
+def _load_code_under_test(config) -> None:
+    """--kernel, --kernel-api, --model, --zoo, --reference: imported, built and checked now, before any test runs (an
+    unusable one is a UsageError)."""
     kernels, api = [], config.getoption("--kernel-api")
     for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
-            kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
+            with user_call(f"kernel {spec}", "loading it"):
+                kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
     try:
-        config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
+        with user_call(f"kernel {' '.join(config.getoption('--kernel') or ['(the zoo flash kernels)'])}", "loading it"):
+            config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
-    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
-    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 

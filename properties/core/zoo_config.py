@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from properties.core.config_file import read_config
 from zoo.config.options import PARTS
 
 __all__ = ["ZooRun", "PARTS", "compose", "zoo_run"]
@@ -78,14 +79,11 @@ def with_layer_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _load(path: str) -> DictConfig:
-    from omegaconf import OmegaConf
     from zoo.config.schema import ConfigError, validate
-    if not Path(path).is_file():
-        raise pytest.UsageError(f"--zoo-config {path!r}: no such file")
     try:
-        cfg = OmegaConf.load(path)
-    except Exception as exc:  # a YAML error spans lines: say its first
-        raise pytest.UsageError(f"--zoo-config {path!r}: not a YAML config: {str(exc).splitlines()[0]}") from None
+        cfg = read_config(Path(path))
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--zoo-config {path!r}: {exc}") from None
     try:
         validate(cfg)
     except ConfigError as exc:
@@ -99,12 +97,11 @@ def _load(path: str) -> DictConfig:
 def _choices_beside(path: Path) -> dict:
     """The option chosen in each group, from the hydra.yaml that Hydra (and task=verify) writes beside a
     run's config.yaml; the clauses about one option (norm=rmsnorm, pos=rotary, ...) need it."""
-    from omegaconf import OmegaConf
     beside = path.parent / "hydra.yaml"
     if not beside.is_file():
         return {}
     try:
-        return {str(k): str(v) for k, v in OmegaConf.load(beside).hydra.runtime.choices.items()}
+        return {str(k): str(v) for k, v in read_config(beside).hydra.runtime.choices.items()}
     except Exception:  # not Hydra's layout: the clauses about one option skip with their reason
         return {}
 
@@ -131,5 +128,30 @@ def zoo_run(config) -> ZooRun | None:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
         named = frozenset(g for g in map(group_of, words) if g is not None)
         run = ZooRun(cfg, layer_cfg, choices, named, f"--zoo {' '.join(words)}")
+    if run is not None:
+        _check_size(config, run)
     config.stash[_RUN] = run
     return run
+
+
+def _check_size(config, run: ZooRun) -> None:
+    """The zoo's own size check (zoo.config.builder.check_fits, as ``python -m zoo`` runs it) before the suite builds
+    anything: a model that cannot fit is one line, not an allocation failure or hours of building. It runs for the
+    model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
+    from zoo.config.builder import check_fits
+    from zoo.config.schema import ConfigError
+    from properties.core.watchdog import user_call
+    from properties.plugin_session import device_unavailable
+    import torch
+    device = (config.getoption("--device", None) or ["cpu"])[0]
+    try:
+        checks = [(run.cfg, device)] if not device_unavailable(torch.device(device)) else []
+    except (RuntimeError, ValueError):   # a --device that names nothing: the plugin says so
+        checks = []
+    checks.append((run.layer_cfg, "cpu"))
+    for cfg, where in checks:
+        try:
+            with user_call(f"model built by {run.origin}", "the size check (zoo.config.builder.check_fits)"):
+                check_fits(cfg, device=where)
+        except ConfigError as exc:   # ModelTooLarge among them
+            raise pytest.UsageError(f"{run.origin}: {exc}") from None
