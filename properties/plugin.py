@@ -123,9 +123,13 @@ def pytest_configure(config):
     except CallTimeout as exc:   # importing a plug-in, its factory or building the model hung: one line
         raise pytest.UsageError(str(exc)) from None
     except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
-        sys.stderr.write(f"ERROR: interrupted ({exc or 'Ctrl-C'}) while loading the code under test"
+        sys.stderr.write(f"ERROR: interrupted ({str(exc) or type(exc).__name__}) while loading the code under test"
                          f"{watchdog.last_call()}\n")
         raise
+
+
+def _loading(spec: str) -> str:
+    return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
 
 
 def _load_code_under_test(config) -> None:
@@ -134,13 +138,14 @@ def _load_code_under_test(config) -> None:
     kernels, api = [], config.getoption("--kernel-api")
     for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
-            with user_call(f"kernel {spec}", "loading it"):
+            with user_call(f"kernel {spec}", _loading(spec)):
                 kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
     try:
-        with user_call(f"kernel {' '.join(config.getoption('--kernel') or ['(the zoo flash kernels)'])}", "loading it"):
+        specs = config.getoption("--kernel") or []
+        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", _loading(' '.join(specs))):
             config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None

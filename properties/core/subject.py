@@ -204,6 +204,9 @@ def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subje
     except (ConfigError, PluginError) as exc:
         raise SubjectError(f"{origin}: {exc}") from exc
     except Exception as exc:  # a user's replacement part may fail in any way while constructed
+        from hydra.errors import InstantiationException
+        if isinstance(exc, InstantiationException) and exc.__cause__ is not None:   # its first line names no cause
+            exc = exc.__cause__
         first = raised(exc).strip().splitlines()[0]
         raise SubjectError(f"{origin}: building the model raised {first}") from exc
     return as_subject(model, origin="--zoo")

@@ -178,8 +178,7 @@ def _on_alarm(signum, frame):
     clauses, nodeid = _Watch.test
     where = f" (test {nodeid})" if nodeid else ""
     _Watch.hung[plugin] = f"it did not return within {_Watch.limit:g} s in {call}{where}"
-    raise CallTimeout(f"{plugin} did not return within {_Watch.limit:g} s (--call-timeout) in {call}; "
-                      f"it is not called again in this run")
+    raise CallTimeout(f"{plugin} did not return within {_Watch.limit:g} s (--call-timeout) in {call}")
 
 
 class user_call:
@@ -192,7 +191,7 @@ class user_call:
 
     def __enter__(self):
         if self.plugin in _Watch.hung:
-            raise CallTimeout(f"{self.plugin} is not called: {_Watch.hung[self.plugin]}")
+            raise CallTimeout(f"{self.plugin} is not called again: {_Watch.hung[self.plugin]}")
         self.outer = _Watch.active is None
         if self.outer:
             if _Watch.record is not None:

@@ -38,6 +38,9 @@ class ZooRun:
     def __repr__(self) -> str:  # Hypothesis prints it in counterexamples
         return f"<{self.origin}>"
 
+    def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer would list every field of the config
+        printer.text(repr(self))
+
 
 @functools.lru_cache(maxsize=None)
 def compose(words: tuple[str, ...]) -> tuple[DictConfig, dict]:
@@ -140,7 +143,7 @@ def _check_size(config, run: ZooRun) -> None:
     model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
     from zoo.config.builder import check_fits
     from zoo.config.schema import ConfigError
-    from properties.core.watchdog import user_call
+    from properties.core.watchdog import UserExit, raised, user_call
     from properties.plugin_session import device_unavailable
     import torch
     device = (config.getoption("--device", None) or ["cpu"])[0]
@@ -149,9 +152,15 @@ def _check_size(config, run: ZooRun) -> None:
     except (RuntimeError, ValueError):   # a --device that names nothing: the plugin says so
         checks = []
     checks.append((run.layer_cfg, "cpu"))
+    # torch's first meta-device operation imports its decompositions (seconds): not the code under test's time
+    torch.empty(1, device="meta").normal_()
     for cfg, where in checks:
         try:
             with user_call(f"model built by {run.origin}", "the size check (zoo.config.builder.check_fits)"):
                 check_fits(cfg, device=where)
         except ConfigError as exc:   # ModelTooLarge among them
             raise pytest.UsageError(f"{run.origin}: {exc}") from None
+        except UserExit as exc:   # a user's part that calls sys.exit() while constructed, say
+            raise pytest.UsageError(f"{run.origin}: building the model raised {raised(exc)}") from None
+        except Exception:  # noqa: BLE001  a user's part that cannot be sized this way: the build that follows says why
+            pass
