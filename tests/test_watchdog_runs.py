@@ -1,0 +1,158 @@
+"""Plug-in files that misbehave, fuzzed, each run by ``pytest`` in a process of its own (properties/plugin_watchdog.py).
+
+Hypothesis draws a plug-in — a kernel, a model factory or a module (a norm, through --zoo) — and one misdeed at
+import, while built or while called: ending the process (os._exit, sys.exit), raising a BaseException, hanging in
+Python or in C, crashing, returning something that is not the contract's tensor, or printing garbage around a
+correct answer. Whatever it does, the run never reads as a pass unless the plug-in was correct; it ends with a
+reported failure (status 1), a one-line error (pytest's usage-error status 4), pytest's "interrupted" (2) for a
+KeyboardInterrupt, or the supervisor's one line naming the plug-in (status never 0); and it prints no Python
+traceback and no INTERNALERROR. Each run costs a pytest start-up (~4 CPU-s): three pinned cases, two drawn.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hypothesis import assume, example, given, settings, strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = "3"   # --call-timeout for these runs: a hang costs seconds, a correct call takes milliseconds
+
+MISDEEDS = {   # name -> (statement in the plug-in, what the run must end with)
+    "os._exit(0)": ("os._exit(0)", "fatal"),
+    "os._exit(3)": ("os._exit(3)", "fatal"),
+    "segfault": ("ctypes.string_at(0)", "fatal"),
+    "hang in C": ("signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM]); time.sleep(10**6)", "fatal"),
+    "sys.exit(0)": ("sys.exit(0)", "error"),
+    "sys.exit('text')": ("sys.exit('bye')", "error"),
+    "GeneratorExit": ("raise GeneratorExit('gen')", "error"),
+    "a BaseException": ("raise type('Odd', (BaseException,), {})('odd')", "error"),
+    "pytest.skip": ("import pytest; pytest.skip('no')", "error"),
+    "pytest.exit(0)": ("import pytest; pytest.exit('bye', returncode=0)", "error"),
+    "ValueError": ("raise ValueError('plain')", "error"),
+    "sleep": ("time.sleep(10**6)", "error"),
+    "busy loop": ("while True: pass", "error"),
+    "KeyboardInterrupt": ("raise KeyboardInterrupt", "interrupted"),
+    "a string": ("return 'garbage'", "error"),
+    "a wrong shape": ("return torch.zeros(1)", "error"),
+    "print garbage": ("print('garbage \\x1b[31m' * 40); print('ERROR: not ours', file=sys.stderr)", "benign"),
+}
+WHEN = ("import", "build", "call")
+
+HEADER = "import ctypes, os, signal, sys, time\nimport torch\nimport torch.nn.functional as F\n\n\ndef misdeed():\n    {}\n"
+PLUGINS = {
+    "kernel": """
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if {call}:
+        bad = misdeed()
+        if bad is not None:
+            return bad
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+""",
+    "model": """
+from properties import Subject
+from zoo.config.builder import build_model
+
+
+def model():
+    if {build}:
+        bad = misdeed()
+        if bad is not None:
+            return bad
+    zoo = build_model(["model=decoder_only", "d_model=16", "heads=2", "layers=1", "d_ff=32", "vocab_size=16",
+                       "max_len=16"])
+
+    def forward(tokens, mask):
+        if {call}:
+            bad = misdeed()
+            if bad is not None:
+                return bad
+        return zoo(tokens, mask)
+    return Subject(kind="decoder_only", forward=forward, vocab_size=16, max_len=16, module=zoo)
+""",
+    "module": """
+from zoo.nn.norm import LayerNorm
+
+
+class BadNorm(LayerNorm):
+    def __init__(self, *args, **kwargs):
+        if {build}:
+            misdeed()
+        super().__init__(*args, **kwargs)
+
+    def forward(self, x):
+        if {call}:
+            bad = misdeed()
+            if bad is not None:
+                return bad
+        return super().forward(x)
+""",
+}
+SELECTION = {   # the few clauses each run needs: every one calls the plug-in
+    "kernel": lambda d: ["properties/kernel/test_softmax.py", "--kernel", f"{d}/plug.py:attention"],
+    "model": lambda d: ["properties/model/test_models.py", "-k", "test_output_shape", "--model", f"{d}/plug.py:model"],
+    "module": lambda d: ["properties/module/test_norms.py", "--zoo", "norm._target_=plug.BadNorm"],
+}
+
+
+def plugin_source(level: str, misdeed: str, when: str) -> str:
+    statement = MISDEEDS[misdeed][0]
+    source = HEADER.format(statement) + PLUGINS[level].format(build=when == "build", call=when == "call")
+    return source + ("\nmisdeed()\n" if when == "import" else "")
+
+
+def run(level: str, misdeed: str, when: str) -> tuple[subprocess.CompletedProcess, str]:
+    folder = tempfile.mkdtemp(prefix="misbehaving-")
+    Path(folder, "plug.py").write_text(plugin_source(level, misdeed, when))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "PROPERTIES_WATCHDOG")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([folder, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, "-m", "pytest", *SELECTION[level](folder), "-q", "-p", "no:cacheprovider",
+                           "--rootdir", str(ROOT), "--hypothesis-profile", "pinned", "--call-timeout", TIMEOUT],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    return proc, folder
+
+
+LEVEL_WHEN = st.sampled_from(sorted(PLUGINS)).flatmap(
+    lambda level: st.tuples(st.just(level), st.sampled_from(WHEN if level != "kernel" else ("import", "call"))))
+
+
+@settings(max_examples=2, deadline=None)
+@given(level_when=LEVEL_WHEN, misdeed=st.sampled_from(sorted(MISDEEDS)))
+@example(level_when=("kernel", "call"), misdeed="os._exit(0)")
+@example(level_when=("model", "call"), misdeed="segfault")
+@example(level_when=("module", "call"), misdeed="hang in C")
+def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
+    level, when = level_when
+    expected = MISDEEDS[misdeed][1]
+    # A value returned at import, or by a constructor (Python ignores it), is no misdeed: nothing to run.
+    assume(not (MISDEEDS[misdeed][0].startswith("return") and (when == "import" or (level, when) == ("module", "build"))))
+    proc, folder = run(level, misdeed, when)
+    output = proc.stdout + proc.stderr
+    where = f"{level} plug-in, {misdeed} at {when}: status {proc.returncode}\n{output[-3000:]}"
+    assert "Traceback (most recent call last)" not in output and "INTERNALERROR" not in output, where
+    if expected == "benign":
+        assert proc.returncode == 0, where
+        return
+    assert proc.returncode != 0, where
+    errors = [line for line in output.splitlines() if line.startswith("ERROR: ") and "not ours" not in line]
+    if expected == "fatal":
+        assert len(errors) == 1 and ("ended the test process" in errors[0] or "did not return" in errors[0]), where
+        assert "plug" in errors[0], where   # the plug-in is named: plug.py:attention, plug.BadNorm, ...
+        if when == "call":
+            assert re.search(r"clause [A-Z0-9, -]+, test properties/", errors[0]), where
+        if misdeed == "segfault":
+            assert proc.returncode == -11 and re.search(r"signal SIGSEGV at .*plug\.py:\d+ in misdeed", errors[0]), where
+        if misdeed == "hang in C":
+            assert proc.returncode == 1 and re.search(r"stuck at .*plug\.py:\d+ in misdeed", errors[0]), where
+    elif expected == "interrupted":
+        assert proc.returncode == 2, where
+    elif when == "call":   # a failure of the clauses that called it
+        assert proc.returncode == 1 and re.search(r"^FAILED|^ERROR properties/", proc.stdout, re.M), where
+    else:   # at import or while built: one line before any test runs
+        lines = [line for line in output.splitlines() if line.strip()]
+        assert proc.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: "), where
