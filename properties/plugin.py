@@ -16,6 +16,8 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
   --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
   --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
+  --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
+                          exits, crashes or hangs is reported in one line (properties/plugin_watchdog.py)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
