@@ -43,7 +43,6 @@ _HEADER = struct.Struct("<8sii")       # magic, finished (pytest ended the child
 _MAGIC = b"propwdg1"
 _OFFSET = 64                           # the slots start here
 _KILL_AFTER = 2.0                      # seconds between the stack dump (SIGUSR1) and SIGKILL
-_TERM_GRACE = 10.0                     # seconds a forwarded SIGTERM has before SIGKILL
 _session = None
 
 
@@ -75,7 +74,8 @@ def configure(config, targets_suite: bool) -> None:
     watchdog.set_limit(0.0 if debugging else seconds, alarm=targets_suite)
     if not targets_suite:
         return
-    config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
+    if not config.pluginmanager.has_plugin("properties.plugin_watchdog"):
+        config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
     if hasattr(config, "workerinput"):
         _join(config)
     elif _may_fork(config):
@@ -97,13 +97,13 @@ def _may_fork(config) -> bool:
     return False
 
 
-def _memory(size: int) -> tuple[int, mmap.mmap]:
-    fd = os.memfd_create("properties-watchdog") if hasattr(os, "memfd_create") else _unlinked_file()
-    os.ftruncate(fd, size)
-    return fd, mmap.mmap(fd, size)
-
-
-def _unlinked_file() -> int:
+def _file() -> int:
+    """An anonymous file the child and the parent share (memfd; an unlinked temporary file where there is none)."""
+    if hasattr(os, "memfd_create"):
+        try:
+            return os.memfd_create("properties-watchdog")
+        except OSError:   # a kernel or sandbox without memfd
+            pass
     import tempfile
     fd, path = tempfile.mkstemp(prefix="properties-watchdog-")
     os.unlink(path)
@@ -111,23 +111,41 @@ def _unlinked_file() -> int:
 
 
 def _fork(grace: float) -> None:
-    fd, shared = _memory(_OFFSET + _SLOTS * Record.SIZE)
-    _HEADER.pack_into(shared, 0, _MAGIC, 0, -1)
-    faults = os.memfd_create("properties-faults") if hasattr(os, "memfd_create") else _unlinked_file()
-    os.environ[_ENV] = f"{os.getpid()}:{fd}"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    parent = os.getpid()
-    child = os.fork()
+    """Fork; the child returns and runs the session, the parent watches it and never returns. Nothing happens when
+    the machinery is missing (no shared memory, no fork): the run goes on unsupervised."""
+    import warnings
+    try:
+        fd, faults = _file(), _file()
+        os.ftruncate(fd, _OFFSET + _SLOTS * Record.SIZE)
+        shared = mmap.mmap(fd, _OFFSET + _SLOTS * Record.SIZE)
+        _HEADER.pack_into(shared, 0, _MAGIC, 0, -1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        os.environ[_ENV] = f"{parent}:{fd}"
+        with warnings.catch_warnings():   # Python >= 3.12 warns of native threads (torch's): the child uses none
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = os.fork()
+    except (OSError, ValueError):
+        os.environ.pop(_ENV, None)
+        return
     if child == 0:
         _become_supervised(parent, shared, faults)
         return
+    status = 3
     try:
         status = _supervise(child, shared, faults, grace)
-    except BaseException:   # the watchdog itself must never leave the child unattended
-        os.kill(child, signal.SIGKILL)
-        status = 3
-    _exit(status)
+    except BaseException:  # noqa: BLE001  the watchdog must never leave the child unattended, nor return to pytest
+        _kill(child, signal.SIGKILL)
+    finally:
+        _exit(status)
+
+
+def _kill(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except OSError:   # it ended meanwhile
+        pass
 
 
 # ------------------------------------------------------------------------------------------------- the child
@@ -143,16 +161,13 @@ def _become_supervised(parent: int, shared: mmap.mmap, faults: int) -> None:
     global _shared, _faults
     _shared, _faults = shared, faults
     watchdog.set_record(Record(memoryview(shared)[_OFFSET:_OFFSET + Record.SIZE], os.getpid()))
-    _dump_faults_to(faults)
+    faulthandler.enable(file=faults, all_threads=False)   # a crash's Python stack, for the parent's one line
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):   # the parent's request for the stack of a hang
+        faulthandler.register(signal.SIGUSR1, file=faults, all_threads=False)
 
 
 _shared = None
 _faults = None
-
-
-def _dump_faults_to(fd: int) -> None:
-    faulthandler.enable(file=fd, all_threads=False)
-    faulthandler.register(signal.SIGUSR1, file=fd, all_threads=False)
 
 
 def _join(config) -> None:
@@ -178,7 +193,7 @@ def pytest_sessionstart(session):
     global _session
     _session = session
     if _faults is not None:   # after pytest's faulthandler plugin pointed it at the terminal
-        _dump_faults_to(_faults)
+        faulthandler.enable(file=_faults, all_threads=False)
 
 
 def pytest_runtest_setup(item):
@@ -197,22 +212,23 @@ def pytest_unconfigure(config):
 # ------------------------------------------------------------------------------------------------ the parent
 def _supervise(child: int, shared: mmap.mmap, faults: int, grace: float) -> int:
     """Wait for the child, killing what hangs past its limit; the status this process ends with."""
-    terminated = []
-
     def forward(signum, frame):
-        terminated.append(time.monotonic())
-        os.kill(child, signum)
+        _kill(child, signum)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGHUP, forward)
     interval = max(0.1, min(1.0, watchdog.limit() / 4)) if watchdog.limit() else 1.0
     killed: dict[int, tuple[float, list]] = {}   # pid -> (when SIGUSR1 was sent, the record)
-    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
     import select
+    try:
+        poll = select.poll()
+        poll.register(os.pidfd_open(child), select.POLLIN)
+    except (AttributeError, OSError):   # Linux < 5.3: poll the child's status instead
+        poll = None
     while True:
-        if pidfd is not None:
-            if select.select([pidfd], [], [], interval)[0]:
+        if poll is not None:
+            if poll.poll(interval * 1000):
                 break
         else:
             done, status = os.waitpid(child, os.WNOHANG)
@@ -220,8 +236,6 @@ def _supervise(child: int, shared: mmap.mmap, faults: int, grace: float) -> int:
                 return _ended(status, child, shared, faults, killed)
             time.sleep(min(interval, 0.05))
         now = time.monotonic()
-        if terminated and now > terminated[0] + _TERM_GRACE:
-            os.kill(child, signal.SIGKILL)
         for slot in range(_SLOTS):
             view = memoryview(shared)[_OFFSET + slot * Record.SIZE:_OFFSET + (slot + 1) * Record.SIZE]
             pid, sequence, active, start, limit, fields = Record.read(view)
@@ -232,13 +246,13 @@ def _supervise(child: int, shared: mmap.mmap, faults: int, grace: float) -> int:
             if Record.read(view)[1] != sequence:   # the call ended while we looked
                 continue
             killed[pid] = (now, fields)
-            os.kill(pid, signal.SIGUSR1 if pid == child else signal.SIGKILL)
+            _kill(pid, signal.SIGUSR1 if pid == child else signal.SIGKILL)
             if pid != child:
                 _say(f"{_hang(fields, limit)}; pytest-xdist worker (pid {pid}) killed: xdist reports its test as "
                      f"crashed")
         for pid, (when, _) in killed.items():
             if pid == child and now > when + _KILL_AFTER:
-                os.kill(child, signal.SIGKILL)
+                _kill(child, signal.SIGKILL)
     return _ended(os.waitpid(child, 0)[1], child, shared, faults, killed)
 
 
@@ -301,14 +315,13 @@ def _say(line: str) -> None:
 
 def _exit(status: int) -> None:
     """End as the child ended: with its status, or by the same signal (no core file of this idle process)."""
-    if status < 0:
-        import resource
-        try:
+    try:
+        if status < 0:
+            import resource
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        except (ValueError, OSError):
-            pass
-        signal.signal(-status, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-status])
-        os.kill(os.getpid(), -status)
-        status = 128 - status
-    os._exit(status)
+            if -status not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(-status, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [-status])
+            os.kill(os.getpid(), -status)
+    finally:
+        os._exit(128 - status if status < 0 else status)

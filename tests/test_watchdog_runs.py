@@ -56,7 +56,19 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 """,
     "model": """
 from properties import Subject
-from zoo.config.builder import build_model
+
+
+class Tiny(torch.nn.Module):   # MODEL-SHAPE asks for logits of the right shape, nothing more
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, tokens, mask):
+        if {call}:
+            bad = misdeed()
+            if bad is not None:
+                return bad
+        return self.head(self.embedding(tokens))
 
 
 def model():
@@ -64,16 +76,8 @@ def model():
         bad = misdeed()
         if bad is not None:
             return bad
-    zoo = build_model(["model=decoder_only", "d_model=16", "heads=2", "layers=1", "d_ff=32", "vocab_size=16",
-                       "max_len=16"])
-
-    def forward(tokens, mask):
-        if {call}:
-            bad = misdeed()
-            if bad is not None:
-                return bad
-        return zoo(tokens, mask)
-    return Subject(kind="decoder_only", forward=forward, vocab_size=16, max_len=16, module=zoo)
+    tiny = Tiny()
+    return Subject(kind="decoder_only", forward=tiny, vocab_size=16, max_len=16, module=tiny, positional=False)
 """,
     "module": """
 from zoo.nn.norm import LayerNorm

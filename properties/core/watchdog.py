@@ -139,6 +139,7 @@ def set_limit(seconds: float, *, alarm: bool) -> None:
     """The per-call limit (0: none), and whether SIGALRM enforces it in this process (main thread only); a new
     run (pytest.main() called again in one process) starts with no plug-in marked as hung."""
     _Watch.limit, _Watch.hung, _Watch.active, _Watch.last = seconds, {}, None, None
+    alarm = alarm and hasattr(signal, "setitimer")   # POSIX; elsewhere only the limit's value is kept
     if alarm and seconds > 0 and not _Watch.alarm:
         import threading
         if threading.current_thread() is threading.main_thread() and \
