@@ -44,6 +44,7 @@ _MAGIC = b"propwdg1"
 _OFFSET = 64                           # the slots start here
 _KILL_AFTER = 2.0                      # seconds between the stack dump (SIGUSR1) and SIGKILL
 _session = None
+_BEFORE = pytest.StashKey[dict]()      # the watchdog as it was before this run (restored at its end)
 
 
 def add_options(group) -> None:
@@ -70,10 +71,11 @@ def configure(config, targets_suite: bool) -> None:
     """Read --call-timeout; in a run that collects the suite, supervise it (the command line's process) or join the
     supervisor's records (a pytest-xdist worker)."""
     seconds = _timeout(config)
-    debugging = config.getoption("usepdb", False) or config.getoption("trace", False)
-    watchdog.set_limit(0.0 if debugging else seconds, alarm=targets_suite)
     if not targets_suite:
         return
+    debugging = config.getoption("usepdb", False) or config.getoption("trace", False)
+    config.stash[_BEFORE] = watchdog.saved()
+    watchdog.set_limit(0.0 if debugging else seconds, alarm=True)
     if not config.pluginmanager.has_plugin("properties.plugin_watchdog"):
         config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
     if hasattr(config, "workerinput"):
@@ -203,7 +205,8 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    watchdog.set_limit(DEFAULT_TIMEOUT, alarm=False)
+    if _BEFORE in config.stash:
+        watchdog.restore(config.stash[_BEFORE])
     if _shared is not None:
         status = getattr(_session, "exitstatus", None)
         _HEADER.pack_into(_shared, 0, _MAGIC, 1, -1 if status is None else int(status))

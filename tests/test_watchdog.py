@@ -30,16 +30,11 @@ from zoo.nn.norm import LayerNorm
 def limit_of(request):
     """Run with a short per-call limit, and leave the process's watchdog as it was (pytest-xdist runs the spec
     suite in this same worker)."""
-    saved = dict(vars(watchdog._Watch))
-    handler = signal.getsignal(signal.SIGALRM)
-    watchdog._Watch.record, watchdog._Watch.alarm = None, False
+    state = watchdog.saved()
+    watchdog.set_record(None)
     watchdog.set_limit(0.3, alarm=True)
     yield
-    watchdog.set_limit(0.0, alarm=False)
-    signal.signal(signal.SIGALRM, handler)
-    for name, value in saved.items():
-        if not name.startswith("__"):
-            setattr(watchdog._Watch, name, value)
+    watchdog.restore(state)
 
 
 class Custom(BaseException):
@@ -251,3 +246,18 @@ def test_a_config_within_the_bounds_reads_as_omegaconf_reads_it(tmp_path):
     path = tmp_path / "config.yaml"
     OmegaConf.save(compose_config(["model=encoder_decoder"]), path, resolve=True)
     assert read_config(path) == OmegaConf.load(path)
+
+
+# ------------------------------------------------------------------------------------------- --report-json
+def test_a_report_path_that_cannot_take_the_report_is_refused(tmp_path):
+    from properties.plugin_report import _report_path_problem
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "file").write_text("")
+    for path, words in [("", "empty"), (str(fifo), "not a regular file"), (str(tmp_path), "is a directory"),
+                        (str(tmp_path / "file" / "r.json"), "is not a directory"),
+                        (str(tmp_path / ("n" * 300)), "too long"), (str(tmp_path / ("d" * 300) / "r.json"), "too long")]:
+        problem = _report_path_problem(path)
+        assert problem is not None and words in problem, (path[:80], problem)
+    assert _report_path_problem(str(tmp_path / "new" / "report.json")) is None
+    assert _report_path_problem(str(tmp_path / "report.json")) is None and sorted(os.listdir(tmp_path)) == ["fifo", "file"]

@@ -160,3 +160,11 @@ def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
     else:   # at import or while built: one line before any test runs
         lines = [line for line in output.splitlines() if line.strip()]
         assert proc.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: "), where
+
+
+def test_a_bad_call_timeout_is_one_line_before_anything_runs():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider", "--rootdir",
+                           str(ROOT), "--call-timeout", "soon"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 4 and lines == ["ERROR: --call-timeout 'soon': expected a number of seconds in [0, 1e6] "
+                                              "(0: no limit)"], proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -27,7 +27,7 @@ import time
 import pytest
 
 __all__ = ["DEFAULT_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
-           "set_limit", "set_record", "set_test", "limit", "last_call"]
+           "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
 
 # One call of the code under test may take this long (seconds). The suite's largest drawn problems (kernels:
 # S = 1024 keys, head size 256; models: max_len 4096) take a correct kernel written as a Python loop over its
@@ -150,6 +150,18 @@ def set_limit(seconds: float, *, alarm: bool) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         _Watch.alarm = False
+
+
+def saved() -> dict:
+    """The watchdog's state, for ``restore`` when a run ends (pytest.main() inside a run must not end the outer's)."""
+    return {name: (dict(value) if isinstance(value, dict) else value) for name, value in vars(_Watch).items()
+            if not name.startswith("__")}
+
+
+def restore(state: dict) -> None:
+    set_limit(state["limit"], alarm=state["alarm"])
+    for name, value in state.items():
+        setattr(_Watch, name, value)
 
 
 def last_call() -> str:

@@ -17,6 +17,7 @@ import pytest
 from omegaconf import DictConfig
 
 from properties.core.config_file import read_config
+from properties.core.watchdog import user_call
 from zoo.config.options import PARTS
 
 __all__ = ["ZooRun", "PARTS", "compose", "zoo_run"]
@@ -118,15 +119,17 @@ def zoo_run(config) -> ZooRun | None:
         raise pytest.UsageError("--zoo and --zoo-config both name a zoo model: give one")
     run = None
     if path:
-        cfg = _load(path)
+        with user_call(f"model built by --zoo-config {path}", "importing the parts it names (validating it)"):
+            cfg = _load(path)
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
         from zoo.config.plugins import PluginError
         from zoo.config.schema import ConfigError
         words = tuple(shlex.split(text))
         try:
-            cfg, choices = compose(words)
-            layer_cfg, _ = compose(with_layer_sizes(words))
+            with user_call(f"model built by --zoo {' '.join(words)}", "importing the parts it names (validating it)"):
+                cfg, choices = compose(words)
+                layer_cfg, _ = compose(with_layer_sizes(words))
         except (ConfigError, PluginError) as exc:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
         named = frozenset(g for g in map(group_of, words) if g is not None)
@@ -143,7 +146,7 @@ def _check_size(config, run: ZooRun) -> None:
     model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
     from zoo.config.builder import check_fits
     from zoo.config.schema import ConfigError
-    from properties.core.watchdog import UserExit, raised, user_call
+    from properties.core.watchdog import UserExit, raised
     from properties.plugin_session import device_unavailable
     import torch
     device = (config.getoption("--device", None) or ["cpu"])[0]
