@@ -1,22 +1,25 @@
 """The spec suite's watchdog (properties/plugin.py calls ``add_options`` and ``configure``): ``--call-timeout``, and
 a supervisor process, so that code under test that ends the process, crashes or hangs never reads as a pass.
 
-A run started as ``pytest`` or ``python -m pytest`` (or ``python -m properties``) forks once, at configuration,
-before any code under test is imported: the child runs the session as usual, the parent only watches it. The
-child records what it is running (properties/core/watchdog.py: the plug-in, clause, test and call) in memory they
-share, and says at the very end that pytest ended it, with which status. When the child ends otherwise —
-``os._exit``, a C ``exit()``, a segfault, a kill — the parent prints one line naming what was running (and, for
-a crash, the innermost frame outside the standard library, from faulthandler) and ends with a status that is
-never 0: the child's own if it is not 0, else 1; the same signal if a signal killed it. When a call runs more
-than ``--call-timeout`` seconds past its limit and the interrupt did not stop it (a hang inside C code, where no
-Python signal handler runs), the parent dumps its Python stack (SIGUSR1, faulthandler), kills the process
-running it and says so in one line: the main process ends the run with status 1; a pytest-xdist worker's crash
-is reported by xdist as the failure of its test, and the run goes on. The parent ignores Ctrl-C (the child, in
-the same process group, receives it and stops as usual) and passes SIGTERM and SIGHUP on.
+A run started as ``pytest`` or ``python -m pytest`` (so also ``python -m properties`` and ``task=verify``) forks
+once, at configuration, before any code under test is imported: the child runs the session as usual, the parent
+only watches it. The child records what it is running (properties/core/watchdog.py: the plug-in, clause, test and
+call) in memory they share, and at the very end that pytest ended it, with which status. When the child ends
+otherwise — ``os._exit``, a C ``exit()``, a segfault, a kill — the parent prints one line naming what was running
+(for a crash, with the innermost frame outside the standard library, from faulthandler) and ends with a status
+that is never 0: the same signal if a signal killed the child, else its exit status, or 1 in place of 0.
 
-Not supervised (the per-call limit still holds, by SIGALRM): ``pytest.main()`` called by another program (the
-parent could not return to it), platforms without ``fork`` and ``pidfd``-less kernels' fallbacks aside, runs that
-do not collect the suite, and processes that already run other threads.
+A call past its limit is interrupted in the child by SIGALRM. When that does not stop it within a grace of
+2 s + a quarter of the limit (a hang inside C code, where no Python signal handler runs, or code that blocks
+SIGALRM), the parent asks for its Python stack (SIGUSR1, faulthandler), kills the process running it and says so
+in one line: for the main process the run ends there with status 1; a pytest-xdist worker's death is reported by
+xdist as the failure of its test (pytest-xdist workers write their records into the same memory, one slot each),
+and the run goes on. The parent ignores Ctrl-C (the child, in the same process group, receives it and stops as
+usual) and passes SIGTERM and SIGHUP on; the child gets SIGTERM if the parent dies (PR_SET_PDEATHSIG).
+
+Not supervised (the per-call limit still holds): ``pytest.main()`` called inside another program (the parent
+could not hand control back to it), platforms other than Linux, runs that do not collect the suite, processes
+that already run other Python threads, and any process where the shared memory or the fork fails.
 """
 from __future__ import annotations
 

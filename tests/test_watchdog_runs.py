@@ -5,11 +5,13 @@ import, while built or while called: ending the process (os._exit, sys.exit), ra
 Python or in C, crashing, returning something that is not the contract's tensor, or printing garbage around a
 correct answer. Whatever it does, the run never reads as a pass unless the plug-in was correct; it ends with a
 reported failure (status 1), a one-line error (pytest's usage-error status 4), pytest's "interrupted" (2) for a
-KeyboardInterrupt, or the supervisor's one line naming the plug-in (status never 0); and it prints no Python
-traceback and no INTERNALERROR. Each run costs a pytest start-up (~4 CPU-s): three pinned cases, two drawn.
+KeyboardInterrupt, or the supervisor's one line naming the plug-in (status never 0); it prints no Python
+traceback and no INTERNALERROR, and a run that broke writes no --report-json. Each run costs a pytest start-up
+(~5 CPU-s): three pinned cases, two drawn.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -20,7 +22,9 @@ from pathlib import Path
 from hypothesis import assume, example, given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = "3"   # --call-timeout for these runs: a hang costs seconds, a correct call takes milliseconds
+# --call-timeout for these runs: a hang costs it in wall time (a Python loop below sleeps, so no CPU time), while a
+# correct call takes milliseconds; loading the plug-in (Hydra's composition, imports) takes seconds on a loaded machine.
+TIMEOUT = "10"
 
 MISDEEDS = {   # name -> (statement in the plug-in, what the run must end with)
     "os._exit(0)": ("os._exit(0)", "fatal"),
@@ -35,7 +39,7 @@ MISDEEDS = {   # name -> (statement in the plug-in, what the run must end with)
     "pytest.exit(0)": ("import pytest; pytest.exit('bye', returncode=0)", "error"),
     "ValueError": ("raise ValueError('plain')", "error"),
     "sleep": ("time.sleep(10**6)", "error"),
-    "busy loop": ("while True: pass", "error"),
+    "a Python loop": ("while True: sum(range(100)); time.sleep(0.01)", "error"),
     "KeyboardInterrupt": ("raise KeyboardInterrupt", "interrupted"),
     "a string": ("return 'garbage'", "error"),
     "a wrong shape": ("return torch.zeros(1)", "error"),
@@ -116,7 +120,8 @@ def run(level: str, misdeed: str, when: str) -> tuple[subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "PROPERTIES_WATCHDOG")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([folder, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     proc = subprocess.run([sys.executable, "-m", "pytest", *SELECTION[level](folder), "-q", "-p", "no:cacheprovider",
-                           "--rootdir", str(ROOT), "--hypothesis-profile", "pinned", "--call-timeout", TIMEOUT],
+                           "--rootdir", str(ROOT), "--hypothesis-profile", "pinned", "--call-timeout", TIMEOUT,
+                           "--report-json", f"{folder}/out/report.json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     return proc, folder
 
@@ -139,9 +144,12 @@ def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
     output = proc.stdout + proc.stderr
     where = f"{level} plug-in, {misdeed} at {when}: status {proc.returncode}\n{output[-3000:]}"
     assert "Traceback (most recent call last)" not in output and "INTERNALERROR" not in output, where
+    report = Path(folder, "out", "report.json")
     if expected == "benign":
-        assert proc.returncode == 0, where
+        assert proc.returncode == 0 and report.is_file(), where
         return
+    if expected == "fatal" or (expected == "error" and when != "call"):   # the run broke: it wrote nothing
+        assert not Path(folder, "out").exists(), where
     assert proc.returncode != 0, where
     errors = [line for line in output.splitlines() if line.startswith("ERROR: ") and "not ours" not in line]
     if expected == "fatal":
@@ -155,8 +163,10 @@ def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
             assert proc.returncode == 1 and re.search(r"stuck at .*plug\.py:\d+ in misdeed", errors[0]), where
     elif expected == "interrupted":
         assert proc.returncode == 2, where
-    elif when == "call":   # a failure of the clauses that called it
+    elif when == "call":   # a failure of the clauses that called it, in the report too
         assert proc.returncode == 1 and re.search(r"^FAILED|^ERROR properties/", proc.stdout, re.M), where
+        statuses = {row["status"] for row in json.loads(report.read_text())}
+        assert statuses & {"failed", "error"}, where
     else:   # at import or while built: one line before any test runs
         lines = [line for line in output.splitlines() if line.strip()]
         assert proc.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: "), where
