@@ -261,3 +261,57 @@ def test_a_report_path_that_cannot_take_the_report_is_refused(tmp_path):
         assert problem is not None and words in problem, (path[:80], problem)
     assert _report_path_problem(str(tmp_path / "new" / "report.json")) is None
     assert _report_path_problem(str(tmp_path / "report.json")) is None and sorted(os.listdir(tmp_path)) == ["fifo", "file"]
+
+
+# ------------------------------------------------------------------------------------------- --zoo size check
+class _ZooOptions:
+    def __init__(self, zoo: str):
+        self.zoo, self.stash = zoo, {}
+
+    def getoption(self, name, default=None):
+        return {"zoo": self.zoo, "zoo_config": None, "--device": ["cpu"]}.get(name, default)
+
+
+class _Built(BaseException):
+    pass
+
+
+def _size_check_builds_the_model(monkeypatch) -> bool:
+    """Whether zoo.config.builder.check_fits still builds the model (on the meta device) to decide."""
+    from zoo.config import builder
+    from zoo.config.builder import check_fits, compose_config
+
+    def refuse(*args, **kwargs):
+        raise _Built()
+    cfg = compose_config(["task=summary"])
+    with monkeypatch.context() as patch:
+        patch.setattr(builder, "model_from_config", refuse)
+        try:
+            check_fits(cfg)
+        except _Built:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("override", ["layers=1000000000", "d_model=1099511627776"])
+def test_a_zoo_model_that_cannot_fit_is_one_line_before_anything_is_built(override, monkeypatch):
+    from properties.core.zoo_config import zoo_run
+    if _size_check_builds_the_model(monkeypatch):
+        pytest.skip("zoo.config.builder.check_fits still builds the model to size it (the robust-cli branch decides "
+                    "from the config)")
+    watchdog.set_limit(60, alarm=True)
+    start = time.monotonic()
+    with pytest.raises(pytest.UsageError) as caught:
+        zoo_run(_ZooOptions(override))
+    message = str(caught.value)
+    assert message.startswith(f"--zoo {override}") and "memory" in message and "\n" not in message, message
+    assert time.monotonic() - start < 10
+
+
+def test_the_zoo_size_check_runs_before_the_suite_builds_a_zoo_model():
+    from properties.core.zoo_config import zoo_run
+    watchdog.set_limit(60, alarm=True)   # composing and sizing take a second on a loaded machine
+    with pytest.raises(pytest.UsageError) as caught:   # 2^20 wide: terabytes of weights, sized on the meta device
+        zoo_run(_ZooOptions("d_model=1048576"))
+    message = str(caught.value)
+    assert message.startswith("--zoo d_model=1048576: the model does not fit in memory") and "\n" not in message
