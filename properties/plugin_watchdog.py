@@ -79,6 +79,7 @@ def configure(config, targets_suite: bool) -> None:
     debugging = config.getoption("usepdb", False) or config.getoption("trace", False)
     config.stash[_BEFORE] = watchdog.saved()
     watchdog.set_limit(0.0 if debugging else seconds, alarm=True)
+    watchdog.set_record(None)   # a record inherited from an enclosing run (pytest.main() in it, or forked) is not ours
     if not config.pluginmanager.has_plugin("properties.plugin_watchdog"):
         config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
     if hasattr(config, "workerinput"):
