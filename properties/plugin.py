@@ -108,20 +108,8 @@ def _device_param(name: str):
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
     plugin_watchdog.configure(config, targets_suite(config))   # first: it may fork before any plug-in is imported
-    configure_session(config)
-    configure_report(config)
-    config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
-    for level in LEVELS:
-        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
     try:
-        load_clauses()
-    except SpecError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
-    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
-    try:
-        _load_code_under_test(config)
+        _configure(config)
     except CallTimeout as exc:   # importing a plug-in, its factory or building the model hung: one line
         raise pytest.UsageError(str(exc)) from None
     except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
@@ -134,23 +122,33 @@ def _loading(spec: str) -> str:
     return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
 
 
-def _load_code_under_test(config) -> None:
-    """--kernel, --kernel-api, --model, --zoo, --reference: imported, built and checked now, before any test runs (an
-    unusable one is a UsageError)."""
+def _configure(config):
+    configure_session(config)
+    configure_report(config)
+    config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
+    for level in LEVELS:
+        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
+    try:
+        load_clauses()
+    except SpecError as exc:
+        raise pytest.UsageError(str(exc)) from None
     kernels, api = [], config.getoption("--kernel-api")
     for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
-            with user_call(f"kernel {spec}", _loading(spec)):
+            with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
                 kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
     try:
         specs = config.getoption("--kernel") or []
-        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", _loading(' '.join(specs))):
+        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", f"loading it (--kernel-api {api})"):
             config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
+    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
+    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
+    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 
