@@ -84,7 +84,9 @@ def configure(config, targets_suite: bool) -> None:
         config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
     if hasattr(config, "workerinput"):
         _join(config)
-    elif _may_fork(config):
+        return
+    os.environ.pop(_ENV, None)   # an enclosing run's supervisor is not this run's: its workers must not join it
+    if _may_fork(config):
         _fork(grace=2.0 + watchdog.limit() / 4)
 
 
