@@ -19,7 +19,8 @@ usual) and passes SIGTERM and SIGHUP on; the child gets SIGTERM if the parent di
 
 Not supervised (the per-call limit still holds): ``pytest.main()`` called inside another program (the parent
 could not hand control back to it), platforms other than Linux, runs that do not collect the suite, processes
-that already run other Python threads, and any process where the shared memory or the fork fails.
+that already run other Python threads or have initialized CUDA (the fork happens before the suite touches
+CUDA), and any process where the shared memory or the fork fails.
 """
 from __future__ import annotations
 
@@ -92,7 +93,10 @@ def configure(config, targets_suite: bool) -> None:
 
 def _may_fork(config) -> bool:
     import threading
+    import torch
     if not (sys.platform.startswith("linux") and hasattr(os, "fork")) or threading.active_count() > 1:
+        return False
+    if torch.cuda.is_initialized():   # a forked child cannot use CUDA once its parent has initialized it
         return False
     if config.getoption("help", False) or config.getoption("version", False):
         return False
