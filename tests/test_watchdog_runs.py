@@ -115,8 +115,7 @@ def plugin_source(level: str, misdeed: str, when: str) -> str:
     return source + ("\nmisdeed()\n" if when == "import" else "")
 
 
-def run(level: str, misdeed: str, when: str) -> tuple[subprocess.CompletedProcess, str]:
-    folder = tempfile.mkdtemp(prefix="misbehaving-")
+def run(level: str, misdeed: str, when: str, folder: str) -> subprocess.CompletedProcess:
     Path(folder, "plug.py").write_text(plugin_source(level, misdeed, when))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "PROPERTIES_WATCHDOG")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([folder, env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -124,7 +123,7 @@ def run(level: str, misdeed: str, when: str) -> tuple[subprocess.CompletedProces
                            "--rootdir", str(ROOT), "--hypothesis-profile", "pinned", "--call-timeout", TIMEOUT,
                            "--report-json", f"{folder}/out/report.json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    return proc, folder
+    return proc
 
 
 def outside_failure_reports(output: str) -> str:
@@ -148,7 +147,12 @@ def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
     expected = MISDEEDS[misdeed][1]
     # A value returned at import, or by a constructor (Python ignores it), is no misdeed: nothing to run.
     assume(not (MISDEEDS[misdeed][0].startswith("return") and (when == "import" or (level, when) == ("module", "build"))))
-    proc, folder = run(level, misdeed, when)
+    with tempfile.TemporaryDirectory(prefix="misbehaving-") as folder:
+        check_run(level, misdeed, when, expected, folder)
+
+
+def check_run(level: str, misdeed: str, when: str, expected: str, folder: str) -> None:
+    proc = run(level, misdeed, when, folder)
     output = proc.stdout + proc.stderr
     where = f"{level} plug-in, {misdeed} at {when}: status {proc.returncode}\n{output[-3000:]}"
     assert "Traceback (most recent call last)" not in outside_failure_reports(output), where
