@@ -17,9 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     # even where plugin auto-loading is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD).
     command = [sys.executable, "-m", "pytest", "-p", "properties.plugin", "--pyargs", "properties", *arguments]
     try:
-        return subprocess.call(command)
+        status = subprocess.call(command)
     except KeyboardInterrupt:
         return 130
+    return 128 - status if status < 0 else status   # a child killed by signal N: 128 + N, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
   --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
   --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
+  --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
+                          exits, crashes or hangs is reported in one line (properties/plugin_watchdog.py)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
@@ -25,9 +27,13 @@ properties/plugin_report.py's (their hooks are registered through this module, t
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from properties.core import watchdog
+from properties.core.watchdog import CallTimeout, user_call
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
@@ -39,7 +45,8 @@ from properties.core.strategies import DTYPES, select_dtypes
 from properties.core.flash import set_window_right_below_lk
 from properties.core.flash_guard import KERNEL_APIS, kernel_params
 from properties.plugin_report import clause_ids, configure_report
-from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable
+from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable, targets_suite
+from properties import plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.config.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
@@ -77,6 +84,7 @@ def pytest_addoption(parser):
     group.addoption("--window-right-below-lk", action="store_true",
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
+    plugin_watchdog.add_options(group)
     subjects.add_options(parser)
     reference.add_options(parser)
 
@@ -99,6 +107,22 @@ def _device_param(name: str):
 
 @pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
 def pytest_configure(config):
+    plugin_watchdog.configure(config, targets_suite(config))   # first: it may fork before any plug-in is imported
+    try:
+        _configure(config)
+    except CallTimeout as exc:   # importing a plug-in, its factory or building the model hung: one line
+        raise pytest.UsageError(str(exc)) from None
+    except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
+        sys.stderr.write(f"ERROR: interrupted ({str(exc) or type(exc).__name__}) while loading the code under test"
+                         f"{watchdog.last_call()}\n")
+        raise
+
+
+def _loading(spec: str) -> str:
+    return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
+
+
+def _configure(config):
     configure_session(config)
     configure_report(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
@@ -111,12 +135,15 @@ def pytest_configure(config):
     kernels, api = [], config.getoption("--kernel-api")
     for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
-            kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
+            with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
+                kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
     try:
-        config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
+        specs = config.getoption("--kernel") or []
+        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", f"loading it (--kernel-api {api})"):
+            config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))

@@ -20,26 +20,38 @@ _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --repor
 
 
 def _report_path_problem(path: str) -> str | None:
-    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None. The
+    report is written beside PATH and renamed onto it (zoo.io.atomic), so a file is created and removed there now."""
     import os
+    import tempfile
     from pathlib import Path
-    target = Path(path).absolute()
-    if target.is_dir():
-        return "is a directory"
-    ancestor = next((p for p in target.parents if p.exists()), None)
-    if ancestor is not None and not ancestor.is_dir():
-        return f"{ancestor} is not a directory"
-    if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not writable"
-    if target.exists() and not os.access(target, os.W_OK):
-        return "is not writable"
+    if not path.strip():
+        return "the path is empty"
+    try:
+        target = Path(path).absolute()
+        if target.is_dir():
+            return "is a directory"
+        if target.exists() and not target.is_file():   # renaming a report over it would replace a FIFO or device
+            return "is not a regular file (a FIFO, device or socket)"
+        ancestor = next((p for p in target.parents if p.exists()), None)
+        if ancestor is not None and not ancestor.is_dir():
+            return f"{ancestor} is not a directory"
+        if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
+            return f"{ancestor} is not writable"
+        if target.exists() and not os.access(target, os.W_OK):
+            return "is not writable"
+        if ancestor == target.parent:
+            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=f".{target.name[:64]}.", suffix=".probe"):
+                pass
+    except OSError as exc:   # a name too long, a file system that refuses new files (/sys, /proc), ...
+        return exc.strerror or str(exc)
     return None
 
 
 def configure_report(config) -> None:
     """Refuse a --report-json PATH that could not be written at the end (a UsageError now); start afresh."""
     report_json = config.getoption("--report-json", None)
-    if report_json and (problem := _report_path_problem(report_json)):
+    if report_json is not None and (problem := _report_path_problem(report_json)):
         raise pytest.UsageError(f"--report-json {report_json}: cannot be written: {problem}")
     _records.clear()
 
@@ -122,4 +134,10 @@ def pytest_sessionfinish(session):
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
-    write_text(path, json.dumps(rows, indent=1))
+    try:
+        write_text(path, json.dumps(rows, indent=1))
+    except OSError as exc:   # the disk filled, the directory went away: one line, and the run does not pass
+        import sys
+        sys.stderr.write(f"ERROR: --report-json {path}: could not be written: {exc.strerror or exc}\n")
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
-__all__ = ["PROFILE_NAMES", "configure_session", "device_unavailable", "pytest_report_header",
+__all__ = ["PROFILE_NAMES", "configure_session", "device_unavailable", "targets_suite", "pytest_report_header",
            "pytest_terminal_summary", "pytest_unconfigure"]
 
 # No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
@@ -64,7 +64,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     f"(the counterexamples above are also kept in .hypothesis/)")
 
 
-def _targets_suite(config) -> bool:
+def targets_suite(config) -> bool:
     """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
     properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
     an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
@@ -108,7 +108,7 @@ def pytest_unconfigure(config):
 
 def configure_session(config) -> None:
     """For a run that collects the suite: its profiles (``default`` loaded), one seed, SIGTERM as Ctrl-C."""
-    if _targets_suite(config):
+    if targets_suite(config):
         _use_suite_profiles()
         _fix_seed(config)
         _interrupt_on_sigterm(config)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from properties.core.subject import Subject, SubjectError, as_subject
+from properties.core.subject import Subject, SubjectError, as_subject, watched
+from properties.core.watchdog import raised, user_call
 from zoo.config.plugins import PluginError, load_object
 
 __all__ = ["Reference", "add_options", "configure", "reference_of", "reference_kernel_of"]
@@ -79,7 +80,8 @@ def _kernel(spec: str | None):
     from properties.kernel.guard import GuardedKernel
     from zoo.nn.kernel import resolve_kernel
     try:
-        return GuardedKernel(f"reference {spec}", resolve_kernel(spec))
+        with user_call(f"kernel reference {spec}", f"importing {spec.rpartition(':')[0]!r}"):
+            return GuardedKernel(f"reference {spec}", resolve_kernel(spec))
     except PluginError as exc:
         raise pytest.UsageError(f"--reference-kernel: {exc}") from None
 
@@ -103,14 +105,15 @@ def _takes_subject(factory, spec: str) -> bool:
 
 def _build(factory, spec: str, subject: Subject, takes: bool) -> Subject:
     try:
-        obj = factory(subject) if takes else factory()
+        with user_call(f"reference model {spec}", "its factory"):
+            obj = factory(subject) if takes else factory()
     except SubjectError as exc:   # a Subject the factory built with an unusable field
         raise pytest.UsageError(f"--reference {spec!r}: {exc}") from None
     except Exception as exc:  # the user's code may fail in any way
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise pytest.UsageError(f"--reference {spec!r}: the factory raised {type(exc).__name__}: {first}") from None
+        first = raised(exc).strip().splitlines()[0]
+        raise pytest.UsageError(f"--reference {spec!r}: the factory raised {first}") from None
     try:
-        return as_subject(obj, origin=f"--reference {spec!r}")
+        return watched(as_subject(obj, origin=f"--reference {spec!r}"), f"reference model {spec}")
     except SubjectError as exc:   # neither a zoo model nor a Subject
         raise pytest.UsageError(str(exc)) from None
 
@@ -153,7 +156,8 @@ def _model(config, spec: str) -> Reference | None:
         raise pytest.UsageError(f"--reference {spec!r}: compares one model with its reference; give only one of "
                                 f"--model, --zoo and --zoo-config")
     try:
-        factory = load_object(spec)
+        with user_call(f"reference model {spec}", f"importing {spec.rpartition(':')[0]!r}"):
+            factory = load_object(spec)
     except PluginError as exc:
         raise pytest.UsageError(f"--reference {exc}") from None
     if not callable(factory):

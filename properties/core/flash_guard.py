@@ -18,6 +18,7 @@ from typing import Callable
 import pytest
 import torch
 
+from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel.guard import KernelContractError, check_output, describe_call
 
 __all__ = ["Unsupported", "FlashKernel", "skip_unsupported", "flash_weights", "FEATURES"]
@@ -66,10 +67,16 @@ class FlashKernel:
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(self.name)
 
+    @property
+    def plugin(self) -> str:
+        """How the watchdog names it (properties/core/watchdog.py)."""
+        return f"kernel {self.name}"
+
     def raw(self, *args, **kwargs):
         """Call the kernel unguarded except for the translation of unsupported features."""
         try:
-            return self.fn(*args, **kwargs)
+            with user_call(self.plugin, lambda: describe_args(f"kernel {self.name}", args, kwargs)):
+                return self.fn(*args, **kwargs)
         except Exception as exc:
             if _is_unsupported(exc):
                 raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
@@ -81,11 +88,12 @@ class FlashKernel:
         __tracebackhide__ = True
         call = describe_call(q, key, value, kwargs)
         try:
-            out = self.fn(q, key, value, *args, **kwargs)
+            with user_call(self.plugin, call):
+                out = self.fn(q, key, value, *args, **kwargs)
         except Exception as exc:  # any failure of user code is a finding, unless it declines a feature
             if _is_unsupported(exc):
                 raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
-            raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n  in {call}") from exc
+            raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             out = out[0]
         return check_output(self.name, out, q, value, call, nan_rows)
@@ -99,7 +107,8 @@ class FlashKernel:
             for feature in FEATURES[self.api]:
                 args, kwargs = _probe(self.api, feature, device)
                 try:
-                    self.fn(*args, **kwargs)
+                    with user_call(self.plugin, f"the probe of {feature} (kernel {self.name}, {self.api} API)"):
+                        self.fn(*args, **kwargs)
                 except Exception as exc:  # only a declined feature counts; other errors are the clauses' business
                     if _is_unsupported(exc):
                         found[feature] = f"{type(exc).__name__}: {exc}"

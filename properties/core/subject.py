@@ -6,7 +6,7 @@ model from Hydra overrides. Everything a user can get wrong here is a one-line `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -16,9 +16,10 @@ from zoo.nn.attention import KVCache
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
 from zoo.config.plugins import PluginError, load_object
+from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject"]
+__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched"]
 
 KINDS = FAMILIES  # a subject's kind is one of the zoo's model families
 ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
@@ -209,20 +210,38 @@ def as_subject(obj: object, origin: str = "the factory") -> Subject:
 def load_subject(spec: str) -> Subject:
     """``--model pkg.module:factory`` or ``path/to/file.py:factory`` -> a validated Subject."""
     try:
-        factory = load_object(spec)
+        with user_call(f"model {spec}", f"importing {spec.rpartition(':')[0]!r}"):
+            factory = load_object(spec)
     except PluginError as exc:
         raise SubjectError(f"--model {exc}") from exc
     if not callable(factory):
         raise SubjectError(f"--model {spec!r}: {type(factory).__name__} is not callable; expected a factory "
                            f"returning a zoo model or a properties.Subject")
     try:
-        obj = factory()
+        with user_call(f"model {spec}", "its factory"):
+            obj = factory()
     except SubjectError as exc:
         raise SubjectError(f"--model {spec!r}: {exc}") from exc
     except Exception as exc:  # the user's code may fail in any way
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise SubjectError(f"--model {spec!r}: the factory raised {type(exc).__name__}: {first}") from exc
+        first = raised(exc).strip().splitlines()[0]
+        raise SubjectError(f"--model {spec!r}: the factory raised {first}") from exc
     return as_subject(obj, origin=f"--model {spec!r}")
+
+
+def watched(subject: Subject, plugin: str) -> Subject:
+    """The same subject, its forward and decode_step each run as one call of the code under test (a time limit,
+    and a record of the call: properties/core/watchdog.py)."""
+    forward, decode_step = subject.forward, subject.decode_step
+
+    def watched_forward(*args):
+        with user_call(plugin, lambda: describe_args(f"{subject.kind} forward", args, {})):
+            return forward(*args)
+
+    def watched_decode_step(*args):
+        with user_call(plugin, lambda: describe_args(f"{subject.kind} decode_step", args[:-1], {})):
+            return decode_step(*args)
+    return replace(subject, forward=watched_forward,
+                   decode_step=None if decode_step is None else watched_decode_step)
 
 
 def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subject:
@@ -230,11 +249,15 @@ def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subje
     from zoo.config.builder import model_from_config  # Hydra is imported only when a zoo model is wanted
     from zoo.config.schema import ConfigError
     try:
-        model = model_from_config(cfg, device=device, dtype=dtype)
+        with user_call(f"model built by {origin}", "building it"):
+            model = model_from_config(cfg, device=device, dtype=dtype)
     except (ConfigError, PluginError) as exc:
         raise SubjectError(f"{origin}: {exc}") from exc
     except Exception as exc:  # a user's replacement part may fail in any way while constructed
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise SubjectError(f"{origin}: building the model raised {type(exc).__name__}: {first}") from exc
+        from hydra.errors import InstantiationException
+        if isinstance(exc, InstantiationException) and exc.__cause__ is not None:   # its first line names no cause
+            exc = exc.__cause__
+        first = raised(exc).strip().splitlines()[0]
+        raise SubjectError(f"{origin}: building the model raised {first}") from exc
     return as_subject(model, origin="--zoo")
 

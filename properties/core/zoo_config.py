@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from properties.core.config_file import read_config
+from properties.core.watchdog import user_call
 from zoo.config.options import PARTS
 
 __all__ = ["ZooRun", "PARTS", "compose", "zoo_run"]
@@ -36,6 +38,9 @@ class ZooRun:
 
     def __repr__(self) -> str:  # Hypothesis prints it in counterexamples
         return f"<{self.origin}>"
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer would list every field of the config
+        printer.text(repr(self))
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,14 +83,11 @@ def with_layer_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _load(path: str) -> DictConfig:
-    from omegaconf import OmegaConf
     from zoo.config.schema import ConfigError, validate
-    if not Path(path).is_file():
-        raise pytest.UsageError(f"--zoo-config {path!r}: no such file")
     try:
-        cfg = OmegaConf.load(path)
-    except Exception as exc:  # a YAML error spans lines: say its first
-        raise pytest.UsageError(f"--zoo-config {path!r}: not a YAML config: {str(exc).splitlines()[0]}") from None
+        cfg = read_config(Path(path))
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--zoo-config {path!r}: {exc}") from None
     try:
         validate(cfg)
     except ConfigError as exc:
@@ -99,12 +101,11 @@ def _load(path: str) -> DictConfig:
 def _choices_beside(path: Path) -> dict:
     """The option chosen in each group, from the hydra.yaml that Hydra (and task=verify) writes beside a
     run's config.yaml; the clauses about one option (norm=rmsnorm, pos=rotary, ...) need it."""
-    from omegaconf import OmegaConf
     beside = path.parent / "hydra.yaml"
     if not beside.is_file():
         return {}
     try:
-        return {str(k): str(v) for k, v in OmegaConf.load(beside).hydra.runtime.choices.items()}
+        return {str(k): str(v) for k, v in read_config(beside).hydra.runtime.choices.items()}
     except Exception:  # not Hydra's layout: the clauses about one option skip with their reason
         return {}
 
@@ -118,18 +119,51 @@ def zoo_run(config) -> ZooRun | None:
         raise pytest.UsageError("--zoo and --zoo-config both name a zoo model: give one")
     run = None
     if path:
-        cfg = _load(path)
+        with user_call(f"model built by --zoo-config {path}", "importing the parts it names (validating it)"):
+            cfg = _load(path)
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
         from zoo.config.plugins import PluginError
         from zoo.config.schema import ConfigError
         words = tuple(shlex.split(text))
         try:
-            cfg, choices = compose(words)
-            layer_cfg, _ = compose(with_layer_sizes(words))
+            with user_call(f"model built by --zoo {' '.join(words)}", "importing the parts it names (validating it)"):
+                cfg, choices = compose(words)
+                layer_cfg, _ = compose(with_layer_sizes(words))
         except (ConfigError, PluginError) as exc:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
         named = frozenset(g for g in map(group_of, words) if g is not None)
         run = ZooRun(cfg, layer_cfg, choices, named, f"--zoo {' '.join(words)}")
+    if run is not None:
+        _check_size(config, run)
     config.stash[_RUN] = run
     return run
+
+
+def _check_size(config, run: ZooRun) -> None:
+    """The zoo's own size check (zoo.config.builder.check_fits, as ``python -m zoo`` runs it) before the suite builds
+    anything: a model that cannot fit is one line, not an allocation failure or hours of building. It runs for the
+    model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
+    from zoo.config.builder import check_fits
+    from zoo.config.schema import ConfigError
+    from properties.core.watchdog import UserExit, raised
+    from properties.plugin_session import device_unavailable
+    import torch
+    device = (config.getoption("--device", None) or ["cpu"])[0]
+    try:
+        checks = [(run.cfg, device)] if not device_unavailable(torch.device(device)) else []
+    except (RuntimeError, ValueError):   # a --device that names nothing: the plugin says so
+        checks = []
+    checks.append((run.layer_cfg, "cpu"))
+    # torch's first meta-device operation imports its decompositions (seconds): not the code under test's time
+    torch.empty(1, device="meta").normal_()
+    for cfg, where in checks:
+        try:
+            with user_call(f"model built by {run.origin}", "the size check (zoo.config.builder.check_fits)"):
+                check_fits(cfg, device=where)
+        except ConfigError as exc:   # ModelTooLarge among them
+            raise pytest.UsageError(f"{run.origin}: {exc}") from None
+        except UserExit as exc:   # a user's part that calls sys.exit() while constructed, say
+            raise pytest.UsageError(f"{run.origin}: building the model raised {raised(exc)}") from None
+        except Exception:  # noqa: BLE001  a user's part that cannot be sized this way: the build that follows says why
+            pass

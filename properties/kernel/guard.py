@@ -16,6 +16,7 @@ from properties.core.assertions import assert_all, assert_within, fmt
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
+from properties.core.watchdog import cause, raised, user_call
 from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, softmax_bounds,
                                        unit_roundoff)
 
@@ -80,7 +81,8 @@ class GuardedKernel:
         __tracebackhide__ = True
         call = describe_call(query, key, value, kwargs)
         try:
-            out = self.fn(query, key, value, **kwargs)
+            with user_call(self.plugin, call):
+                out = self.fn(query, key, value, **kwargs)
         except NotImplementedError as exc:
             if kwargs.get("dropout_p", 0.0):   # dropout is optional: a kernel may declare it unsupported
                 import pytest
@@ -88,9 +90,13 @@ class GuardedKernel:
                             f"the dropout clauses do not apply")
             raise KernelContractError(f"kernel {self.name} raised NotImplementedError: {exc}\n  in {call}") from exc
         except Exception as exc:  # any failure of user code is a finding, not a crash of the suite
-            raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n"
-                                      f"  in {call}") from exc
+            raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
         return check_output(self.name, out, query, value, call, nan_rows)
+
+    @property
+    def plugin(self) -> str:
+        """How the watchdog names it (properties/core/watchdog.py)."""
+        return f"kernel {self.name}"
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
         """The kernel's attention weights: its output for V = I_S (attention is linear in V)."""
@@ -101,7 +107,8 @@ class GuardedKernel:
     def rejects_keyword(self, keyword: str, query, key, value, **kwargs) -> bool:
         """True if the kernel raises TypeError naming ``keyword`` (an optional feature it lacks)."""
         try:
-            self.fn(query, key, value, **kwargs)
+            with user_call(self.plugin, lambda: describe_call(query, key, value, kwargs)):
+                self.fn(query, key, value, **kwargs)
         except TypeError as exc:
             return keyword in str(exc)
         except Exception:
@@ -181,11 +188,12 @@ def backward_gradients(kernel, out, upstream, leaves: dict) -> dict:
     if not out.requires_grad:
         pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
     try:
-        out.backward(upstream)
+        with user_call(kernel.plugin, lambda: f"the backward pass of kernel {kernel.name}"):
+            out.backward(upstream)
     except NotImplementedError as exc:
         pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
     except Exception as exc:  # any failure of user code is a finding
-        raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
+        raise KernelContractError(f"kernel {kernel.name}: backward raised {raised(exc)}") from cause(exc)
     grads = {}
     for name, leaf in leaves.items():
         if leaf.grad is None:

@@ -22,7 +22,7 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.plugin_session import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core.subject import Subject, SubjectError, as_subject, load_subject, zoo_subject
+from properties.core.subject import Subject, SubjectError, as_subject, load_subject, watched, zoo_subject
 
 __all__ = ["add_options", "configure", "subject_ids", "model_under_test", "build_model_under_test", "ModelUnderTest",
            "ZOO_TINY"]
@@ -65,7 +65,11 @@ class ModelUnderTest:
 @dataclass
 class _Source:
     make: Callable[[], Subject]                   # a fresh subject each call
+    plugin: str                                   # how the watchdog names it (properties/core/watchdog.py)
     built: ModelUnderTest | None = field(default=None)
+
+    def watched(self) -> Subject:
+        return watched(self.make(), self.plugin)
 
 
 def add_options(parser) -> None:
@@ -113,18 +117,18 @@ def configure(config) -> None:
             spec = config.getoption("model")
             first = load_subject(spec)
             made = iter([first])
-            sources["model"] = _Source(lambda: next(made, None) or load_subject(spec))
-        run = zoo_run(config)
+            sources["model"] = _Source(lambda: next(made, None) or load_subject(spec), f"model {spec}")
+        run = zoo_run(config)   # the zoo's size check included: a model that cannot fit is one line here
         if run is not None:
             first = zoo_subject(run.cfg, device=device, dtype=dtype, origin=run.origin)
-            sources["zoo"] = _Source(_zoo_maker(first.module))
+            sources["zoo"] = _Source(_zoo_maker(first.module), f"model built by {run.origin}")
     except SubjectError as exc:
         raise pytest.UsageError(str(exc)) from None
     if not sources:
         for family in FAMILIES:
             for pos in POSITIONS:
                 overrides = (f"model={family}", f"pos={pos}", *ZOO_TINY)
-                sources[f"{family}-{pos}"] = _Source(_lazy_zoo(overrides, device, dtype))
+                sources[f"{family}-{pos}"] = _Source(_lazy_zoo(overrides, device, dtype), f"model {family}-{pos}")
     config.stash[_KEY] = sources
 
 
@@ -155,7 +159,7 @@ def subject_ids(config) -> list:
 def model_under_test(config, key: str) -> ModelUnderTest:
     source = config.stash[_KEY][key]
     if source.built is None:
-        source.built = build_model_under_test(source.make, key, config)
+        source.built = build_model_under_test(source.watched, key, config)
     return source.built
 
 

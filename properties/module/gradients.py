@@ -35,6 +35,7 @@ from einops import rearrange, repeat
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from properties.core.watchdog import raised, user_call
 from properties.core.assertions import fmt
 from properties.core.flash import flash_allowed
 from properties.core.tolerance import unit_roundoff
@@ -213,11 +214,13 @@ def module_gradients(module, inputs: dict, upstream: torch.Tensor, call) -> tupl
     try:
         out = call(module, **leaves)
     except Exception as exc:  # a user's module may fail in any way: a finding, not a crash
-        raise AssertionError(f"the forward pass raised {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(f"the forward pass raised {raised(exc)}") from exc
     if not out.requires_grad:
         return {}, f"{type(module).__qualname__}'s output does not require grad: the module does not support autograd"
     try:
-        out.backward(upstream.to(out.dtype))
+        with user_call(getattr(module, "_watchdog_plugin", f"module {type(module).__qualname__}"),
+                       f"the backward pass of {type(module).__qualname__}"):
+            out.backward(upstream.to(out.dtype))
     except NotImplementedError as exc:
         return {}, f"{type(module).__qualname__}'s backward raised NotImplementedError: {exc}"
     grads = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from dataclasses import dataclass, field
 
 import pytest
@@ -33,10 +34,11 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 from properties.core.strategies import derived_generator, require_dtype
+from properties.core.watchdog import describe_args, raised, user_call
 from properties.core.zoo_config import PARTS, ZooRun, with_layer_sizes, compose, zoo_run
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
-           "reinitialize", "call_module", "inputs", "OneLine", "PARTS"]
+           "reinitialize", "call_module", "watch_module", "inputs", "OneLine", "PARTS"]
 
 # Each composition names one option of every group; together they cover every option once.
 DEFAULT_COMPOSITIONS = (
@@ -91,11 +93,18 @@ class Part:
         whose dtype the device cannot compute in is discarded)."""
         from zoo.config.builder import instantiate_part
         require_dtype(str(device), dtype)
-        factory = instantiate_part(self.node)
-        module = factory(**{k: v for k, v in sizes.items() if k in self.node}, device=device, dtype=dtype)
-        module.eval()
+        given = {k: v for k, v in sizes.items() if k in self.node}
+        with user_call(self.plugin, lambda: describe_args(f"building {self.node.get('_target_', '?')}", (), given)):
+            factory = instantiate_part(self.node)
+            module = factory(**given, device=device, dtype=dtype)
+            module.eval()
         reinitialize(module, seed)
-        return module
+        return watch_module(module, self.plugin)
+
+    @property
+    def plugin(self) -> str:
+        """How the watchdog names it (properties/core/watchdog.py)."""
+        return f"module {self.group}={self.choice} ({self.node.get('_target_', '?')})"
 
 
 def reinitialize(module: nn.Module, seed: int) -> None:
@@ -192,8 +201,12 @@ def _layer_subject(cfg, name: str, device: str) -> LayerSubject:
     from zoo.config.builder import model_from_config
     if (name, device) in _LAYERS:
         return _LAYERS[name, device]
-    model = model_from_config(cfg, device=device, dtype=torch.float64)
-    model.eval()
+    plugin = f"the layers of {name}"
+    with user_call(plugin, "building the model"):
+        model = model_from_config(cfg, device=device, dtype=torch.float64)
+        model.eval()
+    for module in model.modules():   # the layer clauses call layers, sub-layers and norms directly
+        watch_module(module, plugin)
     encoder, enc_layers = _stack(model, "encoder")
     decoder, dec_layers = _stack(model, "decoder")
     pos = getattr(encoder if encoder is not None else decoder, "pos", None)
@@ -228,11 +241,12 @@ def call_module(module: nn.Module, *args, expect: tuple[int, ...], like: torch.T
     def describe(t):
         return f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)}" if torch.is_tensor(t) else repr(t)
     text = f"{what}({', '.join([describe(a) for a in args] + [f'{k}={describe(v)}' for k, v in kwargs.items()])})"
+    owner = getattr(module, "__self__", module)   # module.rotate, module.score_bias: methods of the part
     try:
-        with torch.no_grad():
+        with torch.no_grad(), user_call(getattr(owner, _PLUGIN, f"module {type(owner).__qualname__}"), text):
             out = module(*args, **kwargs)
     except Exception as exc:  # a user's module may fail in any way: a finding, not a crash
-        raise AssertionError(f"{text} raised {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(f"{text} raised {raised(exc)}") from exc
     if not torch.is_tensor(out):
         raise AssertionError(f"{text} returned {type(out).__name__}, not a tensor")
     if tuple(out.shape) != tuple(expect):
@@ -240,6 +254,25 @@ def call_module(module: nn.Module, *args, expect: tuple[int, ...], like: torch.T
     if out.dtype != like.dtype or out.device != like.device:
         raise AssertionError(f"{text} returned {out.dtype} on {out.device}, expected {like.dtype} on {like.device}")
     return out
+
+
+_PLUGIN = "_watchdog_plugin"   # the attribute naming the plug-in a watched module belongs to
+
+
+def watch_module(module: nn.Module, plugin: str) -> nn.Module:
+    """Run every forward call of ``module`` as one call of the code under test (properties/core/watchdog.py: a time
+    limit, a record for the supervisor, SystemExit and the like as failures). The wrapper is an instance attribute
+    bound to the module, so deep copies and ``.to()`` keep it; a module that set its own instance ``forward`` is
+    left alone."""
+    if "forward" not in vars(module):
+        setattr(module, _PLUGIN, plugin)
+        module.forward = types.MethodType(_watched_forward, module)
+    return module
+
+
+def _watched_forward(self, *args, **kwargs):
+    with user_call(getattr(self, _PLUGIN), lambda: describe_args(f"{type(self).__qualname__}.forward", args, kwargs)):
+        return type(self).forward(self, *args, **kwargs)
 
 
 def inputs(seed: int, stream: int, shape, dtype, device, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:

@@ -13,6 +13,14 @@ class PluginError(ValueError):
     """A plug-in path that cannot be loaded; the message is one line meant for the user."""
 
 
+def _raised(exc: BaseException) -> str:
+    """One line for what an import raised; a module that calls sys.exit() while imported says so."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}) while imported"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def load_object(spec: str) -> object:
     """Load ``pkg.module:attr`` or ``path/to/file.py:attr`` (attr may be dotted)."""
     if ":" not in spec:
@@ -32,8 +40,10 @@ def load_object(spec: str) -> object:
             module = importlib.import_module(where)
     except PluginError:
         raise
-    except Exception as exc:  # the user's module may fail in any way while importing
-        raise PluginError(f"{spec!r}: cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
+    except KeyboardInterrupt:   # Ctrl-C (or SIGTERM) while importing still stops the program
+        raise
+    except BaseException as exc:  # the user's module may fail in any way while importing, sys.exit() included
+        raise PluginError(f"{spec!r}: cannot import {where!r}: {_raised(exc)}") from exc
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):
@@ -52,8 +62,10 @@ def locate(dotted: str) -> object:
             if exc.name is None or not ".".join(parts[:cut]).startswith(exc.name):
                 raise PluginError(f"{dotted!r}: importing it failed: {exc}") from exc
             continue
-        except Exception as exc:  # the user's module may fail in any way while importing
-            raise PluginError(f"{dotted!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the user's module may fail in any way while importing, sys.exit() included
+            raise PluginError(f"{dotted!r}: importing it failed: {_raised(exc)}") from exc
         for name in parts[cut:]:
             if not hasattr(obj, name):
                 raise PluginError(f"{dotted!r}: {'.'.join(parts[:cut])!r} has no attribute {name!r}")
