@@ -23,12 +23,16 @@ from properties.core.strategies import identity_values
 from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, rounding_error,
                                        softmax_bounds, unit_roundoff)
 
-__all__ = ["KernelContractError", "GuardedKernel", "describe_call", "check_output", "check_against_oracle",
+__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "describe_call", "check_output", "check_against_oracle",
            "check_dropout_rate"]
 
 
 class KernelContractError(AssertionError):
     """The kernel raised, or returned something the contract rules out."""
+
+
+class KernelDeclined(Exception):
+    """The kernel declined a problem outside a Hypothesis example (inside one, the example is rejected)."""
 
 
 def _describe(t) -> str:
@@ -132,6 +136,7 @@ class GuardedKernel:
         other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
         import pytest
         from hypothesis import reject
+        from hypothesis.control import currently_in_test_context
         if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
             pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
         tensors = (query, key, value, kwargs.get("attn_mask"))
@@ -145,6 +150,8 @@ class GuardedKernel:
         except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
             self._limits[str(query.device)] = self.declared
         coverage.declined(reason)
+        if not currently_in_test_context():
+            raise KernelDeclined(f"kernel {self.name} declined {describe_call(query, key, value, kwargs)}: {reason}")
         reject()
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
