@@ -276,7 +276,8 @@ CORRECT: list[Entry] = [
           "--kernel", "memory_efficient"),
     Entry("zoo flash-API kernels", "kernel", "zoo/nn/flash.py: reference, tiled, varlen loop and packed, kvcache "
           "gather and paged", (), "--kernel-api", "flash"),
-    Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks: every block path runs", (),
+    Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks (S/8 past 24 keys): every block "
+          "path runs", (),
           "--kernel", "properties.catalog.correct:memory_efficient_block3"),
     Entry("tiled", "kernel", "FlashAttention-2 in plain torch, tiles of 64, its own backward (the tile bugs' base)",
           (), "--kernel", f"{_TILED}:tiled_attention"),
