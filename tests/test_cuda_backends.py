@@ -1,14 +1,10 @@
 """PyTorch's SDPA backends as --kernel plug-ins (examples/torch_cuda_backends.py) and the one departure the suite
 found among them on CUDA: the memory-efficient kernel's float-mask rows of finfo.min (MASK-LOW-PRECISION,
---finfo-min-rows; examples/repro_mem_efficient_finfo_min.py). Here, without CUDA: the CUDA backends decline and are
-reported skipped with their reason, math passes; the kernel's arithmetic emulated on the CPU is caught, and passes
-once the convention is declared; the zoo's torch backend keeps such rows; a bad value of the option is one line."""
+--finfo-min-rows; examples/repro_mem_efficient_finfo_min.py). Here, without CUDA, in this process: the kernel's
+arithmetic emulated on the CPU is caught, and passes once the convention is declared; the zoo's torch backend keeps
+such rows. (The CUDA backends' declines on the CPU and the option's usage error: tests/test_kernel_limits.py.)"""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,41 +16,28 @@ from zoo.nn.kernel import _shift_overflowing_rows, torch_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED = "examples/repro_mem_efficient_finfo_min.py:log2e_scaled_attention"
-MASK_CLAUSE = str(ROOT / "properties" / "kernel" / "test_masks.py")
 
 
-def _pytest(*args, report: Path | None = None):
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", "-W", "ignore", "--device", "cpu"]
-    cmd += ["--report-json", str(report)] if report else []
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    rows = json.loads(report.read_text()) if report is not None and report.exists() else []
-    return proc, {(r["clause"], r["nodeid"].split("[")[1].rsplit("-cpu", 1)[0]): r for r in rows}
+def _mask_clause(kernel_spec: str, finfo_min_rows: str, fully_masked: str = "zeros", dtype=torch.float32):
+    """MASK-LOW-PRECISION's body on one pinned shape (row 0 of finfo.min everywhere), in this process."""
+    from properties.core.strategies import Case
+    from properties.kernel.guard import GuardedKernel
+    from properties.kernel.test_masks import test_extreme_float_mask_values_do_not_overflow as clause
+    kernel = GuardedKernel(kernel_spec, load_object(kernel_spec))
+    clause.hypothesis.inner_test(kernel=kernel, device="cpu", case=Case((1, 1), 3, 5, 8, 4, dtype, 0), density=0.5,
+                                 magnitude=0.0, opposed=False, fully_masked=fully_masked, finfo_min_rows=finfo_min_rows)
 
 
-def test_cuda_backends_are_skipped_with_their_reason_and_math_passes_on_the_cpu(tmp_path):
-    kernels = [f"examples/torch_cuda_backends.py:{name}" for name in ("flash", "efficient", "cudnn", "math")]
-    proc, rows = _pytest(MASK_CLAUSE, "-k", "overflow", *(a for k in kernels + [EMULATED] for a in ("--kernel", k)),
-                         report=tmp_path / "r.json")
-    assert proc.returncode == 1, proc.stdout[-3000:]        # the emulated memory-efficient arithmetic is caught
-    for name in ("flash", "efficient", "cudnn"):
-        row = rows[("MASK-LOW-PRECISION", f"examples/torch_cuda_backends.py:{name}")]
-        assert row["status"] == "skipped" and "is a CUDA backend" in row["message"], row
-    assert rows[("MASK-LOW-PRECISION", "examples/torch_cuda_backends.py:math")]["status"] == "passed"
-    assert rows[("MASK-LOW-PRECISION", EMULATED)]["status"] == "failed", rows[("MASK-LOW-PRECISION", EMULATED)]
-
-
-def test_declared_finfo_min_rows_pass_the_emulated_memory_efficient_kernel(tmp_path):
-    proc, rows = _pytest(MASK_CLAUSE, "-k", "overflow", "--kernel", EMULATED, "--kernel", "torch",
-                         "--finfo-min-rows", "masked", report=tmp_path / "r.json")
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert {r["status"] for r in rows.values()} == {"passed"}, rows
-
-
-def test_a_bad_finfo_min_rows_is_a_usage_error():
-    proc, _ = _pytest(MASK_CLAUSE, "--finfo-min-rows", "zeros")
-    lines = [line for line in proc.stderr.splitlines() if "--finfo-min-rows" in line]
-    assert proc.returncode == 4 and len(lines) == 1 and "invalid choice: 'zeros'" in lines[0], proc.stderr
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")   # the body's assume, called bare
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_efficient_arithmetic_is_caught_unless_declared(dtype):
+    emulated = f"{ROOT / EMULATED}"
+    with pytest.raises(AssertionError, match="weights"):
+        _mask_clause(emulated, "softmax", dtype=dtype)
+    _mask_clause(emulated, "masked", dtype=dtype)                  # declared: the row may come out fully masked
+    _mask_clause("torch.nn.functional:scaled_dot_product_attention", "masked", dtype=dtype)  # the softmax: also fine
+    with pytest.raises(AssertionError):                            # declared rows follow --fully-masked, not anything
+        _mask_clause(emulated, "masked", fully_masked="nan", dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

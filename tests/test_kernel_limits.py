@@ -1,7 +1,7 @@
 """Kernels with limits (properties/core/limits.py, coverage.py): what counts as a decline, learning a kernel's limits,
 fitting pinned problems into them, reading weights through V = I in slices, the declared-limits options, and the
-suite run on kernels that decline — a fused kernel's limits, a pre-2.5 signature without enable_gqa, and
-flex_attention, whose CPU forward declines inputs that require grad.
+suite run on kernels that decline — a fused kernel's limits, a pre-2.5 signature without enable_gqa,
+flex_attention, whose CPU forward declines inputs that require grad, and PyTorch's CUDA backends on the CPU.
 """
 from __future__ import annotations
 
@@ -124,17 +124,19 @@ def _pytest(*args, report: Path | None = None):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = json.loads(report.read_text()) if report is not None and report.exists() else []
-    return proc, {(r["clause"], r["nodeid"].split("[")[1].split("-cpu")[0]): r for r in rows}
+    return proc, {(r["clause"], r["nodeid"].split("[")[1].rsplit("-cpu", 1)[0]): r for r in rows}
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--kernel-head-size", "0"], "ERROR: --kernel-head-size '0': expected head sizes between 1 and 1024"),
+    (["--finfo-min-rows", "zeros"], "argument --finfo-min-rows: invalid choice: 'zeros'"),
     (["--dtype", "float32", "--kernel", f"{HERE}:fused_like"],
      "declines every problem inside its declared limits (dtypes float32)"),
 ])
 def test_usage_errors_are_one_line(args, expected):
     proc, _ = _pytest(str(ROOT / "properties" / "kernel" / "test_gqa.py"), *args)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith(
+        ("ERROR: usage:", "  inifile:", "  rootdir:"))]   # pytest's own lines around an argparse error
     assert proc.returncode == 4 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
     if "fused_like" in expected or "fused_like" in " ".join(args):
         assert "it accepts float16" in lines[0] or "it accepts bfloat16" in lines[0], lines[0]
@@ -145,11 +147,17 @@ def test_kernels_that_decline_pass_with_coverage_or_are_skipped_with_the_reason(
     flex = f"{ROOT / 'examples' / 'flex_attention_adapter.py'}:scaled_dot_product_attention"
     flex_forward = [f"--deselect=properties/kernel/{name}[{flex}-cpu]" for name in (
         "test_kernel.py::test_output_agrees_with_float64_oracle", "test_masks.py::test_bool_mask_true_means_attend")]
+    backends = [f"examples/torch_cuda_backends.py:{name}" for name in ("flash", "efficient", "cudnn", "math")]
     proc, rows = _pytest(str(suite / "test_kernel.py"), str(suite / "test_masks.py"), str(suite / "test_gradients.py"),
                          "--kernel", f"{HERE}:fused_like", "--kernel", f"{HERE}:before_gqa", "--kernel", flex,
+                         *(word for spec in backends for word in ("--kernel", spec)), "--device", "cpu",
                          "-k", "float64_oracle or true_means_attend or shared_kv_head", *flex_forward,
                          report=tmp_path / "r.json")
     assert proc.returncode == 0, proc.stdout[-3000:]
+    for name in ("flash", "efficient", "cudnn"):   # the CUDA backends decline the CPU: skipped, with the reason
+        row = rows[("ATTN-ORACLE", f"examples/torch_cuda_backends.py:{name}")]
+        assert row["status"] == "skipped" and "is a CUDA backend" in row["message"], row
+    assert rows[("ATTN-GRAD", "examples/torch_cuda_backends.py:math")]["status"] == "passed"
     fused = f"{HERE}:fused_like"
     oracle = rows[("ATTN-ORACLE", fused)]
     assert oracle["status"] == "passed" and oracle["coverage"]["run"] >= 10, oracle

@@ -134,11 +134,12 @@ def tile_pins(n_lead: int = 2) -> list[Case]:
     """The kernel-scale shapes pinned in every kernel clause: L = S = 65 (one query and one key past a 64-tile:
     partial last tiles on both axes, causal in the causal clauses); L = 65, S = 130 with E = 128 (L != S, a
     two-row last key tile of 64, a head size past 64; the mask clauses add their float mask); S = 1024 in
-    bfloat16 (long rows: 16 full tiles of 64, 8 of 128)."""
+    bfloat16 (long rows: 16 full tiles of 64, 8 of 128); L = S = 129 with E = 96 (one past a 128-tile, for kernels
+    whose query tiles are 128 rows; a head size that is no power of two)."""
     first = _selected[0]
     return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
             for l, s, e, ev, dtype in ((65, 65, 64, 64, first), (65, 130, 128, 64, first),
-                                       (3, 1024, 64, 64, torch.bfloat16))]
+                                       (3, 1024, 64, 64, torch.bfloat16), (129, 129, 96, 96, first))]
 
 
 def with_pinned_cases(argname: str = "case", n_lead: int = 2, tiles: bool = True, **other_args):

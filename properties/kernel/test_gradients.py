@@ -109,10 +109,11 @@ def grad_cases(draw, *, mask=None, causal=None, group=None, strided=None, weight
 
 
 # The kernel-scale problems pinned in every gradient clause (core/strategies.py, tile_pins): L = S = 65 causal,
-# L = 65, S = 130 with E = 128 and a float mask that requires grad, S = 1024 in bfloat16.
+# L = 65, S = 130 with E = 128 and a float mask that requires grad, S = 1024 in bfloat16, L = S = 129 causal, E = 96.
 TILE_GRAD_PINS = (GradCase(1, 1, 1, 65, 65, 64, 64, torch.float32, "none", True, None, False, 0),
                   GradCase(1, 1, 1, 65, 130, 128, 64, torch.float32, "float-grad", False, None, False, 0),
-                  GradCase(1, 1, 1, 3, 1024, 64, 64, torch.bfloat16, "none", False, None, False, 0))
+                  GradCase(1, 1, 1, 3, 1024, 64, 64, torch.bfloat16, "none", False, None, False, 0),
+                  GradCase(1, 1, 1, 129, 129, 96, 96, torch.float32, "none", True, None, False, 0))
 
 
 def with_tile_pins(**other_args):

@@ -79,8 +79,8 @@ def test_masked_keys_and_values_have_no_influence(kernel, device, case, density,
     # Replace the keys and values that query 0 may not see (in every slice) by huge finite ones; every
     # query that admits none of them must give a bitwise identical output.
     hidden = ~mask[..., :1, :].transpose(-1, -2)  # (..., s, 1): masked for query 0
-    big = torch.finfo(case.dtype).max / 4
-    big_k = rescale_keys(q64, k64, 1 / math.sqrt(case.e), big, big)
+    big = torch.finfo(case.dtype).max / 4   # q.k stays finite even where a kernel forms it before scaling
+    big_k = rescale_keys(q64, k64, 1 / math.sqrt(case.e), big / math.sqrt(case.e), big)
     k_new = torch.where(hidden, big_k, k64)
     v_new = torch.where(hidden, huge_values(v64, case.dtype), v64)
     q, k, v, k2, v2 = (on(t, case.dtype, device) for t in (q64, k64, v64, k_new, v_new))
