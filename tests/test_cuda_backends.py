@@ -59,3 +59,12 @@ def test_the_zoo_torch_backend_shifts_only_rows_that_would_overflow(dtype):
     unmasked[1] = 0
     assert torch.equal(emulated(q, k, v, shifted)[0, 1], emulated(q, k, v, unmasked)[0, 1])
     assert torch.equal(torch_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, shifted))
+
+
+def test_the_cuda_table_script_says_in_one_line_that_it_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: python -m bench.cuda_backends runs the suite for real")
+    from bench.cuda_backends import main
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA is not available" in err[0]

@@ -93,6 +93,18 @@ def test_pinned_problems_are_fitted_into_the_limits():
     assert (grad.mask, grad.causal, grad.group) == ("bool", True, 2)   # the clause's own features stay
 
 
+def test_declared_limits_are_enforced_before_the_kernel_is_called():
+    calls = []
+    kernel = GuardedKernel("counting", lambda q, k, v, **kw: calls.append(kw) or F.scaled_dot_product_attention(
+        q, k, v, **kw), Limits(masks=(), equal_lengths=True))
+    q, k = torch.randn(1, 4, 8), torch.randn(1, 5, 8)
+    with pytest.raises(KernelDeclined, match="outside the declared limits: a bool attn_mask"):
+        kernel(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(KernelDeclined, match="outside the declared limits: L != S"):
+        kernel(q, k, k)
+    assert not calls and kernel(q, q, q).shape == (1, 4, 8) and len(calls) == 1
+
+
 def test_weights_are_read_in_slices_of_e_columns_for_a_kernel_that_needs_ev_equal_e():
     kernel = GuardedKernel("value_head_equal", value_head_equal, Limits(equal_head_sizes=True))
     q, k = torch.randn(2, 4, 3, dtype=torch.float64), torch.randn(2, 7, 3, dtype=torch.float64)   # S = 7, E = 3

@@ -142,6 +142,19 @@ class Limits:
             changes["scale"] = None
         return dataclasses.replace(problem, **changes) if changes else problem
 
+    def violation(self, query, key, value, kwargs) -> str:
+        """Why a call lies outside these limits ('' if it does not): the declared ones are enforced before the
+        kernel is called, so that a clause the user ruled out is skipped whatever the kernel would do."""
+        mask = kwargs.get("attn_mask")
+        kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
+        checks = [(self.dtypes is not None and query.dtype not in self.dtypes, f"dtype {query.dtype}"),
+                  (self.head_sizes is not None and query.shape[-1] not in self.head_sizes,
+                   f"head size {query.shape[-1]}"),
+                  (self.equal_head_sizes and value.shape[-1] != query.shape[-1], "Ev != E"),
+                  (self.equal_lengths and query.shape[-2] != key.shape[-2], "L != S"),
+                  (kind is not None and kind not in self.masks, f"a {kind} attn_mask")]
+        return ", ".join(text for broken, text in checks if broken)
+
     def fits(self, *, dtype=None, e=None, ev=None, l=None, s=None, rank=None) -> bool:
         return ((dtype is None or self.dtypes is None or dtype in self.dtypes)
                 and (e is None or self.head_sizes is None or e in self.head_sizes)

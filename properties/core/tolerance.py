@@ -69,7 +69,7 @@ def rounding_error(n: int, c: int, dtype: torch.dtype) -> float:
 
 def evaluation_error(s: int, dtype: torch.dtype) -> float:
     """Step 4: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
-    return rounding_error(2 * s + 4, 2, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
+    return rounding_error(2 * s + 2, 4, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
 
 
 def rowsum_error(s: int, dtype: torch.dtype) -> float:
@@ -231,13 +231,13 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
     deviation = torch.maximum(bounds.upper - w, w - bounds.lower)
     has_key = bounds.admissible.any(dim=-1, keepdim=True)
     if value is None:
-        bound = weight_factor * (deviation + rounding_error(s + 1 + extra_roundings, 1, bounds.dtype) * bounds.upper
+        bound = weight_factor * (deviation + rounding_error(s + extra_roundings, 2, bounds.dtype) * bounds.upper
                                  + gamma(s + 1, u64) * w)
         return bound + torch.where(has_key, bounds.tiny, 0.0)
     v = to_float64(value).abs()
     if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
         v = expand_kv_heads(v, w.shape[-3])
     bound = weight_factor * (deviation @ v
-                             + rounding_error(s + 1 + extra_roundings, 1, bounds.dtype) * (bounds.upper @ v)
+                             + rounding_error(s + extra_roundings, 2, bounds.dtype) * (bounds.upper @ v)
                              + gamma(s + 1, u64) * (w @ v))
     return bound + torch.where(has_key, bounds.tiny, 0.0)

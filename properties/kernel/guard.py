@@ -113,6 +113,9 @@ class GuardedKernel:
         rejected (or, for dropout or inputs that require grad, the clause skipped): ``_declined``."""
         __tracebackhide__ = True
         call = describe_call(query, key, value, kwargs)
+        outside = self.declared.violation(query, key, value, kwargs) if self.declared else ""
+        if outside:
+            self._reject(f"outside the declared limits: {outside}", query, key, value, kwargs)
         try:
             out = self.fn(query, key, value, **kwargs)
         except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
@@ -136,8 +139,6 @@ class GuardedKernel:
         """A decline of dropout, or of inputs that require grad, skips the clause (that feature is optional); any
         other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
         import pytest
-        from hypothesis import reject
-        from hypothesis.control import currently_in_test_context
         if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
             pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
         tensors = (query, key, value, kwargs.get("attn_mask"))
@@ -150,6 +151,12 @@ class GuardedKernel:
             self.learn(query.device)
         except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
             self._limits[str(query.device)] = self.declared
+        self._reject(reason, query, key, value, kwargs)
+
+    def _reject(self, reason: str, query, key, value, kwargs):
+        """Record the decline and reject the example (outside one: raise KernelDeclined)."""
+        from hypothesis import reject
+        from hypothesis.control import currently_in_test_context
         coverage.declined(reason)
         if not currently_in_test_context():
             raise KernelDeclined(f"kernel {self.name} declined {describe_call(query, key, value, kwargs)}: {reason}")
@@ -245,7 +252,7 @@ def fully_masked_mean(actual: torch.Tensor, value: torch.Tensor | None, dtype: t
         v = expand_kv_heads(v, actual.shape[-3])
     s, dtype = v.shape[-2], value.dtype if value is not None else dtype
     mean = torch.broadcast_to(v.mean(-2, keepdim=True), actual.shape)
-    rounding = evaluation_error(s, dtype) + rounding_error(s + 1, 1, dtype) + gamma(s + 2, unit_roundoff(torch.float64))
+    rounding = evaluation_error(s, dtype) + rounding_error(s, 2, dtype) + gamma(s + 2, unit_roundoff(torch.float64))
     bound = torch.broadcast_to(rounding * v.abs().mean(-2, keepdim=True) + s * torch.finfo(dtype).tiny, actual.shape)
     return mean, bound
 

@@ -244,7 +244,7 @@ def test_flash_outputs_are_convex_combinations(flash_kernel, device, case, equal
     low = torch.where(keep, vh.expand_as(inf), inf).amin(-2).transpose(1, 2)     # (B, Lq, H, D)
     high = torch.where(keep, vh.expand_as(inf), -inf).amax(-2).transpose(1, 2)
     has_key = admissible.any(-1).transpose(1, 2)[..., None]
-    factor = evaluation_error(case.lk, case.dtype) + rounding_error(case.lk + 1, 1, case.dtype) * (
+    factor = evaluation_error(case.lk, case.dtype) + rounding_error(case.lk, 2, case.dtype) * (
         1 + evaluation_error(case.lk, case.dtype))
     slack = factor * torch.maximum(low.abs(), high.abs())
     ok = ~has_key | ((out >= low - slack) & (out <= high + slack))
