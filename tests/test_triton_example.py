@@ -1,26 +1,36 @@
-"""examples/triton_attention.py, the FlashAttention-2-style Triton kernel, run on the CPU under Triton's
-interpreter (TRITON_INTERPRET=1): the same kernels a GPU compiles, executed with NumPy.
+"""examples/triton_attention.py, the FlashAttention-2-style Triton kernel: checked against the suite's float64
+oracle and its derived bounds (properties/core/tolerance.py, properties/core/gradients.py) on problems that cross
+its 64 x 64 tiles, forward and backward, and on its declines.
 
-Checked here against the suite's float64 oracle and its derived bounds (properties/core/tolerance.py,
-properties/core/gradients.py) on problems that cross its 64 x 64 tiles, forward and backward, and on its
-declines.  Skipped where Triton is not installed (pip install -e ".[triton]").
+Its kernels run compiled on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1: the same kernels
+executed with NumPy). The interpreter is chosen when ``triton`` is first imported, for the whole process, so a
+run without it (CI's) checks the kernel here in a child process that has it; with it, or on a CUDA machine,
+the tests below run in this process. Skipped where Triton is not installed (pip install -e ".[triton]").
 """
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[triton]'")
+triton = pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[triton]'")
 
 from properties.core.assertions import assert_within  # noqa: E402
 from properties.core.gradients import gradient_oracle  # noqa: E402
 from properties.core.oracle import default_scale, to_float64  # noqa: E402
 from properties.kernel.guard import GuardedKernel, check_against_oracle  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "triton_attention.py"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "triton_attention.py"
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+DEVICE = "cpu" if INTERPRETED else "cuda" if torch.cuda.is_available() else None
+runs_kernels = pytest.mark.skipif(DEVICE is None, reason="Triton kernels run on CUDA or under TRITON_INTERPRET=1; "
+                                  "test_the_kernel_under_the_interpreter runs these in a process with it")
 
 
 def _load(name: str):
@@ -36,7 +46,7 @@ def triton_attention():
     return _load("triton_attention_example")
 
 
-def _tensors(lead, kv_heads, l, s, e, dtype, strided, seed):
+def _tensors(lead, kv_heads, l, s, e, dtype, strided, seed, device):
     """q, k, v, dO: standard normal, rounded to ``dtype``; ``strided`` gives (b, l, h, e) storage seen as (b, h, l, e)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -44,7 +54,7 @@ def _tensors(lead, kv_heads, l, s, e, dtype, strided, seed):
         if strided:
             return torch.randn(lead[0], n, heads, e, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
         return torch.randn(*lead[:-1], heads, n, e, generator=g, dtype=torch.float64).to(dtype)
-    return draw(lead[-1], l), draw(kv_heads, s), draw(kv_heads, s), draw(lead[-1], l)
+    return tuple(t.to(device) for t in (draw(lead[-1], l), draw(kv_heads, s), draw(kv_heads, s), draw(lead[-1], l)))
 
 
 # (lead, kv heads, L, S, E, dtype, causal, scale, strided): every problem crosses a 64-wide tile on at least one
@@ -66,10 +76,11 @@ def _id(case):
     return f"L{l}-S{s}-E{e}-{str(dtype)[6:]}{'-causal' if causal else ''}{'-gqa' if kv != lead[-1] else ''}"
 
 
+@runs_kernels
 @pytest.mark.parametrize("case", TILED, ids=[_id(c) for c in TILED])
 def test_forward_and_backward_within_the_suites_bounds(triton_attention, case):
     lead, kv_heads, l, s, e, dtype, causal, scale, strided = case
-    q, k, v, do = _tensors(lead, kv_heads, l, s, e, dtype, strided, seed=l * s + e)
+    q, k, v, do = _tensors(lead, kv_heads, l, s, e, dtype, strided, seed=l * s + e, device=DEVICE)
     contract = {"is_causal": causal, "scale": scale, "enable_gqa": kv_heads != lead[-1]}
     kernel = GuardedKernel("triton_attention", triton_attention.attention)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -92,22 +103,31 @@ DECLINED = [
 ]
 
 
+@runs_kernels
 @pytest.mark.parametrize("change,words", DECLINED, ids=[w.split()[-1] + "-" + next(iter(c)) for c, w in DECLINED])
 def test_declines_what_it_lacks_in_the_words_of_fused_kernels(triton_attention, change, words):
     """A problem outside its limits is a NotImplementedError worded as unsupported, never a wrong answer."""
     dtype, e, ev = change.pop("dtype", torch.float16), change.pop("e", 16), change.pop("ev", None)
-    q, k, v = torch.randn(1, 1, 5, e).to(dtype), torch.randn(1, 1, 7, e).to(dtype), torch.randn(1, 1, 7, ev or e).to(dtype)
+    q, k, v = (torch.randn(1, 1, n, m).to(DEVICE, dtype) for n, m in ((5, e), (7, e), (7, ev or e)))
     with pytest.raises(NotImplementedError, match=words):
         triton_attention.attention(q, k, v, **change)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="under TRITON_INTERPRET=1 the kernels take CPU tensors")
 def test_cpu_tensors_without_the_interpreter_are_declined_with_the_remedy():
-    """Imported without TRITON_INTERPRET, the kernels are compiled ones, which cannot read CPU memory."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("TRITON_INTERPRET", raising=False)
-        spec = importlib.util.spec_from_file_location("triton_attention_compiled", EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    """Without the interpreter the kernels are compiled ones, which cannot read CPU memory."""
     q = torch.randn(1, 1, 4, 16).half()
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
-        module.attention(q, q, q)
+        _load("triton_attention_compiled").attention(q, q, q)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
+def test_the_kernel_under_the_interpreter():
+    """This file's kernel tests, in a child process with TRITON_INTERPRET=1 (on the CPU, whatever this machine has)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    expected = len(TILED) + len(DECLINED)
+    assert f"{expected} passed" in proc.stdout, proc.stdout[-2000:]
