@@ -79,19 +79,65 @@ def _id(case):
 @runs_kernels
 @pytest.mark.parametrize("case", TILED, ids=[_id(c) for c in TILED])
 def test_forward_and_backward_within_the_suites_bounds(triton_attention, case):
+    _check(triton_attention, case, DEVICE)
+
+
+def _run(module, case, device):
+    """``module.attention`` on ``case``, through the suite's guard and ATTN-ORACLE's check, then backward: the inputs,
+    dO, the output, the gradients (query, key, value) and the forward's bounds."""
     lead, kv_heads, l, s, e, dtype, causal, scale, strided = case
-    q, k, v, do = _tensors(lead, kv_heads, l, s, e, dtype, strided, seed=l * s + e, device=DEVICE)
+    q, k, v, do = _tensors(lead, kv_heads, l, s, e, dtype, strided, seed=l * s + e, device=device)
     contract = {"is_causal": causal, "scale": scale, "enable_gqa": kv_heads != lead[-1]}
-    kernel = GuardedKernel("triton_attention", triton_attention.attention)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out, bounds = check_against_oracle(kernel, *leaves, **contract)           # ATTN-ORACLE's bound
+    out, bounds = check_against_oracle(GuardedKernel("triton_attention", module.attention), *leaves, **contract)
     out.backward(do)
-    oracle = gradient_oracle(bounds, q, k, v, do, scale=default_scale(e) if scale is None else scale)
-    for name, leaf in zip(("query", "key", "value"), leaves):
-        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == dtype
+    return (q, k, v, do), out, [leaf.grad for leaf in leaves], bounds
+
+
+def _check(module, case, device):
+    """The suite's forward and backward checks (ATTN-ORACLE's and ATTN-GRAD's bounds) of ``module.attention``."""
+    (q, k, v, do), _, grads, bounds = _run(module, case, device)
+    scale = case[7]
+    oracle = gradient_oracle(bounds, q, k, v, do, scale=default_scale(q.shape[-1]) if scale is None else scale)
+    for name, leaf, grad in zip(("query", "key", "value"), (q, k, v), grads):
+        assert grad.shape == leaf.shape and grad.dtype == leaf.dtype
         assert bool(torch.isfinite(oracle.bound[name]).all()), f"the bound on d{name} is not finite: it checks nothing"
-        assert_within(to_float64(leaf.grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
+        assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule")
+
+
+# Bugs of tiled kernels, each injected into the example's source: (name, the line as written, the line with the bug,
+# a problem inside one 64 x 64 tile where the bug changes nothing, one across tiles where it does).
+ONE_TILE = ((1, 2), 2, 64, 64, 16, torch.float16, True, None, False)
+TILE_BUGS = [
+    ("accumulator-not-rescaled", "acc = acc * alpha[:, None] + _dot(", "acc = acc + _dot(",
+     ((1, 1), 1, 8, 129, 16, torch.float16, False, 1.0, False)),   # wide scores: the maximum moves by a lot
+    ("causal-index-inside-the-tile", "admissible = admissible & (keys[None, :] <= rows[:, None])\n        s = tl.where",
+     "admissible = admissible & (keys[None, :] - start <= rows[:, None] - tile * BLOCK_M)\n        s = tl.where",
+     ((1, 1), 1, 65, 65, 16, torch.float16, True, None, False)),
+    ("dv-of-the-last-query-tile-only", "dv += _dot(p_t.to(do.dtype), do, UPCAST)", "dv = _dot(p_t.to(do.dtype), do, UPCAST)",
+     ((1, 1), 1, 65, 9, 16, torch.float16, False, None, False)),
+]
+
+
+@runs_kernels
+@pytest.mark.parametrize("name,line,bug,across", TILE_BUGS, ids=[b[0] for b in TILE_BUGS])
+def test_a_tile_bug_is_exact_inside_one_tile_and_caught_across_tiles(triton_attention, tmp_path, name, line, bug,
+                                                                     across):
+    """The bug leaves a one-tile problem bit for bit as the example computes it (so small draws cannot see it), and
+    the suite's bounds catch it once the problem crosses a tile."""
+    source = EXAMPLE.read_text()
+    assert source.count(line) == 1, f"the line {line!r} is no longer in the example: update TILE_BUGS"
+    mutant = tmp_path / f"{name.replace('-', '_')}.py"
+    mutant.write_text(source.replace(line, bug))
+    spec = importlib.util.spec_from_file_location(mutant.stem, mutant)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, out, grads, _ = _run(module, ONE_TILE, DEVICE)
+    _, out_correct, grads_correct, _ = _run(triton_attention, ONE_TILE, DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip([out, *grads], [out_correct, *grads_correct]))
+    with pytest.raises(AssertionError, match="outside the bound"):
+        _check(module, across, DEVICE)
 
 
 DECLINED = [
@@ -129,5 +175,5 @@ def test_the_kernel_under_the_interpreter():
                            "-p", "no:xdist"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    expected = len(TILED) + len(DECLINED)
+    expected = len(TILED) + len(TILE_BUGS) + len(DECLINED)
     assert f"{expected} passed" in proc.stdout, proc.stdout[-2000:]
