@@ -54,7 +54,7 @@ def _forward(Q, K, V, O, LSE, qk_scale,
              H, GROUP, L, S,
              CAUSAL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              UPCAST: tl.constexpr):
-    tile, nh = tl.program_id(0), tl.program_id(1)
+    tile, nh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # offsets may pass 2**31
     n, h = nh // H, nh % H
     kv = h // GROUP                                   # grouped-query attention: the query head's key/value head
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +97,7 @@ def _forward(Q, K, V, O, LSE, qk_scale,
 def _delta(O, DO, DELTA, so_n, so_h, so_l, so_e, sd_n, sd_h, sd_l, sd_e, H, L,
            HEAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO ∘ O): the row term of dS = P ∘ (dP - delta)."""
-    tile, nh = tl.program_id(0), tl.program_id(1)
+    tile, nh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # offsets may pass 2**31
     n, h = nh // H, nh % H
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     feat = tl.arange(0, HEAD)
@@ -115,7 +115,7 @@ def _backward_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, scale,
                        CAUSAL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        UPCAST: tl.constexpr):
     """dK and dV of one tile of keys of one key/value head, summed over the query heads of its group."""
-    tile, nkv = tl.program_id(0), tl.program_id(1)
+    tile, nkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     KV = H // GROUP
     n, kv = nkv // KV, nkv % KV
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,7 +161,7 @@ def _backward_query_tile(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, scale,
                          CAUSAL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          UPCAST: tl.constexpr):
     """dQ of one tile of queries of one head."""
-    tile, nh = tl.program_id(0), tl.program_id(1)
+    tile, nh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # offsets may pass 2**31
     n, h = nh // H, nh % H
     kv = h // GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
