@@ -15,6 +15,9 @@ Options (``pytest properties/ --help``, group "spec properties"):
                           API and no --kernel, the zoo's own kernels of that API (flash: all three)
   --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
   --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
+  --kernel-head-size N, --kernel-no-mask, --kernel-equal-lengths, --kernel-equal-head-sizes
+                          the limits of an SDPA kernel (with --dtype): the draws stay inside them
+                          (properties/core/limits.py; a kernel may also decline problems as it meets them)
   --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
@@ -28,6 +31,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from properties.core import coverage, limits
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
@@ -45,7 +49,9 @@ from zoo.config.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
 from properties.plugin_report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
                                       pytest_sessionfinish)
-from properties.plugin_session import pytest_report_header, pytest_terminal_summary, pytest_unconfigure  # noqa: F401
+from properties.plugin_report import write_coverage
+from properties.plugin_session import pytest_report_header, pytest_unconfigure  # noqa: F401
+from properties.plugin_session import pytest_terminal_summary as _seed_summary
 
 __all__ = ["PROFILE_NAMES"]   # --hypothesis-profile values the suite registers (properties.catalog.mutation_report)
 
@@ -77,6 +83,7 @@ def pytest_addoption(parser):
     group.addoption("--window-right-below-lk", action="store_true",
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
+    limits.add_options(group)
     subjects.add_options(parser)
     reference.add_options(parser)
 
@@ -109,9 +116,15 @@ def pytest_configure(config):
     except SpecError as exc:
         raise pytest.UsageError(str(exc)) from None
     kernels, api = [], config.getoption("--kernel-api")
+    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
+    try:
+        declared = limits.declared_limits({name: config.getoption(name) for name in limits.LIMIT_OPTIONS},
+                                          [DTYPES[name] for name in config.getoption("--dtype") or ()], api)
+    except limits.LimitsError as exc:
+        raise pytest.UsageError(str(exc)) from None
     for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
         try:
-            kernels.append(GuardedKernel(spec, resolve_kernel(spec)))
+            kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
@@ -121,7 +134,15 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
+    for kernel in kernels:   # a kernel that declines the plainest problem: its limits now (properties/core/limits.py)
+        for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
+            if kernel.plainest_declined(device):
+                try:
+                    kernel.learn(device)
+                except limits.LimitsError as exc:
+                    raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
+                                            f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
+                                            f"--kernel-equal-head-sizes)") from None
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 
@@ -143,6 +164,28 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("device", metafunc.config.stash[_DEVICES], scope="session")
     if "mut" in metafunc.fixturenames:  # the model clauses: once per model under test (zoo families, --model, --zoo)
         metafunc.parametrize("mut", subjects.subject_ids(metafunc.config), indirect=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    write_coverage(terminalreporter)
+    _seed_summary(terminalreporter, exitstatus, config)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Around each kernel-level test: the draws steer into the kernel's limits on its device, and the examples
+    run and declined are counted (properties/core/coverage.py)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
+    if level_of(item) != "kernel" or kernel is None:
+        return (yield)
+    device = params.get("device", "cpu")
+    limits.set_active((lambda: kernel.limits(device)) if isinstance(kernel, GuardedKernel) else None, device)
+    try:
+        with coverage.counting(item, kernel.name, device):
+            return (yield)
+    finally:
+        limits.set_active(None)
 
 
 @pytest.fixture(scope="session")
@@ -178,6 +221,12 @@ def pytest_collection_modifyitems(config, items):
     if unbound:
         raise pytest.UsageError(f"property tests must name their spec clause with @properties.clause(...): "
                                 f"{', '.join(unbound[:5])}{' ...' if len(unbound) > 5 else ''}")
+    for item in mine:   # a kernel that accepts no problem on a device: its clauses there are skipped, with its reason
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        kernel, device = params.get("kernel"), params.get("device")
+        if isinstance(kernel, GuardedKernel) and device is not None and kernel.limits(device).unusable:
+            item.add_marker(pytest.mark.skip(reason=f"kernel {kernel.name} declines every problem on {device} "
+                                                    f"(not covered): {kernel.limits(device).unusable}"))
     levels = _levels_selected(config)
     deselected = [item for item in mine if level_of(item) not in levels]
     if deselected:

@@ -1,6 +1,8 @@
 """The spec suite's reports (properties/plugin.py calls ``configure_report``): each failure opens with the text of
 the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
-message and Hypothesis' counterexample.
+message, Hypothesis' counterexample and, for a kernel clause, its coverage (problems run and declined with the reasons
+grouped, the largest L, S and E reached, the dtypes: properties/core/coverage.py), which the terminal summary also
+prints.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 
 import pytest
 
+from properties.core import coverage
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from zoo.io.atomic import write_text
@@ -55,6 +58,7 @@ def pytest_runtest_makereport(item, call):
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
     mut = getattr(item, "funcargs", {}).get("mut")
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
+    report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
@@ -100,6 +104,8 @@ def pytest_runtest_logreport(report):
                                                 "message": "", "counterexample": "",
                                                 "resolution": getattr(report, "resolution", "")})
     record["duration_s"] += report.duration
+    if getattr(report, "coverage", None):
+        record["coverage"] = report.coverage
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -109,6 +115,16 @@ def pytest_runtest_logreport(report):
         record["status"], record["message"] = "skipped", _message(report)
 
 
+def write_coverage(terminalreporter) -> None:
+    """The per-clause coverage of the kernel clauses (properties/core/coverage.py) at the end of the run."""
+    rows = [{**r, "clauses": r["clauses"]} for r in _records.values() if r.get("coverage")]
+    lines = coverage.summary_lines(rows, verbose=terminalreporter.config.getoption("verbose") > 0)
+    if lines:
+        terminalreporter.write_sep("=", "kernel clause coverage (problems run and declined; largest L, S, E; dtypes)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_sessionfinish(session):
     path = session.config.getoption("--report-json")
     if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
@@ -116,6 +132,6 @@ def pytest_sessionfinish(session):
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
-             "counterexample": r["counterexample"], "resolution": r["resolution"]}
+             "counterexample": r["counterexample"], "resolution": r["resolution"], "coverage": r.get("coverage")}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     write_text(path, json.dumps(rows, indent=1))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from properties.core.oracle import expand_kv_heads, to_float64
-from properties.core.tolerance import SoftmaxBounds, gamma, output_bound, unit_roundoff
+from properties.core.tolerance import SoftmaxBounds, gamma, output_bound, rounding_error, unit_roundoff
 
 __all__ = ["Gradients", "gradient_oracle", "group_sum"]
 
@@ -57,9 +57,11 @@ def _reduce_to(t: torch.Tensor, shape) -> torch.Tensor:
     return t
 
 
-def _g(n: int, dtype: torch.dtype) -> float:
-    """γ(n) of the tested dtype plus the float64 oracle's."""
-    return gamma(n, unit_roundoff(dtype)) + gamma(n, unit_roundoff(_F64))
+def _g(n: int, dtype: torch.dtype, stored: int | None = None) -> float:
+    """γ(n) of the tested dtype plus the float64 oracle's; with ``stored``, n - stored of the n roundings are those
+    of a float32 accumulation for float16/bfloat16 (core/tolerance.py, step 1)."""
+    tested = gamma(n, unit_roundoff(dtype)) if stored is None else rounding_error(n - stored, stored, dtype)
+    return tested + gamma(n, unit_roundoff(_F64))
 
 
 def softcap_slope(query, key, *, scale: float, softcap: float, dtype: torch.dtype):
@@ -106,15 +108,15 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
 
     # Bounds, step by step (names as above, e_ for an error bound, m_ for |exact| + its error bound).
     extra = 0 if keep is None else 1                               # the rescale by 1/(1 - p)
-    e_dw = _g(ev + 1 + extra, dtype) * ((do.abs() @ t(v.abs())) * drop) + ev * tiny
+    e_dw = _g(ev + 1 + extra, dtype, stored=1) * ((do.abs() @ t(v.abs())) * drop) + ev * tiny
     m_dw = d_w.abs() + e_dw
     e_out = output_bound(bounds, value, extra_roundings=extra, weight_factor=factor if keep is not None else 1.0)
     if heads is not None and e_out.shape[-3] != heads:
         e_out = expand_kv_heads(e_out, heads)
     m_out = out.abs() + e_out
-    from_output = (do.abs() * e_out).sum(-1, keepdim=True) + _g(ev + 1, dtype) * (do.abs() * m_out).sum(-1, keepdim=True)
+    from_output = (do.abs() * e_out).sum(-1, keepdim=True) + _g(ev + 1, dtype, stored=1) * (do.abs() * m_out).sum(-1, keepdim=True)
     from_weights = ((dev * m_dw + upper * e_dw).sum(-1, keepdim=True)
-                    + _g(s + 1, dtype) * (upper * m_dw).sum(-1, keepdim=True))
+                    + _g(s + 1, dtype, stored=1) * (upper * m_dw).sum(-1, keepdim=True))
     e_rowsum = torch.maximum(from_output, from_weights) + s * tiny
     m_rowsum = d_rowsum.abs() + e_rowsum
     e_ds = dev * (m_dw + m_rowsum) + upper * (e_dw + e_rowsum) + _g(3, dtype) * upper * (m_dw + m_rowsum) + tiny
@@ -127,9 +129,9 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
         m_ds = d_s.abs() + e_ds
         d_q, d_k = scale * d_s @ k, scale * t(d_s) @ q
     sigma = abs(scale)
-    e_dq = sigma * (e_ds @ k.abs() + _g(s + 3, dtype) * (m_ds @ k.abs())) + s * tiny
-    e_dk = sigma * (t(e_ds) @ q.abs() + _g(l + 3, dtype) * (t(m_ds) @ q.abs())) + l * tiny
-    e_dv = t(dev_used) @ do.abs() + _g(l + 2 + extra, dtype) * (t(upper_used) @ do.abs()) + l * tiny
+    e_dq = sigma * (e_ds @ k.abs() + _g(s + 3, dtype, stored=2) * (m_ds @ k.abs())) + s * tiny
+    e_dk = sigma * (t(e_ds) @ q.abs() + _g(l + 3, dtype, stored=2) * (t(m_ds) @ q.abs())) + l * tiny
+    e_dv = t(dev_used) @ do.abs() + _g(l + 2 + extra, dtype, stored=1) * (t(upper_used) @ do.abs()) + l * tiny
 
     value_grads = {"query": d_q, "key": d_k, "value": d_v}
     bound = {"query": e_dq, "key": e_dk, "value": e_dv}
@@ -143,5 +145,5 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
         shape = tuple(attn_mask.shape)
         value_grads["attn_mask"] = _reduce_to(d_scores, shape)
         n = max(1, d_s.numel() // max(1, attn_mask.numel()))
-        bound["attn_mask"] = _reduce_to(e_scores, shape) + _g(n + 1, dtype) * _reduce_to(m_scores, shape)
+        bound["attn_mask"] = _reduce_to(e_scores, shape) + _g(n + 1, dtype, stored=1) * _reduce_to(m_scores, shape)
     return Gradients(value_grads, bound)

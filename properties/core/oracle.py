@@ -93,9 +93,11 @@ class Reference:
 
 def reference_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
                         causal_alignment="top-left") -> Reference:
-    """The oracle, called with the kernel contract's arguments (float64, CPU)."""
+    """The oracle, called with the kernel contract's arguments (float64, CPU); ``value`` None is V = I."""
     scores = reference_scores(query, key, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
     weights = softmax_rows(scores)
+    if value is None:   # V = I: the output is the weight matrix
+        return Reference(scores, weights, weights)
     v = to_float64(value)
     if enable_gqa and v.dim() >= 3 and v.shape[-3] != scores.shape[-3]:
         v = expand_kv_heads(v, scores.shape[-3])

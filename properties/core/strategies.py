@@ -20,10 +20,11 @@ import pytest
 import torch
 from hypothesis import assume, example, given, strategies as st
 
+from properties.core.limits import Limits, active, active_device
 from zoo.config.options import DTYPES
 
 __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
-           "pinned_cases", "with_pinned_cases", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
+           "pinned_cases", "tile_pins", "tile_shape", "kernel_limits", "drawn_head_size", "head_sizes_up_to", "TILE_SHARE", "problem_budget", "TILE_LENGTHS", "TILE_HEAD_SIZES", "with_pinned_cases", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
            "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit",
            "pinned_property", "required"]
 
@@ -47,9 +48,40 @@ def selected_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(_selected)
 
 
+@st.composite
+def _steered_dtype(draw) -> torch.dtype:
+    return draw(st.sampled_from(kernel_limits().dtypes_among(_selected)))
+
+
 def dtypes() -> st.SearchStrategy[torch.dtype]:
-    """The selected dtypes, float32 first.  Deferred: the plugin selects them after this module loads."""
-    return st.deferred(lambda: st.sampled_from(_selected))
+    """The selected dtypes, float32 first, among those the kernel under test accepts (properties/core/limits.py).
+    Read at each draw: the plugin selects them after this module loads."""
+    return _steered_dtype()
+
+
+def kernel_limits() -> Limits:
+    """What the kernel under test accepts on its device (properties/core/limits.py); no limits outside a test."""
+    return active() or _NO_LIMITS
+
+
+_NO_LIMITS = Limits()
+
+# ------------------------------------------------------------------------------------------ kernel scale
+# Fused kernels tile queries and keys in blocks of 64 or 128: lengths around multiples of 64 (63, 64, 65, ...) give
+# full, partial and single-row last tiles; head sizes of real models (64 to 256) cross a 64-wide half. One draw in
+# TILE_SHARE is at that scale; its size is bounded by the problem budget so that the float64 oracle stays cheap.
+TILE_SHARE = 6
+TILE_LENGTHS = tuple(n for m in (64, 128, 192, 256, 512, 1024, 2048, 4096) for n in (m - 1, m, m + 1))
+TILE_HEAD_SIZES = (64, 80, 96, 128, 192, 256)
+BUDGET = 2 ** 20   # L * S * max(E, Ev) per example (L * S * S where the weights are read through V = I)
+
+
+def problem_budget() -> tuple[int, int]:
+    """(multiply-adds per example, longest length) for the tile-scale draws: 2^20 and 1025 at the default profile on
+    the CPU; 4x for a profile of 100 examples or more (thorough) and 4x on CUDA, the top length doubling with each."""
+    from hypothesis import settings
+    factor = (4 if settings.default.max_examples >= 100 else 1) * (4 if active_device().startswith("cuda") else 1)
+    return BUDGET * factor, {1: 1025, 4: 2049}.get(factor, 4097)
 
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
@@ -86,31 +118,97 @@ class Case:
 
 @st.composite
 def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=8, min_s=1, max_s=8,
-          max_e=16, max_ev=8, dtype=None) -> Case:
-    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads)."""
-    n_lead = lead if lead is not None else draw(st.integers(min_lead, max_lead))
-    dims = tuple(draw(st.integers(1, max_dim)) for _ in range(n_lead))
-    return Case(lead=dims, l=draw(st.integers(min_l, max_l)), s=draw(st.integers(min_s, max_s)),
-                e=draw(st.integers(1, max_e)), ev=draw(st.integers(1, max_ev)),
-                dtype=draw(dtype if dtype is not None else dtypes()), seed=draw(seeds))
+          max_e=16, max_ev=8, dtype=None, tiles=True, weights=False) -> Case:
+    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads). With ``tiles``,
+    one draw in TILE_SHARE is at kernel scale (``tile_shape``); ``weights``: the test reads the weights through
+    V = I (its cost grows as L S^2). Every draw stays inside the limits of the kernel under test."""
+    limits = kernel_limits()
+    if lead is not None:
+        n_lead = lead
+    else:
+        ranks = [r for r in range(min_lead, max_lead + 1) if limits.ranks is None or r in limits.ranks]
+        n_lead = draw(st.sampled_from(ranks)) if ranks else draw(st.integers(min_lead, max_lead))
+    big = tiles and draw(st.integers(0, TILE_SHARE - 1)) == TILE_SHARE - 1
+    dims = tuple(draw(st.integers(1, 2 if big else max_dim)) for _ in range(n_lead))
+    if big:
+        l, s, e, ev = draw(tile_shape(math.prod(dims), min_l=min_l, min_s=min_s, weights=weights))
+    else:
+        l, s = draw(st.integers(min_l, max_l)), draw(st.integers(min_s, max_s))
+        e = draw(drawn_head_size(limits, 1, max_e))
+        ev = e if limits.equal_head_sizes else draw(drawn_head_size(limits, 1, max_ev))
+        if limits.equal_lengths:
+            l = s = max(l, s)
+        l, s = limits.length(l), limits.length(s)
+    return Case(lead=dims, l=l, s=s, e=e, ev=ev, dtype=draw(dtype if dtype is not None else dtypes()),
+                seed=draw(seeds))
 
 
-def pinned_cases(n_lead: int = 2) -> list[Case]:
+@st.composite
+def head_sizes_up_to(draw, high: int) -> int:
+    """A head size in [1, high] that the kernel under test accepts (drawn anew for each kernel)."""
+    return draw(drawn_head_size(kernel_limits(), 1, high))
+
+
+def drawn_head_size(limits: Limits, low: int, high: int) -> st.SearchStrategy[int]:
+    """A head size in [low, high], or the smallest the kernel accepts above (all of them, small first)."""
+    if limits.head_sizes is None:
+        return st.integers(low, high)
+    inside = [n for n in limits.head_sizes if low <= n <= high]
+    return st.sampled_from(inside or sorted(limits.head_sizes))
+
+
+@st.composite
+def tile_shape(draw, lead_size: int = 1, *, min_l: int = 1, min_s: int = 1, weights: bool = False):
+    """(L, S, E, Ev) at kernel scale: S around a multiple of 64 up to the top length, a real head size, and L among
+    the small and the tile lengths that keep L * S * max(E, Ev[, S]) * lead_size within the budget (L != S and
+    partial last tiles on both axes come naturally); inside the kernel's limits."""
+    limits = kernel_limits()
+    budget, top = problem_budget()
+    sizes = [n for n in TILE_HEAD_SIZES if limits.head_sizes is None or n in limits.head_sizes]
+    sizes = sizes or sorted(limits.head_sizes, reverse=True)[:1]
+    e = draw(st.sampled_from(sizes))
+    ev = e if limits.equal_head_sizes or draw(st.booleans()) else draw(st.sampled_from(sizes))
+
+    def cost(l, s):
+        return l * s * max(e, ev, s if weights else 0) * lead_size
+    lengths = [limits.length(n) for n in TILE_LENGTHS if n <= top]
+    if limits.equal_lengths:
+        square = [n for n in lengths if cost(n, n) <= budget and n >= max(min_l, min_s)] or [limits.length(64)]
+        l = s = draw(st.sampled_from(square))
+        return l, s, e, ev
+    s = draw(st.sampled_from([n for n in lengths if n >= min_s and cost(1, n) <= budget] or [lengths[0]]))
+    short = [limits.length(n) for n in range(1, 9)]
+    l = draw(st.sampled_from([n for n in short + lengths if n >= min_l and cost(n, s) <= budget] or [short[0]]))
+    return l, s, e, ev
+
+
+def pinned_cases(n_lead: int = 2, tiles: bool = True) -> list[Case]:
     """Shapes every property also runs on, in the first selected dtype: L = 1, S = 1, odd head sizes, and
     B == L (a kernel that swaps the batch and query axes raises no shape error there, so the values are
-    what catch it).  ``n_lead`` keeps that many leading dims."""
+    what catch it); with ``tiles``, the kernel-scale ones (``TILE_PINS``).  ``n_lead`` keeps that many leading dims."""
     dtype = _selected[0]
     shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
               ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
-    return [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
-            for lead, l, s, e, ev in shapes]
+    small = [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0) for lead, l, s, e, ev in shapes]
+    return small + (tile_pins(n_lead) if tiles else [])
 
 
-def with_pinned_cases(argname: str = "case", n_lead: int = 2, **other_args):
+def tile_pins(n_lead: int = 2) -> list[Case]:
+    """The kernel-scale shapes pinned in every kernel clause: L = S = 65 (one query and one key past a 64-tile:
+    partial last tiles on both axes, causal in the causal clauses); L = 65, S = 130 with E = 128 (L != S, a
+    two-row last key tile of 64, a head size past 64; the mask clauses add their float mask); S = 1024 in
+    bfloat16 (long rows: 16 full tiles of 64, 8 of 128)."""
+    first = _selected[0]
+    return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
+            for l, s, e, ev, dtype in ((65, 65, 64, 64, first), (65, 130, 128, 64, first),
+                                       (3, 1024, 64, 64, torch.bfloat16))]
+
+
+def with_pinned_cases(argname: str = "case", n_lead: int = 2, tiles: bool = True, **other_args):
     """Decorator: run the test on :func:`pinned_cases` as explicit examples; ``other_args`` give the
     test's other drawn arguments."""
     def decorate(test):
-        for case in pinned_cases(n_lead):
+        for case in pinned_cases(n_lead, tiles):
             test = example(**{argname: case}, **other_args)(test)
         return test
     return decorate

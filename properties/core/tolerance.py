@@ -4,9 +4,11 @@ Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them)
 
 1. Model.  The kernel's inputs are exact in the tested dtype; every operation it performs is rounded
    with unit roundoff at most u = eps(dtype) / 2 (a kernel that accumulates in a wider type only does
-   better); ``exp`` is accurate to 2 ulps (4u; libm, SLEEF and GPU ``ex2.approx`` all are).  gamma(n) =
-   n u / (1 - n u) bounds n successive roundings (Higham, *Accuracy and Stability of Numerical
-   Algorithms*, 3.1).
+   better), except that for float16 and bfloat16 the sums over E, S and L (dot products, row sums, weighted
+   sums) accumulate in float32, as PyTorch's SDPA backends and FlashAttention do: a bounded number of roundings
+   per value to the dtype itself (``rounding_error``), so long rows keep a meaningful bound; ``exp`` is accurate
+   to 2 ulps (4u; libm, SLEEF and GPU ``ex2.approx`` all are).  gamma(n) = n u / (1 - n u) bounds n successive
+   roundings (Higham, *Accuracy and Stability of Numerical Algorithms*, 3.1).
 2. Scores.  A dot product of length E, the scale (rounded, applied once or as sqrt(scale) to both sides)
    and the float mask cost at most E + 5 roundings: |s_hat - s| <= gamma(E + 5) * (scale * sum_e |q_e k_e|
    + |mask|).  Subtracting a running maximum (or multiplying by log2 e) before ``exp`` moves the argument
@@ -35,7 +37,7 @@ import torch
 
 from properties.core.oracle import Reference, expand_kv_heads, reference_attention, to_float64
 
-__all__ = ["unit_roundoff", "gamma", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
+__all__ = ["unit_roundoff", "gamma", "accumulation_roundoff", "rounding_error", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
            "output_bound"]
 
 _F64 = torch.float64
@@ -51,9 +53,23 @@ def gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u) if n * u < 1 else math.inf
 
 
+def accumulation_roundoff(dtype: torch.dtype) -> float:
+    """Step 1: the unit roundoff of the sums over E, S and L, float32's for float16/bfloat16 inputs (as PyTorch's
+    math and fused SDPA backends and FlashAttention accumulate them), the dtype's own otherwise."""
+    return unit_roundoff(torch.float32) if dtype in (torch.float16, torch.bfloat16) else unit_roundoff(dtype)
+
+
+def rounding_error(n: int, c: int, dtype: torch.dtype) -> float:
+    """n roundings in the accumulation type and c roundings to ``dtype`` itself (values a kernel stores in the
+    dtype: q pre-scaled, scores, weights, the output): gamma(n + c) for float32 and float64, gamma(n) of float32
+    plus gamma(c) of the dtype for float16 and bfloat16."""
+    u, ua = unit_roundoff(dtype), accumulation_roundoff(dtype)
+    return gamma(n + c, u) if ua == u else gamma(n, ua) + gamma(c, u)
+
+
 def evaluation_error(s: int, dtype: torch.dtype) -> float:
     """Step 4: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
-    return gamma(2 * s + 6, unit_roundoff(dtype)) + gamma(2 * s + 6, unit_roundoff(_F64))
+    return rounding_error(2 * s + 4, 2, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
 
 
 def rowsum_error(s: int, dtype: torch.dtype) -> float:
@@ -83,13 +99,37 @@ class SoftmaxBounds:
     def admissible(self) -> torch.Tensor:
         return self.reference.scores > float("-inf")
 
-    def log_ratio_error(self) -> torch.Tensor:
-        """(..., l, s, s): bound on |log(w_hat_j / w_hat_k) - (s_j - s_k)| (denominators cancel)."""
-        d = self.score_error
+    def log_weight_error(self) -> tuple[torch.Tensor, float]:
+        """(e, slack): |log(w_hat_j / w_hat_k) - (s_j - s_k)| <= e_j + e_k + slack for any two keys of a row
+        (denominators cancel): e (..., l, s) is the score error plus underflow, slack the evaluation's."""
         slack = 2 * math.atanh(min(self.eval_error, 1.0)) if self.eval_error < 1 else math.inf
         # Underflow: a weight w >= lower carries absolute error <= tiny, i.e. log error <= log1p(tiny/lower).
         under = torch.log1p(self.tiny / self.lower.clamp_min(1e-300))
-        return (d + under)[..., :, None] + (d + under)[..., None, :] + slack
+        return self.score_error + under, slack
+
+    def log_ratio_error(self) -> torch.Tensor:
+        """(..., l, s, s): bound on |log(w_hat_j / w_hat_k) - (s_j - s_k)| for every pair (small problems only)."""
+        e, slack = self.log_weight_error()
+        return e[..., :, None] + e[..., None, :] + slack
+
+
+def _log_sum_exp_of_others(x: torch.Tensor):
+    """(log sum_{l != j} exp(x_l) for every j, the same before adding back the maximum, the exponents x - max):
+    -inf where no other term. From exclusive prefix and suffix sums of exp(x - max), so that the own term is never
+    subtracted (no cancellation when it dominates) and memory stays (..., s)."""
+    top = x.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    exponent = x - top
+    log_others = torch.log(_sum_of_others(torch.exp(exponent)))
+    return log_others + top, log_others, exponent
+
+
+def _sum_of_others(terms: torch.Tensor) -> torch.Tensor:
+    """sum_{l != j} terms_l for every j, as an exclusive prefix plus an exclusive suffix sum."""
+    zero = torch.zeros_like(terms[..., :1])
+    before = torch.cat([zero, terms[..., :-1].cumsum(-1)], dim=-1)
+    after = torch.cat([terms[..., 1:].flip(-1).cumsum(-1).flip(-1), zero], dim=-1)
+    return before + after
 
 
 def _softplus(x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +153,12 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     """The oracle plus the interval every correctly rounded weight lies in (see module docstring).
 
     ``dtype`` is the precision the kernel is held to (default: the query's).  ``value`` defaults to the
-    identity, whose output is the weight matrix.
+    identity, whose output is the weight matrix.  Memory and time are O(L S) per slice (no (L, S, S) tensor).
     """
     dtype = dtype or query.dtype
     q, k = to_float64(query), to_float64(key)
     e, s = q.shape[-1], k.shape[-2]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
-    if value is None:
-        value = torch.eye(s, dtype=_F64).expand(*k.shape[:-2], s, s)
     reference = reference_attention(q, k, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
     scores, admissible = reference.scores, reference.scores > float("-inf")
     u, u64 = unit_roundoff(dtype), unit_roundoff(_F64)
@@ -128,7 +166,8 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     # Scores may approach the dtype's largest value (ATTN-LARGE-SCORES, MASK-LOW-PRECISION): every sum
     # below is formed so that it cannot overflow where the quantity it bounds is finite (halved gaps);
     # an infinite exponent means a weight below exp(-finfo(float64).max), i.e. exactly 0.
-    dot_error = (gamma(e + 5, u) + gamma(e + 5, u64)) * _score_magnitude(q, k, attn_mask, scale, enable_gqa)
+    dot_error = (rounding_error(e + 1, 4, dtype) + gamma(e + 5, u64)) * _score_magnitude(q, k, attn_mask, scale,
+                                                                                          enable_gqa)
     dot_error = torch.where(admissible, dot_error, torch.zeros_like(dot_error))
     finite_scores = torch.where(admissible, scores, torch.zeros_like(scores))
     row_max = torch.where(admissible, scores, torch.full_like(scores, -math.inf)).amax(-1, keepdim=True)
@@ -137,30 +176,35 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     argument_error = 4 * (u + u64) * (half_gap + dot_error / 2 + dot_error.amax(-1, keepdim=True) / 2)
     delta = torch.where(admissible, dot_error + argument_error, torch.zeros_like(dot_error))
 
-    # log w_j = -log(1 + sum_{l != j} exp(s_l - s_j)): written with score differences so that the
-    # interval stays accurate when scores are huge and one weight is within ulps of 1.
-    own = torch.eye(s, dtype=torch.bool)
-    others = admissible[..., None, :] & ~own
-    minus_inf = torch.full(others.shape, -math.inf, dtype=_F64)
-    difference = torch.where(others, scores[..., None, :] - finite_scores[..., :, None], minus_inf)
-    spread = delta[..., :, None] + delta[..., None, :]
-    # NaN (inf - inf) is replaced on the safe side: a term dropped from the sum only raises the upper
-    # bound, an infinite term only lowers the lower bound.
-    lse_upper = torch.logsumexp(torch.nan_to_num(difference - spread, nan=-math.inf), dim=-1)
-    lse_lower = torch.logsumexp(torch.nan_to_num(difference + spread, nan=math.inf), dim=-1)
+    # log w_j = -softplus(log sum_{l != j} exp(s_l -+ d_l) - (s_j +- d_j)) (step 3). The sums over the other keys
+    # come from exclusive prefix and suffix sums (no (l, s, s) tensor, no subtraction of the own term), and every
+    # exponent is taken from the row maximum M, (s - M) -+ d, so that huge scores keep their differences.
+    minus_inf = torch.full_like(scores, -math.inf)
+    shifted = torch.where(admissible, finite_scores - row_max, torch.zeros_like(scores))
+    low = torch.where(admissible, shifted - delta, minus_inf)     # the others' exponents for an upper bound
+    high = torch.where(admissible, shifted + delta, minus_inf)    # ... and for a lower bound
+    lse_low, log_others_low, exponent_low = _log_sum_exp_of_others(low)
+    lse_high, log_others_high, exponent_high = _log_sum_exp_of_others(high)
+    # NaN (inf - inf, an overflowed exponent) is replaced on the safe side: -inf raises the upper bound to 1, +inf
+    # lowers the lower bound to 0.
+    lse_upper = torch.nan_to_num(lse_low - (shifted + delta), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    lse_lower = torch.nan_to_num(lse_high - (shifted - delta), nan=math.inf, posinf=math.inf, neginf=-math.inf)
     log_upper, log_lower = -_softplus(lse_upper), -_softplus(lse_lower)
-    # The interval is itself evaluated in float64.  d log w_j / d(s_l - s_j) = -w_l, so rounding an
-    # exponent s_l - s_j +- spread (3 operations) moves log w_j by at most 4 u64 |exponent| w_l; the
-    # log-sum-exp's final addition and the softplus add 4 u64 |lse| (1 - w_j) and 4 u64 (1 + |log w_j|).
-    weight_cap = log_upper.exp().clamp_max(1.0)
-    others_cap = torch.where(others, weight_cap[..., None, :], torch.zeros_like(spread))
-    half_exponent = torch.where(others, difference.abs() / 2 + spread / 2, torch.zeros_like(spread))
-    lse = torch.maximum(lse_upper.abs(), lse_lower.abs())
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weighted = torch.where(others_cap > 0, others_cap * (half_exponent + lse[..., None] / 2),
-                           torch.zeros_like(spread))
-    own_size = torch.where(torch.isfinite(log_lower), log_lower.abs(), torch.zeros_like(lse))
-    evaluation = 8 * u64 * weighted.sum(-1) + 4 * u64 * (1 + own_size)
+    # The interval is itself evaluated in float64.  d log w_j / d(exponent of l) = -w_l, so rounding the exponent
+    # of key l (s_l - M, -+ d_l, - the sum's maximum: 3 operations, exp 2 more) moves log w_j by at most
+    # u64 (|s_l - M| + |x_l| + |x_l - top| + 2) w_l; the prefix and suffix sums (gamma(s + 3)), j's own exponent,
+    # the logarithms and the subtraction move the softplus' argument, which moves log w_j by (1 - w_j) times as
+    # much; the softplus adds 4 u64 (1 + |log w_j|) (factor 2 on the whole: first order).
+    size = lambda t: torch.where(torch.isfinite(t), u64 * t.abs(), torch.zeros_like(t))  # noqa: E731  (no overflow)
+    times = lambda w, t: torch.where(w > 0, w * t, torch.zeros_like(t))                # noqa: E731  (0 * inf = 0)
+    weight_cap = torch.where(admissible, log_upper.exp().clamp_max(1.0), torch.zeros_like(scores))
+    term_error = 2 * size(shifted) + size(low) + size(high) + size(exponent_low) + size(exponent_high) + 2 * u64
+    others_weight = torch.sigmoid(torch.maximum(lse_upper, lse_lower))       # 1 - w_j, at its largest
+    through_softplus = gamma(s + 3, u64) + (2 * size(shifted) + 2 * size(delta) + size(log_others_low)
+                                            + size(log_others_high) + size(lse_low) + size(lse_high)
+                                            + size(lse_upper) + size(lse_lower))
+    evaluation = 2 * (_sum_of_others(times(weight_cap, term_error)) + times(others_weight, through_softplus)
+                      + 4 * u64 + 4 * size(log_lower))
     # A weight whose upper bound is exp(-inf) is exactly 0 whatever the evaluation error.
     log_upper = torch.where(log_upper == -math.inf, log_upper, log_upper + evaluation)
     log_lower = log_lower - evaluation
@@ -178,17 +222,22 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
     """Elementwise bound on |kernel output - oracle output| (step 5 of the module docstring).
 
     ``weight_factor`` scales every weight (dropout's 1/(1-p)); ``extra_roundings`` counts further
-    roundings per weight (dropout's rescale).
+    roundings per weight (dropout's rescale).  ``value`` None is the identity V = I (the output is the weights):
+    the same bound without the (L, S) x (S, S) products.
     """
-    v = to_float64(value).abs()
     w = bounds.weights
-    if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
-        v = expand_kv_heads(v, w.shape[-3])
     s = w.shape[-1]
-    u, u64 = unit_roundoff(bounds.dtype), unit_roundoff(_F64)
+    u64 = unit_roundoff(_F64)
     deviation = torch.maximum(bounds.upper - w, w - bounds.lower)
     has_key = bounds.admissible.any(dim=-1, keepdim=True)
+    if value is None:
+        bound = weight_factor * (deviation + rounding_error(s + 1 + extra_roundings, 1, bounds.dtype) * bounds.upper
+                                 + gamma(s + 1, u64) * w)
+        return bound + torch.where(has_key, bounds.tiny, 0.0)
+    v = to_float64(value).abs()
+    if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
+        v = expand_kv_heads(v, w.shape[-3])
     bound = weight_factor * (deviation @ v
-                             + gamma(s + 2 + extra_roundings, u) * (bounds.upper @ v)
+                             + rounding_error(s + 1 + extra_roundings, 1, bounds.dtype) * (bounds.upper @ v)
                              + gamma(s + 1, u64) * (w @ v))
     return bound + torch.where(has_key, bounds.tiny, 0.0)

@@ -3,21 +3,25 @@
 Every property calls the user's kernel through :class:`GuardedKernel`, which turns anything that breaks
 the calling contract (an exception, an output of the wrong shape, dtype or device, NaN or Inf where none
 is allowed) into an ``AssertionError``.  Pytest then reports it as a failure of the clause the property is
-bound to, Hypothesis shrinks it like any other failure, and the rest of the suite keeps running.
+bound to, Hypothesis shrinks it like any other failure, and the rest of the suite keeps running.  A kernel may
+decline a problem instead (properties/core/limits.py): the example is then rejected and recorded
+(properties/core/coverage.py), and the draws that follow stay inside what the kernel accepts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from properties.core import coverage
 from properties.core.assertions import assert_all, assert_within, fmt
+from properties.core.limits import Limits, LimitsError, Probe, decline_reason, learn_limits
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
-from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, softmax_bounds,
-                                       unit_roundoff)
+from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, rounding_error,
+                                       softmax_bounds, unit_roundoff)
 
 __all__ = ["KernelContractError", "GuardedKernel", "describe_call", "check_output", "check_against_oracle",
            "check_dropout_rate"]
@@ -63,10 +67,13 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
 @dataclass(frozen=True, repr=False)
 class GuardedKernel:
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
-    falsifying example reads ``kernel=math``."""
+    falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
+    (properties/core/limits.py); what the kernel accepts on each device is learned at its first decline there."""
 
     name: str
     fn: Callable
+    declared: Limits = field(default_factory=Limits, compare=False)
+    _limits: dict = field(default_factory=dict, compare=False)   # device -> Limits
 
     def __repr__(self) -> str:
         return self.name
@@ -74,29 +81,87 @@ class GuardedKernel:
     def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer prefers this to __repr__
         printer.text(self.name)
 
+    # ------------------------------------------------------------------------------------------ limits
+    def limits(self, device) -> Limits:
+        """What the kernel accepts on ``device``: the declared limits until a decline teaches more."""
+        return self._limits.get(str(device), self.declared)
+
+    def learn(self, device) -> Limits:
+        """Probe the kernel's limits on ``device`` (once); raises LimitsError if they contradict the declared ones."""
+        device = str(device)
+        if device not in self._limits:
+            from properties.core.strategies import selected_dtypes
+            self._limits[device] = learn_limits(self.fn, device, self.declared, selected_dtypes())
+        return self._limits[device]
+
+    def plainest_declined(self, device) -> str:
+        """The kernel's reason for declining the plainest problem inside the declared limits on ``device`` ('')."""
+        from properties.core.strategies import selected_dtypes
+        dtypes = self.declared.dtypes_among(selected_dtypes())
+        return Probe(dtypes[0], e=min(self.declared.head_sizes or (16,), key=lambda n: (n < 16, n))).call(
+            self.fn, device) or ""
+
+    # ------------------------------------------------------------------------------------------- calls
     def __call__(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``kwargs`` go to the kernel unchanged (only those given, so minimal signatures work);
-        ``nan_rows`` (bool, query shape without E) marks queries allowed to come out NaN."""
+        ``nan_rows`` (bool, query shape without E) marks queries allowed to come out NaN.  A declined problem is
+        rejected (or, for dropout or inputs that require grad, the clause skipped): ``_declined``."""
         __tracebackhide__ = True
         call = describe_call(query, key, value, kwargs)
         try:
             out = self.fn(query, key, value, **kwargs)
-        except NotImplementedError as exc:
-            if kwargs.get("dropout_p", 0.0):   # dropout is optional: a kernel may declare it unsupported
-                import pytest
-                pytest.skip(f"kernel {self.name} raises NotImplementedError for dropout_p > 0 ({exc}): "
-                            f"the dropout clauses do not apply")
-            raise KernelContractError(f"kernel {self.name} raised NotImplementedError: {exc}\n  in {call}") from exc
-        except Exception as exc:  # any failure of user code is a finding, not a crash of the suite
-            raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n"
-                                      f"  in {call}") from exc
-        return check_output(self.name, out, query, value, call, nan_rows)
+        except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
+            reason = decline_reason(exc)
+            if reason is None:
+                raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n"
+                                          f"  in {call}") from exc
+            self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
+        out = check_output(self.name, out, query, value, call, nan_rows)
+        coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype)
+        return out
+
+    def _accepts(self, query, key, value, kwargs) -> bool:
+        try:
+            self.fn(query, key, value, **kwargs)
+        except Exception as exc:  # only a decline counts
+            return decline_reason(exc) is None
+        return True
+
+    def _declined(self, reason: str, query, key, value, kwargs):
+        """A decline of dropout, or of inputs that require grad, skips the clause (that feature is optional); any
+        other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
+        import pytest
+        from hypothesis import reject
+        if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
+            pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
+        tensors = (query, key, value, kwargs.get("attn_mask"))
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            if self._accepts(query.detach(), key.detach(), value.detach(), detached):
+                pytest.skip(f"kernel {self.name} declines a forward whose inputs require grad ({reason}): "
+                            f"the gradient clauses do not apply")
+        try:
+            self.learn(query.device)
+        except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
+            self._limits[str(query.device)] = self.declared
+        coverage.declined(reason)
+        reject()
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
-        """The kernel's attention weights: its output for V = I_S (attention is linear in V)."""
+        """The kernel's attention weights: its output for V = I_S (attention is linear in V); for a kernel that
+        accepts only Ev = E, V = I read E columns at a time (the last slice padded with zero columns)."""
         __tracebackhide__ = True
-        value = identity_values(tuple(key.shape[:-2]), key.shape[-2], key.dtype, key.device)
-        return self(query, key, value, **kwargs)
+        lead, s, e = tuple(key.shape[:-2]), key.shape[-2], query.shape[-1]
+        if s == e or not self.limits(key.device).equal_head_sizes:
+            return self(query, key, identity_values(lead, s, key.dtype, key.device), **kwargs)
+        columns = []
+        for c0 in range(0, s, e):
+            width = min(e, s - c0)
+            eye = torch.zeros(s, e, dtype=torch.float64)
+            eye[c0:c0 + width, :width] = torch.eye(width, dtype=torch.float64)
+            value = eye.to(key.dtype).to(key.device).expand(*lead, s, e).contiguous()
+            columns.append(self(query, key, value, **kwargs)[..., :width])
+        return torch.cat(columns, dim=-1)
 
     def rejects_keyword(self, keyword: str, query, key, value, **kwargs) -> bool:
         """True if the kernel raises TypeError naming ``keyword`` (an optional feature it lacks)."""
@@ -112,16 +177,18 @@ class GuardedKernel:
 def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_masked: str = "zeros",
                          causal_alignment: str = "top-left", what: str = "out",
                          **contract) -> tuple[torch.Tensor, SoftmaxBounds]:
-    """Call the kernel with ``contract`` (its keyword arguments) and check ATTN-ORACLE's bound.  Queries
-    without an admissible key must give zeros (exactly: their bound is 0) or, with
-    ``fully_masked='nan'``, NaN.  Returns (output, bounds)."""
+    """Call the kernel with ``contract`` (its keyword arguments) and check ATTN-ORACLE's bound (``value`` None: the
+    kernel's weights, read through V = I).  Queries without an admissible key must give zeros (exactly: their bound
+    is 0) or, with ``fully_masked='nan'``, NaN.  Returns (output, bounds)."""
     __tracebackhide__ = True
     bounds = softmax_bounds(query, key, value, causal_alignment=causal_alignment, **contract)
     no_key = bounds.reference.no_key_rows
     mask = contract.get("attn_mask")
     float_mask = mask is not None and mask.dtype != torch.bool
     may_be_nan = fully_masked in NON_FINITE_CONVENTIONS or (fully_masked == "mean" and float_mask)
-    out = kernel(query, key, value, nan_rows=no_key if may_be_nan else None, **contract)
+    nan_rows = no_key if may_be_nan else None
+    out = (kernel(query, key, value, nan_rows=nan_rows, **contract) if value is not None
+           else kernel.weights(query, key, nan_rows=nan_rows, **contract))
     actual = to_float64(out)
     if fully_masked != "zeros" and bool(no_key.any()):
         if fully_masked == "nan":
@@ -130,7 +197,7 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
         elif fully_masked == "mean":
             # a user's own all −inf float row cannot become finite scores: NaN there, else the mean
             nan_rows = torch.isnan(actual).any(-1) if float_mask else torch.zeros_like(actual[..., 0], dtype=torch.bool)
-            check_fully_masked_mean(actual, value, no_key & ~nan_rows)
+            check_fully_masked_mean(actual, value, no_key & ~nan_rows, query.dtype)
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
     assert_within(actual, bounds.reference.output, output_bound(bounds, value), what=what)
     return out, bounds
@@ -157,18 +224,19 @@ FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
 NON_FINITE_CONVENTIONS = ("nan", "any")
 
 
-def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor, no_key: torch.Tensor) -> None:
+def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor | None, no_key: torch.Tensor,
+                            dtype: torch.dtype | None = None) -> None:
     """Rows without an admissible key equal the mean of the values over all S keys: weights 1/S each within
     the softmax's evaluation error, the weighted sum within γ(S + 2) of Σ|w v|, plus underflow."""
     __tracebackhide__ = True
-    v = to_float64(value)
+    v = to_float64(value) if value is not None else torch.eye(actual.shape[-1], dtype=torch.float64)
     if v.dim() >= 3 and actual.dim() >= 3 and v.shape[-3] != actual.shape[-3]:
         v = expand_kv_heads(v, actual.shape[-3])
-    s = v.shape[-2]
-    u = unit_roundoff(value.dtype) + unit_roundoff(torch.float64)
+    s, dtype = v.shape[-2], value.dtype if value is not None else dtype
     mean = torch.broadcast_to(v.mean(-2, keepdim=True), actual.shape)
-    bound = torch.broadcast_to((evaluation_error(s, value.dtype) + gamma(s + 2, u)) * v.abs().mean(-2, keepdim=True)
-                               + s * torch.finfo(value.dtype).tiny, actual.shape)
+    rounding = evaluation_error(s, dtype) + rounding_error(s + 1, 1, dtype) + gamma(s + 2, unit_roundoff(torch.float64))
+    bound = torch.broadcast_to(rounding * v.abs().mean(-2, keepdim=True)
+                               + s * torch.finfo(dtype).tiny, actual.shape)
     rows = torch.broadcast_to(no_key.cpu(), actual.shape[:-1])
     assert_within(actual[rows], mean[rows], bound[rows], what="output of a query with no admissible key",
                   reference="mean of the values (--fully-masked mean)")
@@ -176,15 +244,16 @@ def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor, no_key: t
 
 def backward_gradients(kernel, out, upstream, leaves: dict) -> dict:
     """Backpropagate ``upstream`` through a kernel's output; the gradients of ``leaves`` (name -> leaf), each of
-    its leaf's shape. Skips when the kernel has no autograd (output without grad, NotImplementedError)."""
+    its leaf's shape. Skips when the kernel has no autograd (output without grad, a backward that declines)."""
     import pytest
     if not out.requires_grad:
         pytest.skip(f"kernel {kernel.name}: its output does not require grad when its inputs do")
     try:
         out.backward(upstream)
-    except NotImplementedError as exc:
-        pytest.skip(f"kernel {kernel.name}: backward raises NotImplementedError ({exc})")
-    except Exception as exc:  # any failure of user code is a finding
+    except Exception as exc:  # any failure of user code is a finding, unless it declines (core/limits.py)
+        reason = decline_reason(exc)
+        if reason is not None:
+            pytest.skip(f"kernel {kernel.name}: its backward declines ({reason}): the gradient clauses do not apply")
         raise KernelContractError(f"kernel {kernel.name}: backward raised {type(exc).__name__}: {exc}") from exc
     grads = {}
     for name, leaf in leaves.items():

@@ -56,7 +56,7 @@ def test_outputs_ignore_later_keys_and_values(kernel, device, case, adversarial,
 
 @clause("CAUSAL-ZERO-ABOVE")
 @with_pinned_cases()
-@given(case=cases())
+@given(case=cases(weights=True))
 def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, causal_alignment, fully_masked):
     q, k, _ = case.qkv(device)
     allowed = causal_allowed(case.l, case.s, causal_alignment)

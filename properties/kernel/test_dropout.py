@@ -16,12 +16,13 @@ from properties.core.strategies import cases, on, with_pinned_cases
 from properties.core.tolerance import output_bound, softmax_bounds
 
 probabilities = st.floats(0.05, 0.95)
-small_cases = cases(lead=0, max_l=4, max_s=8, max_e=8, max_ev=4)
+# Hundreds of copies per example: the statistical clauses stay at small shapes (DROPOUT-OFF draws kernel scale).
+small_cases = cases(lead=0, max_l=4, max_s=8, max_e=8, max_ev=4, tiles=False)
 
 
 def rate_property(test):
     """The statistical dropout clauses draw a small case and a rate p (p = 0.5 on the pinned cases)."""
-    return with_pinned_cases(n_lead=0, p=0.5)(given(case=small_cases, p=probabilities)(test))
+    return with_pinned_cases(n_lead=0, tiles=False, p=0.5)(given(case=small_cases, p=probabilities)(test))
 
 
 def _on_copies(fn, n: int, tensors, p: float, device, seed: int) -> torch.Tensor:

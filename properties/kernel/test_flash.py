@@ -17,7 +17,7 @@ from properties.core.flash_guard import flash_weights, skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng, selected_dtypes
-from properties.core.tolerance import evaluation_error, gamma, rowsum_error, unit_roundoff
+from properties.core.tolerance import evaluation_error, rounding_error, rowsum_error
 from properties.kernel.guard import check_dropout_rate
 
 F32 = selected_dtypes()[0]   # pinned examples use the first selected dtype (float32 unless --dtype says otherwise)
@@ -244,7 +244,7 @@ def test_flash_outputs_are_convex_combinations(flash_kernel, device, case, equal
     low = torch.where(keep, vh.expand_as(inf), inf).amin(-2).transpose(1, 2)     # (B, Lq, H, D)
     high = torch.where(keep, vh.expand_as(inf), -inf).amax(-2).transpose(1, 2)
     has_key = admissible.any(-1).transpose(1, 2)[..., None]
-    factor = evaluation_error(case.lk, case.dtype) + gamma(case.lk + 2, unit_roundoff(case.dtype)) * (
+    factor = evaluation_error(case.lk, case.dtype) + rounding_error(case.lk + 1, 1, case.dtype) * (
         1 + evaluation_error(case.lk, case.dtype))
     slack = factor * torch.maximum(low.abs(), high.abs())
     ok = ~has_key | ((out >= low - slack) & (out <= high + slack))

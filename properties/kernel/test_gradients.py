@@ -16,10 +16,10 @@ from properties import clause
 from properties.core.assertions import assert_all, assert_within
 from properties.core.gradients import gradient_oracle, group_sum
 from properties.core.oracle import causal_allowed, default_scale, to_float64
-from properties.core.strategies import (derived_generator, dtypes, on, random_bool_mask, require_dtype, seeded_rng,
-                                        seeds)
+from properties.core.strategies import (TILE_SHARE, derived_generator, drawn_head_size, dtypes, kernel_limits, on,
+                                        random_bool_mask, require_dtype, seeded_rng, seeds, tile_shape)
 from properties.core.tolerance import softmax_bounds
-from properties.kernel.guard import KernelContractError, backward_gradients
+from properties.kernel.guard import backward_gradients
 
 MASKS = ("none", "bool", "float", "float-grad")
 
@@ -84,16 +84,44 @@ class GradCase:
 
 
 @st.composite
-def grad_cases(draw, *, mask=None, causal=None, group=None, strided=None) -> GradCase:
-    kv_heads = draw(st.integers(1, 2))
-    the_mask = draw(st.sampled_from(MASKS)) if mask is None else mask
-    is_causal = (draw(st.booleans()) if causal is None else causal) and the_mask == "none"
-    return GradCase(b=draw(st.integers(1, 2)), kv_heads=kv_heads,
-                    group=draw(st.integers(1, 2)) if group is None else group,
-                    l=draw(st.integers(1, 6)), s=draw(st.integers(1, 6)), e=draw(st.integers(1, 8)),
-                    ev=draw(st.integers(1, 6)), dtype=draw(dtypes()), mask=the_mask, causal=is_causal,
-                    scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), seed=draw(seeds),
-                    strided=draw(st.booleans()) if strided is None else strided)
+def grad_cases(draw, *, mask=None, causal=None, group=None, strided=None, weights=False) -> GradCase:
+    """Backward problems: today's small ones, and one in TILE_SHARE at kernel scale (core/strategies.py); inside the
+    limits of the kernel under test (a clause that needs a feature it declines asks for it anyway)."""
+    limits = kernel_limits()
+    masks = [m for m in MASKS if m == "none" or m.split("-")[0] in limits.masks]
+    the_mask = draw(st.sampled_from(masks)) if mask is None else mask
+    is_causal = (draw(st.booleans()) and limits.causal if causal is None else causal) and the_mask == "none"
+    the_group = (draw(st.integers(1, 2)) if limits.gqa else 1) if group is None else group
+    big = draw(st.integers(0, TILE_SHARE - 1)) == TILE_SHARE - 1
+    kv_heads, b = (1, 1) if big else (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    if big:
+        l, s, e, ev = draw(tile_shape(kv_heads * the_group, weights=weights))
+    else:
+        l, s, e = draw(st.integers(1, 6)), draw(st.integers(1, 6)), draw(drawn_head_size(limits, 1, 8))
+        ev = e if limits.equal_head_sizes else draw(drawn_head_size(limits, 1, 6))
+        if limits.equal_lengths:
+            l = s = max(l, s)
+        l, s = limits.length(l), limits.length(s)
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0))) if limits.explicit_scale else None
+    return GradCase(b=b, kv_heads=kv_heads, group=the_group, l=l, s=s, e=e, ev=ev, dtype=draw(dtypes()),
+                    mask=the_mask, causal=is_causal, scale=scale, seed=draw(seeds),
+                    strided=(draw(st.booleans()) if strided is None else strided) and limits.strided)
+
+
+# The kernel-scale problems pinned in every gradient clause (core/strategies.py, tile_pins): L = S = 65 causal,
+# L = 65, S = 130 with E = 128 and a float mask that requires grad, S = 1024 in bfloat16.
+TILE_GRAD_PINS = (GradCase(1, 1, 1, 65, 65, 64, 64, torch.float32, "none", True, None, False, 0),
+                  GradCase(1, 1, 1, 65, 130, 128, 64, torch.float32, "float-grad", False, None, False, 0),
+                  GradCase(1, 1, 1, 3, 1024, 64, 64, torch.bfloat16, "none", False, None, False, 0))
+
+
+def with_tile_pins(**other_args):
+    """Decorator: the TILE_GRAD_PINS as explicit examples (``other_args``: the test's other drawn arguments)."""
+    def decorate(test):
+        for case in reversed(TILE_GRAD_PINS):
+            test = example(case=case, **other_args)(test)
+        return test
+    return decorate
 
 
 def backward(kernel, q, k, v, do, mask=None, **contract) -> tuple[torch.Tensor, dict]:
@@ -128,6 +156,7 @@ def _bounds(case: GradCase, q, k, v, mask, causal_alignment):
 @example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))  # GQA, strided
 @example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))  # causal, l != s
 @example(case=GradCase(1, 1, 1, 2, 4, 3, 3, torch.bfloat16, "bool", False, None, True, 2))
+@with_tile_pins()
 @given(case=grad_cases())
 def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, fully_masked, case):
     q, k, v, do, mask = case.tensors(device)
@@ -148,6 +177,7 @@ def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, f
 # ----------------------------------------------------------------------------------- ATTN-GRAD-MASKED
 @clause("ATTN-GRAD-MASKED")
 @example(case=GradCase(1, 1, 1, 3, 4, 3, 2, torch.float32, "bool", False, None, False, 0))
+@example(case=GradCase(1, 1, 1, 65, 130, 128, 64, torch.float32, "bool", False, None, False, 0))
 @given(case=grad_cases(mask="bool"))
 def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_masked, case):
     if fully_masked != "zeros":
@@ -175,7 +205,8 @@ def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_m
 @clause("ATTN-GRAD-CAUSAL")
 @example(case=GradCase(1, 1, 1, 4, 4, 3, 2, torch.float32, "none", True, None, False, 0), row=1)
 @example(case=GradCase(1, 1, 1, 3, 5, 3, 2, torch.float32, "none", True, None, True, 0), row=0)
-@given(case=grad_cases(mask="none", causal=True), row=st.integers(0, 5))
+@example(case=TILE_GRAD_PINS[0], row=64)   # the first row of the second 64-query tile
+@given(case=grad_cases(mask="none", causal=True), row=st.one_of(st.integers(0, 5), st.sampled_from((63, 64, 65, 128))))
 def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alignment, case, row):
     assume(row < case.l)
     q, k, v, do, _ = case.tensors(device)
@@ -192,7 +223,7 @@ def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alig
 # ---------------------------------------------------------------------------------- ATTN-GRAD-DROPOUT
 @clause("ATTN-GRAD-DROPOUT")
 @example(case=GradCase(1, 1, 1, 3, 4, 3, 4, torch.float32, "none", False, None, False, 0), p=0.5)
-@given(case=grad_cases(mask="none", causal=False, group=1), p=st.floats(0.1, 0.7))
+@given(case=grad_cases(mask="none", causal=False, group=1, weights=True), p=st.floats(0.1, 0.7))
 def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
     """V = I: the output is the realised weight matrix W̃ (dropped and rescaled), so the mask is known."""
     case = GradCase(**{**case.__dict__, "ev": case.s})
@@ -200,13 +231,8 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
     v = torch.eye(case.s, dtype=case.dtype, device=device).expand(case.b, case.kv_heads, case.s, case.s)
     bounds = _bounds(case, q, k, v, None, "top-left")
     assume(bool((bounds.lower > 0).all()))   # every weight nonzero before dropout: a zero output means dropped
-    try:
-        with seeded_rng(device, case.seed):
-            out, grads = backward(kernel, q, k, v.contiguous(), do, dropout_p=p, **case.contract(None))
-    except KernelContractError as exc:
-        if isinstance(exc.__cause__, NotImplementedError):
-            pytest.skip(f"kernel {kernel.name}: no dropout ({exc.__cause__})")
-        raise
+    with seeded_rng(device, case.seed):   # a kernel that declines dropout has this clause skipped (the guard)
+        out, grads = backward(kernel, q, k, v.contiguous(), do, dropout_p=p, **case.contract(None))
     keep = to_float64(out) != 0
     scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, keep=keep, p=p)
@@ -218,6 +244,7 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
 # ------------------------------------------------------------------------------------- ATTN-GRAD-GQA
 @clause("ATTN-GRAD-GQA")
 @example(case=GradCase(1, 2, 2, 3, 4, 4, 3, torch.float32, "none", False, None, True, 0))
+@example(case=GradCase(1, 2, 2, 65, 130, 128, 64, torch.float32, "float", False, None, False, 0))
 @given(case=grad_cases(group=2))
 def test_shared_kv_head_gradient_is_the_sum_over_its_group(kernel, device, causal_alignment, fully_masked, case):
     q, k, v, do, mask = case.tensors(device)

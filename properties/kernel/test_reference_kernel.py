@@ -20,7 +20,7 @@ from properties.core.oracle import default_scale, to_float64
 from properties.core.strategies import required
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import NON_FINITE_CONVENTIONS
-from properties.kernel.test_gradients import GradCase, backward, grad_cases
+from properties.kernel.test_gradients import GradCase, backward, grad_cases, with_tile_pins
 from properties.reference import reference_kernel_of
 
 
@@ -54,6 +54,7 @@ def _same_nan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 @example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float", False, None, True, 0))   # GQA, strided
 @example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))    # causal, l != s
 @example(case=GradCase(1, 1, 1, 2, 4, 3, 3, torch.bfloat16, "bool", False, None, True, 2))
+@with_tile_pins()
 @given(case=grad_cases())
 def test_kernel_agrees_with_the_reference_kernel(kernel, reference_kernel, device, causal_alignment, fully_masked,
                                                    case):
@@ -74,6 +75,7 @@ def test_kernel_agrees_with_the_reference_kernel(kernel, reference_kernel, devic
 @clause("ATTN-DIFF-GRAD")
 @example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))
 @example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))
+@with_tile_pins()
 @given(case=grad_cases())
 def test_kernel_gradients_agree_with_the_reference_kernel(kernel, reference_kernel, device, causal_alignment,
                                                             fully_masked, case):

@@ -10,7 +10,7 @@ from properties import clause
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import (Case, cases, identity_values, on, random_bool_mask, require_dtype,
+from properties.core.strategies import (Case, cases, on, random_bool_mask, require_dtype,
                                         scale_partial_sums, score_limit, selected_dtypes, with_pinned_cases)
 from properties.core.tolerance import output_bound, rowsum_error, softmax_bounds
 
@@ -32,7 +32,7 @@ def _weights(kernel, device, case: Case, spread: int, **kwargs):
 
 @clause("ATTN-WEIGHT-RANGE")
 @with_pinned_cases(spread=0)
-@given(case=cases(), spread=spreads)
+@given(case=cases(weights=True), spread=spreads)
 def test_weights_are_finite_and_in_unit_interval(kernel, device, case, spread):
     _, w = _weights(kernel, device, case, spread)  # the guard has already checked finiteness
     limit = 1 + rowsum_error(case.s, case.dtype)
@@ -42,7 +42,7 @@ def test_weights_are_finite_and_in_unit_interval(kernel, device, case, spread):
 
 @clause("ATTN-ROWSUM")
 @with_pinned_cases(spread=0, masked=False)
-@given(case=cases(), spread=spreads, masked=st.booleans())
+@given(case=cases(weights=True), spread=spreads, masked=st.booleans())
 def test_weights_sum_to_one_over_keys(kernel, device, case, spread, masked):
     mask = random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5).to(device) if masked else None
     _, w = _weights(kernel, device, case, spread, **({"attn_mask": mask} if masked else {}))
@@ -73,16 +73,24 @@ def test_adding_a_constant_to_a_row_of_scores_changes_nothing(kernel, device, ca
 
 @clause("ATTN-ORDER")
 @with_pinned_cases(spread=0)
-@given(case=cases(), spread=spreads)
+@given(case=cases(weights=True), spread=spreads)
 def test_larger_score_never_gets_smaller_weight(kernel, device, case, spread):
     (q, k), w = _weights(kernel, device, case, spread)
     bounds = softmax_bounds(q, k)
-    # Only pairs whose rounding intervals are disjoint have a guaranteed order.
-    ordered = bounds.lower[..., :, None] > bounds.upper[..., None, :]
-    gap = w[..., :, None] - w[..., None, :]
-    assert_all(~ordered | (gap >= 0), gap,
-               what="w_ij >= w_ik whenever score s_ij exceeds s_ik by more than the rounding margin "
-                    "(index ..., i, j, k; value w_ij - w_ik)")
+    # Only pairs whose rounding intervals are disjoint have a guaranteed order: for each key k, every key j with
+    # lower_j > upper_k must have w_j >= w_k. Sorting the keys by lower bound makes those j a prefix, whose
+    # smallest weight is a running minimum (O(L S log S), not O(L S^2)).
+    order = bounds.lower.argsort(dim=-1, descending=True)
+    smallest, at = torch.cummin(w.gather(-1, order), dim=-1)
+    above = torch.searchsorted(-bounds.lower.gather(-1, order), -bounds.upper, side="left")  # #{j: lower_j > upper_k}
+    position = (above - 1).clamp_min(0)
+    gap = smallest.gather(-1, position) - w                    # min over those j of w_ij - w_ik
+    j = order.gather(-1, at.gather(-1, position))
+    violated = (above > 0) & (gap < 0)
+    first = tuple(int(i) for i in violated.nonzero()[0]) if bool(violated.any()) else None
+    assert_all(~violated, gap, what="w_ij >= w_ik whenever score s_ij exceeds s_ik by more than the rounding margin "
+                                    "(index ..., i, k; value min over such j of w_ij - w_ik)",
+               note=f"; first at key k = {first[-1]} against j = {int(j[first])}" if first else "")
 
 
 @clause("ATTN-LARGE-SCORES")
@@ -91,7 +99,7 @@ def test_larger_score_never_gets_smaller_weight(kernel, device, case, spread):
          aligned=True)  # the clause's edge at the commonest head size
 @example(case=Case(lead=(1, 1), l=2, s=2, e=64, ev=2, dtype=torch.float16, seed=0), magnitude=1.0,
          aligned=True)  # float16: an unscaled q.k of 8 x finfo.max/4 overflows where the scaled score fits
-@given(case=cases(max_e=128), magnitude=st.floats(0.0, 1.0), aligned=st.booleans())
+@given(case=cases(max_e=128, weights=True), magnitude=st.floats(0.0, 1.0), aligned=st.booleans())
 def test_scores_up_to_the_dtype_range_do_not_overflow(kernel, device, case, magnitude, aligned):
     """magnitude is the fraction of the admissible exponent range: the largest scaled partial sum is
     2**round(magnitude * log2(score_limit(dtype))), score_limit = min(2^16, finfo.max / 4).  Head sizes up to 128, as in real models: an unscaled
@@ -106,8 +114,7 @@ def test_scores_up_to_the_dtype_range_do_not_overflow(kernel, device, case, magn
     q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
     assume(bool(torch.isfinite(q).all() and torch.isfinite(k).all()))  # extreme ratios |q_e|/|k_e| only
     check_against_oracle(kernel, q, k, v)
-    w, bounds = check_against_oracle(kernel, q, k, identity_values(case.lead, case.s, case.dtype, device),
-                                     what="weights")
+    w, bounds = check_against_oracle(kernel, q, k, None, what="weights")
     row_sums = to_float64(w).sum(-1)
     assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error,
                   what="sum over keys of the weights", reference="1")
