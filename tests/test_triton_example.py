@@ -58,15 +58,14 @@ def _tensors(lead, kv_heads, l, s, e, dtype, strided, seed, device):
 
 
 # (lead, kv heads, L, S, E, dtype, causal, scale, strided): every problem crosses a 64-wide tile on at least one
-# axis, with a partial last tile (63, 65, 100, 127, 129, 257), L != S both ways, and E up to 128.  bfloat16 only
-# where S <= 100: beyond S ~ 124 the suite's worst-case softmax bound for bfloat16, gamma(2S + 6), is infinite
-# (see the finiteness check below), and a bound that is infinite checks nothing.
+# axis, with a partial last tile (63, 65, 100, 127, 129, 257, 1025), L != S both ways, and E up to 128.
 TILED = [
     ((1, 2), 2, 65, 65, 16, torch.float16, True, None, False),      # the pinned causal case
     ((2, 2), 2, 127, 129, 32, torch.float16, False, 0.3, True),     # partial tiles on both axes, strided
     ((1, 4), 2, 129, 63, 64, torch.float16, True, None, False),     # L > S causal, grouped-query heads
     ((1, 1), 1, 2, 257, 64, torch.float16, False, None, False),     # five key tiles, the last of one key
     ((1, 1), 1, 3, 100, 128, torch.bfloat16, True, 2.0, False),     # two key tiles, causal, E = 128
+    ((1, 1), 1, 2, 1025, 32, torch.bfloat16, False, None, False),   # a long row: 17 key tiles, the last of one key
     ((1, 2), 1, 65, 64, 16, torch.bfloat16, False, None, True),     # one full key tile, two query tiles, GQA
 ]
 
