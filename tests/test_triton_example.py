@@ -10,6 +10,7 @@ the tests below run in this process. Skipped where Triton is not installed (pip 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -164,6 +165,51 @@ def test_cpu_tensors_without_the_interpreter_are_declined_with_the_remedy():
     q = torch.randn(1, 1, 4, 16).half()
     with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
         _load("triton_attention_compiled").attention(q, q, q)
+
+
+# The suite's run under the interpreter, as README shows it. Each interpreted launch costs milliseconds per program,
+# so the run is bounded by declaring the kernel's limits (draws start inside them: no learning probes, no draw spent
+# on a decline) and by the `pinned` profile: every clause on its pinned problems, which include the tile pins
+# (L = S = 65 causal, S = 1024 in bfloat16, E = 128). DROPOUT-RATE and DROPOUT-EXPECTATION are deselected: the
+# kernel declines dropout (test_declines_what_it_lacks_in_the_words_of_fused_kernels), and the suite confirms such a
+# decline by calling the kernel without dropout on the clause's 256 and 2048 stacked copies: 2048 interpreted
+# programs, about 25 of this run's CPU seconds, for a skip.
+SUITE_UNDER_THE_INTERPRETER = [
+    "--kernel", "examples/triton_attention.py:attention", "--dtype", "float16", "--dtype", "bfloat16",
+    "--kernel-head-size", "16,32,64,128", "--kernel-no-mask", "--kernel-equal-head-sizes",
+    "--hypothesis-profile", "pinned",
+    "--deselect", "properties/kernel/test_dropout.py::test_dropout_zeroes_weights_with_probability_p",
+    "--deselect", "properties/kernel/test_dropout.py::test_dropout_leaves_the_expected_output_unchanged",
+]
+# Clauses the kernel must pass (not only skip): forward, backward, causal, GQA, scale, and the weights read through
+# V = I in slices of E columns.
+MUST_PASS = {"ATTN-ORACLE", "ATTN-SHAPE", "ATTN-ROWSUM", "ATTN-LARGE-SCORES", "ATTN-GRAD", "ATTN-GRAD-CAUSAL",
+             "ATTN-GRAD-GQA", "CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "GQA-HEADS", "SCALE-DEFAULT", "SCALE-EXPLICIT"}
+MASK_CLAUSES = {"MASK-BOOL", "MASK-FLOAT-ADDITIVE", "MASK-FULLY-MASKED", "ATTN-GRAD-MASKED"}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
+def test_the_suite_verifies_the_kernel_under_the_interpreter(tmp_path):
+    """``pytest properties/ --kernel examples/triton_attention.py:attention`` with its limits declared, under
+    TRITON_INTERPRET=1 on the CPU: it passes, the clauses it claims ran on tile-crossing problems, those it lacks
+    are skipped with its own reasons, and the coverage report says so."""
+    report = tmp_path / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider", "--device",
+                           "cpu", "--report-json", str(report), *SUITE_UNDER_THE_INTERPRETER],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "kernel clause coverage" in proc.stdout, proc.stdout[-3000:]
+    rows = [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
+    passed = {row["clause"]: row for row in rows if row["status"] == "passed"}
+    assert MUST_PASS <= set(passed), f"clauses that did not pass: {sorted(MUST_PASS - set(passed))}"
+    for clause, row in passed.items():
+        assert row["coverage"]["run"] > 0, f"{clause} passed without running a problem: {row['coverage']}"
+    largest = {key: max(row["coverage"][key] for row in passed.values()) for key in ("max_l", "max_s", "max_e")}
+    assert largest["max_l"] > 64 and largest["max_s"] >= 1024 and largest["max_e"] == 128, largest
+    skipped = {row["clause"]: row["message"] for row in rows if row["status"] == "skipped"}
+    for clause in MASK_CLAUSES:
+        assert "attn_mask is not supported" in skipped.get(clause, ""), (clause, skipped.get(clause))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
