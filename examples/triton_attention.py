@@ -27,8 +27,13 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as exc:   # the one-line error --kernel prints then says what to install
+    raise ModuleNotFoundError(f"{exc}: examples/triton_attention.py needs Triton (pip install -e '.[triton]')",
+                              name=exc.name) from exc
 
 __all__ = ["attention", "HEAD_SIZES", "DTYPES", "BLOCK_M", "BLOCK_N"]
 
