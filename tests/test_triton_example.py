@@ -167,6 +167,33 @@ def test_cpu_tensors_without_the_interpreter_are_declined_with_the_remedy():
         _load("triton_attention_compiled").attention(q, q, q)
 
 
+@pytest.mark.skipif(INTERPRETED, reason="under TRITON_INTERPRET=1 Triton compiles nothing")
+def test_the_kernels_compile_for_an_h100_without_one(tmp_path, monkeypatch):
+    """What this machine cannot run it can still compile: the four kernels in their largest configuration (E = 128,
+    bfloat16, causal, 8 warps, 64 x 64 tiles) through Triton's NVIDIA backend for sm_90 (PTX, then the wheel's own
+    ptxas), so an edit that the interpreter accepts and the compiler does not fails here, without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))      # a real compile, and nothing left in ~/.triton
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")         # Triton 3.9 warns when unset; 1 is its default
+    module = _load("triton_attention_compiled")
+    pointers = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
+    sizes = dict(CAUSAL=True, HEAD=128, BLOCK_M=64, BLOCK_N=64, UPCAST=False)
+    for kernel in (module._forward, module._delta, module._backward_key_tile, module._backward_query_tile):
+        names = kernel.arg_names
+        constants = {name: value for name, value in sizes.items() if name in names}
+        signature = {name: "constexpr" if name in constants else
+                     ("*fp32" if name in ("LSE", "DELTA") else "*bf16") if name in pointers else
+                     "fp32" if name in ("qk_scale", "scale") else "i32" for name in names}
+        source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        except (ImportError, KeyError) as exc:   # a Triton build without the NVIDIA backend
+            pytest.skip(f"this Triton cannot compile for CUDA: {type(exc).__name__}: {exc}")
+        assert compiled.asm["cubin"], kernel.__name__
+        assert compiled.metadata.shared <= 100 * 1024, (kernel.__name__, compiled.metadata.shared)  # fits sm_86 too
+
+
 # The suite's run under the interpreter, as README shows it. Each interpreted launch costs milliseconds per program,
 # so the run is bounded by declaring the kernel's limits (draws start inside them: no learning probes, no draw spent
 # on a decline) and by the `pinned` profile: every clause on its pinned problems, which include the tile pins
@@ -175,9 +202,8 @@ def test_cpu_tensors_without_the_interpreter_are_declined_with_the_remedy():
 # decline by calling the kernel without dropout on the clause's 256 and 2048 stacked copies: 2048 interpreted
 # programs, about 25 of this run's CPU seconds, for a skip.
 SUITE_UNDER_THE_INTERPRETER = [
-    "--kernel", "examples/triton_attention.py:attention", "--dtype", "float16", "--dtype", "bfloat16",
-    "--kernel-head-size", "16,32,64,128", "--kernel-no-mask", "--kernel-equal-head-sizes",
-    "--hypothesis-profile", "pinned",
+    "--dtype", "float16", "--dtype", "bfloat16", "--kernel-head-size", "16,32,64,128", "--kernel-no-mask",
+    "--kernel-equal-head-sizes", "--hypothesis-profile", "pinned",
     "--deselect", "properties/kernel/test_dropout.py::test_dropout_zeroes_weights_with_probability_p",
     "--deselect", "properties/kernel/test_dropout.py::test_dropout_leaves_the_expected_output_unchanged",
 ]
@@ -188,19 +214,22 @@ MUST_PASS = {"ATTN-ORACLE", "ATTN-SHAPE", "ATTN-ROWSUM", "ATTN-LARGE-SCORES", "A
 MASK_CLAUSES = {"MASK-BOOL", "MASK-FLOAT-ADDITIVE", "MASK-FULLY-MASKED", "ATTN-GRAD-MASKED"}
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
-def test_the_suite_verifies_the_kernel_under_the_interpreter(tmp_path):
-    """``pytest properties/ --kernel examples/triton_attention.py:attention`` with its limits declared, under
-    TRITON_INTERPRET=1 on the CPU: it passes, the clauses it claims ran on tile-crossing problems, those it lacks
-    are skipped with its own reasons, and the coverage report says so."""
+def _suite(tmp_path, env: dict, *options: str) -> tuple[str, list[dict]]:
+    """``pytest properties/ --kernel examples/triton_attention.py:attention OPTIONS`` in a child process: its output
+    and the kernel-level rows of its --report-json."""
     report = tmp_path / "report.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider", "--device",
-                           "cpu", "--report-json", str(report), *SUITE_UNDER_THE_INTERPRETER],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
+                           "--kernel", "examples/triton_attention.py:attention", "--report-json", str(report), *options],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "kernel clause coverage" in proc.stdout, proc.stdout[-3000:]
-    rows = [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
+    return proc.stdout, [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
+
+
+def _check_verified(output: str, rows: list[dict]) -> None:
+    """The claimed clauses passed, each having run problems, tile-crossing ones among them; the mask clauses were
+    skipped with the kernel's own reason; the coverage report was printed."""
+    assert "kernel clause coverage" in output, output[-3000:]
     passed = {row["clause"]: row for row in rows if row["status"] == "passed"}
     assert MUST_PASS <= set(passed), f"clauses that did not pass: {sorted(MUST_PASS - set(passed))}"
     for clause, row in passed.items():
@@ -210,6 +239,19 @@ def test_the_suite_verifies_the_kernel_under_the_interpreter(tmp_path):
     skipped = {row["clause"]: row["message"] for row in rows if row["status"] == "skipped"}
     for clause in MASK_CLAUSES:
         assert "attn_mask is not supported" in skipped.get(clause, ""), (clause, skipped.get(clause))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
+def test_the_suite_verifies_the_kernel_under_the_interpreter(tmp_path):
+    """The suite on the kernel under TRITON_INTERPRET=1 on the CPU, its limits declared, the pinned problems."""
+    _check_verified(*_suite(tmp_path, {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, "--device", "cpu",
+                            *SUITE_UNDER_THE_INTERPRETER))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_the_suite_verifies_the_kernel_on_cuda(tmp_path):
+    """The command of issue 24 on a GPU, compiled, with no other option: limits learned, the default profile."""
+    _check_verified(*_suite(tmp_path, {"TRITON_INTERPRET": "0"}, "-x", "--device", "cuda"))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
