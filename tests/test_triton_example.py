@@ -43,12 +43,12 @@ def _load(name: str):
 
 @pytest.fixture(scope="module")
 def triton_attention():
-    """The example module, and the device its kernels run on here."""
+    """The example module (its kernels compiled, or interpreted under TRITON_INTERPRET=1)."""
     return _load("triton_attention_example")
 
 
 def _tensors(lead, kv_heads, l, s, e, dtype, strided, seed, device):
-    """q, k, v, dO: standard normal, rounded to ``dtype``; ``strided`` gives (b, l, h, e) storage seen as (b, h, l, e)."""
+    """q, k, v, dO: standard normal, rounded to ``dtype``; ``strided``: (b, l, h, e) storage seen as (b, h, l, e)."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(heads, n):
@@ -115,8 +115,8 @@ TILE_BUGS = [
     ("causal-index-inside-the-tile", "admissible = admissible & (keys[None, :] <= rows[:, None])\n        s = tl.where",
      "admissible = admissible & (keys[None, :] - start <= rows[:, None] - tile * BLOCK_M)\n        s = tl.where",
      ((1, 1), 1, 65, 65, 16, torch.float16, True, None, False)),
-    ("dv-of-the-last-query-tile-only", "dv += _dot(p_t.to(do.dtype), do, UPCAST)", "dv = _dot(p_t.to(do.dtype), do, UPCAST)",
-     ((1, 1), 1, 65, 9, 16, torch.float16, False, None, False)),
+    ("dv-of-the-last-query-tile-only", "dv += _dot(p_t.to(do.dtype), do, UPCAST)",
+     "dv = _dot(p_t.to(do.dtype), do, UPCAST)", ((1, 1), 1, 65, 9, 16, torch.float16, False, None, False)),
 ]
 
 
@@ -218,10 +218,10 @@ def _suite(tmp_path, env: dict, *options: str) -> tuple[str, list[dict]]:
     """``pytest properties/ --kernel examples/triton_attention.py:attention OPTIONS`` in a child process: its output
     and the kernel-level rows of its --report-json."""
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
-                           "--kernel", "examples/triton_attention.py:attention", "--report-json", str(report), *options],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
-                          timeout=900)
+    command = [sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
+               "--kernel", "examples/triton_attention.py:attention", "--report-json", str(report), *options]
+    proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout, [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
 
@@ -259,8 +259,7 @@ def test_the_kernel_under_the_interpreter():
     """This file's kernel tests, in a child process with TRITON_INTERPRET=1 (on the CPU, whatever this machine has)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "-p", "no:xdist"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     expected = len(TILED) + len(TILE_BUGS) + len(DECLINED)
     assert f"{expected} passed" in proc.stdout, proc.stdout[-2000:]
