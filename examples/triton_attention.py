@@ -1,8 +1,10 @@
 """A FlashAttention-2-style fused attention kernel in Triton, forward and backward: the suite's worked example
 of a kernel with limits.
 
-    TRITON_INTERPRET=1 pytest properties/ --kernel examples/triton_attention.py:attention   # CPU, interpreted
-    pytest properties/ --kernel examples/triton_attention.py:attention --device cuda        # compiled, on a GPU
+    pytest properties/ --kernel examples/triton_attention.py:attention --device cuda     # compiled, on a GPU
+    TRITON_INTERPRET=1 pytest properties/ --kernel examples/triton_attention.py:attention --device cpu \
+        --dtype float16 --dtype bfloat16 --kernel-head-size 16,32,64,128 --kernel-no-mask --kernel-equal-head-sizes \
+        --hypothesis-profile pinned                       # on the CPU, interpreted: its limits declared, pinned problems
 
 The algorithm (Dao, "FlashAttention-2", 2023, Algorithms 1 and 2), per (batch, head) slice:
 
@@ -258,7 +260,7 @@ def _decline_unsupported(query, key, value, attn_mask, dropout_p) -> None:
                                   f"with the value's equal to the query's, got E = {e}, Ev = {ev}")
     if query.device.type == "cpu" and not _INTERPRETED:
         raise NotImplementedError("triton_attention: CPU tensors are not supported outside Triton's interpreter "
-                                  "(set TRITON_INTERPRET=1 before importing it)")
+                                  "(set TRITON_INTERPRET=1 before Triton is imported)")
     if query.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"triton_attention: device {query.device.type} is not supported")
 
@@ -279,6 +281,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit query {tuple(query.shape)}")
     if query.shape[:-3] != key.shape[:-3]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} differ in their batch dims")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value are on {query.device}, {key.device}, {value.device}")
     heads, kv_heads = (query.shape[-3], key.shape[-3]) if query.dim() >= 3 else (1, 1)
     if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
         raise ValueError(f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and a "
