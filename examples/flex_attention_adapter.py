@@ -40,3 +40,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                          block_mask=block_mask, scale=1 / math.sqrt(d) if softmax_scale is None else softmax_scale,
                          enable_gqa=k.shape[2] != h)
     return out.transpose(1, 2)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """The SDPA signature on ``flex_attention`` (``--kernel examples/flex_attention_adapter.py:scaled_dot_product_attention``):
+    is_causal as a top-left mask_mod, grouped heads, any number of leading dims. It declines what it does not
+    build (an attn_mask, dropout); on the CPU, flex_attention itself declines a forward whose inputs require grad
+    ("FlexAttention does not support backward on CPU"), so the gradient clauses are skipped there with that message."""
+    if attn_mask is not None or dropout_p > 0:
+        raise NotImplementedError("this flex_attention adapter supports no attn_mask and no dropout")
+    lead, (l, e), s = query.shape[:-2], query.shape[-2:], key.shape[-2]
+    if l == 0 or s == 0:
+        return query.new_zeros(*lead, l, value.shape[-1])
+    q, k, v = (t.reshape(-1, *t.shape[-3:]) if t.dim() >= 3 else t.reshape(1, 1, *t.shape[-2:])
+               for t in (query, key, value))
+
+    def causal(bi, hi, qi, kj):
+        return kj <= qi
+
+    block_mask = create_block_mask(causal, None, None, l, s, device=query.device) if is_causal else None
+    out = flex_attention(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(e) if scale is None else scale,
+                         enable_gqa=enable_gqa and k.shape[1] != q.shape[1])
+    return out.reshape(*lead, l, value.shape[-1])

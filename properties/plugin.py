@@ -9,6 +9,7 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --dtype DTYPE           float32, float64, bfloat16, float16, repeatable; default: all four
   --causal-alignment A    top-left (PyTorch, default) or bottom-right (FlashAttention)
   --fully-masked P        zeros (default), nan, mean or any: what a query with no admissible key must output
+  --finfo-min-rows R      softmax (default) or masked: a float-mask row of finfo.min (MASK-LOW-PRECISION)
   --report-json PATH      write one record per (test, clause) for every test run
   --kernel-api API        sdpa (default), flash, flash-varlen or flash-kvcache: the calling convention of
                           --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
@@ -36,7 +37,7 @@ from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
 from properties import reference  # --reference / --reference-kernel: what the differential clauses compare with
-from properties.kernel.guard import FULLY_MASKED_CONVENTIONS, GuardedKernel
+from properties.kernel.guard import FINFO_MIN_ROWS, FULLY_MASKED_CONVENTIONS, GuardedKernel
 from properties.core.oracle import ALIGNMENTS
 from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
@@ -75,6 +76,11 @@ def pytest_addoption(parser):
     group.addoption("--fully-masked", choices=FULLY_MASKED_CONVENTIONS, default="zeros",
                     help="output required for a query with no admissible key: zeros (default), nan, mean (of the "
                          "values, as an additive finfo.min mask gives) or any (no requirement)")
+    group.addoption("--finfo-min-rows", choices=FINFO_MIN_ROWS, default="softmax",
+                    help="a float-mask row whose every score lies below -finfo(float32).max/log2(e) (finfo.min in "
+                         "float32 or bfloat16): softmax (default, SDPA's semantics: the softmax of the row's scores) "
+                         "or masked (it may also come out as a query without admissible key, per --fully-masked: "
+                         "PyTorch's memory-efficient CUDA kernel; MASK-LOW-PRECISION)")
     group.addoption("--report-json", metavar="PATH",
                     help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
     group.addoption("--kernel-api", choices=KERNEL_APIS, default="sdpa",
@@ -202,6 +208,11 @@ def causal_alignment(pytestconfig) -> str:
 @pytest.fixture(scope="session")
 def fully_masked(pytestconfig) -> str:
     return pytestconfig.getoption("--fully-masked")
+
+
+@pytest.fixture(scope="session")
+def finfo_min_rows(pytestconfig) -> str:
+    return pytestconfig.getoption("--finfo-min-rows")
 
 
 def _levels_selected(config) -> set[str]:

@@ -119,6 +119,8 @@ def write_coverage(terminalreporter) -> None:
     """The per-clause coverage of the kernel clauses (properties/core/coverage.py) at the end of the run."""
     rows = [{**r, "clauses": r["clauses"]} for r in _records.values() if r.get("coverage")]
     lines = coverage.summary_lines(rows, verbose=terminalreporter.config.getoption("verbose") > 0)
+    lines += sorted({r["message"] for r in _records.values()   # kernels that decline every problem on a device
+                     if r["status"] == "skipped" and " declines every problem on " in r["message"]})
     if lines:
         terminalreporter.write_sep("=", "kernel clause coverage (problems run and declined; largest L, S, E; dtypes)")
         for line in lines:

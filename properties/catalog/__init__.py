@@ -21,6 +21,7 @@ __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "by_name"]
 _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "properties.catalog.models"
 _B = "properties.catalog.backward"
 _FA = "properties.catalog.flash_bugs"
+_TB, _TILED = "properties.catalog.tile_bugs", "properties.catalog.tiled"
 _FLASH_OPTIONS = ("--kernel-api=flash", "--kernel-api=flash-varlen", "--kernel-api=flash-kvcache")
 
 
@@ -85,6 +86,13 @@ def _flash(name):
     api, mechanism, expected = BUGS[name]
     return Entry(name if "flash" in name else f"flash_{name}", "kernel", mechanism, expected, f"--kernel-api={api}",
                  f"--kernel={_FA}:{name}")
+
+
+def _tile(name):
+    """A tile-boundary bug of tile_bugs.py: exact on one 64 x 64 tile, caught on the pinned kernel-scale problems."""
+    from properties.catalog.tile_bugs import BUGS
+    mechanism, expected = BUGS[name]
+    return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_TB}:{name}")
 
 
 def _module(name, mechanism, overrides, *expected):
@@ -176,6 +184,11 @@ CATALOG: list[Entry] = [
     _backward("gqa_kv_gradient_not_summed", "ATTN-GRAD", "ATTN-GRAD-GQA"),
     _backward("float_mask_gradient_before_softmax", "ATTN-GRAD"),
     _backward("assumes_contiguous_grad_out", "ATTN-GRAD"),
+    # ------------------------------------------ tile-boundary bugs: exact on one 64 x 64 tile, forward or backward
+    *(_tile(name) for name in (
+        "accumulator_not_rescaled", "row_sum_not_rescaled", "remainder_key_tile_dropped", "causal_row_inside_tile",
+        "head_halves_one_unscaled", "query_remainder_unwritten", "mask_tile_local_columns", "lse_of_last_tile_saved",
+        "dk_dv_last_partial_tile_dropped", "dq_overwritten_per_key_tile")),
     # ------------------------------------ kernels with FlashAttention's API (--kernel-api flash|flash-varlen|...)
     *(_flash(name) for name in (
         "window_left_off_by_one", "window_right_off_by_one", "window_sides_swapped", "window_top_left",
@@ -263,8 +276,13 @@ CORRECT: list[Entry] = [
           "--kernel", "memory_efficient"),
     Entry("zoo flash-API kernels", "kernel", "zoo/nn/flash.py: reference, tiled, varlen loop and packed, kvcache "
           "gather and paged", (), "--kernel-api", "flash"),
-    Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks: every block path runs", (),
+    Entry("memory_efficient, blocks of 3", "kernel", "the same with 3-key blocks (S/8 past 24 keys): every block "
+          "path runs", (),
           "--kernel", "properties.catalog.correct:memory_efficient_block3"),
+    Entry("tiled", "kernel", "FlashAttention-2 in plain torch, tiles of 64, its own backward (the tile bugs' base)",
+          (), "--kernel", f"{_TILED}:tiled_attention"),
+    Entry("tiled, a fused kernel's limits", "kernel", "the same declining float32/float64, masks, head sizes other "
+          "than 16/32/64/128 and L != S", (), "--kernel", f"{_TILED}:fused_limits"),
     Entry("flash in the zoo", "module", "the zoo's attention on the flash kernel", (), "--zoo",
           "attention.kernel=properties.catalog.correct:flash_attention"),
     Entry("nn.MultiheadAttention", "module", "torch.nn.MultiheadAttention as the zoo's attention", (), "--zoo",

@@ -7,7 +7,8 @@
                        tiles of ``QUERY_BLOCK`` rows, key tiles of ``KEY_BLOCK`` columns, an online
                        softmax (running max and sum, the accumulator rescaled when the max grows), fully
                        masked causal tiles skipped. The block sizes divide few of the suite's lengths
-                       (1..8), so partial last tiles are the rule. ``flash_attention_tiles_dropped`` in
+                       (1..8), so partial last tiles are the rule; past 24, about an eighth of the length
+                       (``block_size``), odd, so that kernel-scale problems end in a partial tile too. ``flash_attention_tiles_dropped`` in
                        ``kernels.py`` is the same function with the tile count rounded down.
 ``TorchMultiheadAttention``  ``torch.nn.MultiheadAttention`` behind the zoo's attention contract, so the
                        module and model clauses run on it through ``--zoo``.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "memory_efficient_block3", "TorchMultiheadAttention",
-           "QUERY_BLOCK", "KEY_BLOCK"]
+           "QUERY_BLOCK", "KEY_BLOCK", "block_size"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -112,8 +113,14 @@ stepwise_attention = StepwiseAttention()
 QUERY_BLOCK, KEY_BLOCK = 2, 3
 
 
-def _key_tiles(s: int) -> int:
-    return math.ceil(s / KEY_BLOCK)
+def block_size(n: int, small: int) -> int:
+    """``small`` for the suite's small lengths (up to 24); past them an odd block of about n / 8, so that a
+    kernel-scale problem still ends in a partial tile and a python loop over tiles stays short."""
+    return small if n <= 24 else math.ceil(n / 8) | 1
+
+
+def _key_tiles(s: int, block: int) -> int:
+    return math.ceil(s / block)
 
 
 def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -134,15 +141,16 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         mask = attn_mask.to(ct) if attn_mask.dtype != torch.bool else attn_mask
         mask = mask.expand(*lead, l, s)
     out = torch.zeros(*lead, l, v.shape[-1], dtype=ct, device=query.device)
-    for i0 in range(0, l, QUERY_BLOCK):
-        i1 = min(i0 + QUERY_BLOCK, l)
+    query_block, key_block = block_size(l, QUERY_BLOCK), block_size(s, KEY_BLOCK)
+    for i0 in range(0, l, query_block):
+        i1 = min(i0 + query_block, l)
         q_tile = q[..., i0:i1, :]
         running_max = torch.full((*lead, i1 - i0, 1), float("-inf"), dtype=ct, device=query.device)
         running_sum = torch.zeros((*lead, i1 - i0, 1), dtype=ct, device=query.device)
         acc = torch.zeros((*lead, i1 - i0, v.shape[-1]), dtype=ct, device=query.device)
-        for tile in range(_key_tiles(s)):
-            j0 = tile * KEY_BLOCK
-            j1 = min(j0 + KEY_BLOCK, s)
+        for tile in range(_key_tiles(s, key_block)):
+            j0 = tile * key_block
+            j1 = min(j0 + key_block, s)
             if is_causal and j0 > i1 - 1:
                 break  # every later key tile lies above the diagonal for all queries of this tile
             scores = q_tile @ k[..., j0:j1, :].transpose(-1, -2)
@@ -232,7 +240,8 @@ class TorchMultiheadAttention(nn.Module):
 def memory_efficient_block3(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                             enable_gqa=False):
     """The zoo's memory-efficient kernel with blocks of 3 keys, so the suite's small problems cross block
-    boundaries (a partial last block, the online softmax's rescaling, the backward's per-block recomputation)."""
+    boundaries (a partial last block, the online softmax's rescaling, the backward's per-block recomputation);
+    past 24 keys, odd blocks of about S / 8 (``block_size``)."""
     from zoo.nn.memory_efficient import memory_efficient_attention
     return memory_efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                      block=3)
+                                      block=block_size(key.shape[-2], 3))

@@ -272,11 +272,10 @@ class _OutputInComputeDtype(StepwiseAttention):
 
 def flash_attention_tiles_dropped(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                   scale=None, enable_gqa=False):
-    """FlashAttention with the number of key tiles computed as S // KEY_BLOCK instead of ceil(S / KEY_BLOCK):
+    """FlashAttention with the number of key tiles computed as S // block instead of ceil(S / block):
     the last, partial tile of keys is never visited when S is not a multiple of the block size."""
-    from properties.catalog import correct
     return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                           _key_tiles=lambda s: s // correct.KEY_BLOCK)
+                           _key_tiles=lambda s, block: s // block)
 
 
 softmax_over_queries = _SoftmaxOverQueries()

@@ -169,7 +169,7 @@ def summary_lines(rows: list[dict], verbose: bool = False) -> list[str]:
             if not (verbose or c["declined"] or c["run"] < THIN):
                 continue
             if row["status"] == "skipped" and not c["run"]:
-                what = declined_summary(c) if c["declined"] else row.get("message", "")
+                what = row.get("message") or declined_summary(c)
             else:
                 what = f"{c['run']} run ({_dims(c)})" + (f", {declined_summary(c)}" if c["declined"] else "")
             lines.append(f"  {', '.join(row['clauses'])} [{row['status']}]: {what}")

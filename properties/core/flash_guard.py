@@ -3,11 +3,14 @@
 A ``FlashKernel`` is the user's function with one of the three APIs (``flash``, ``flash-varlen``,
 ``flash-kvcache``; properties/plugin.py's ``--kernel-api``). Every call goes through it: an exception, an output
 of the wrong shape, dtype or device, or NaN/Inf becomes an ``AssertionError`` (a failure of the clause the property
-is bound to), except that a kernel may decline a feature: ``NotImplementedError``, a ``TypeError`` for an optional
-feature's keyword (an older signature without ``cache_leftpad``, say), or a ``RuntimeError`` whose message says the combination is not supported (flash-attn's own wording, e.g. "Paged KVcache does not support
-cache_batch_idx", "Softcapping does not support dropout"), is ``Unsupported``. The clauses of that feature are then
-skipped with the kernel's message, and drawn problems of the other clauses leave the feature out
-(``FlashKernel.unsupported``, probed once per device on a tiny problem), so the report lists what was not covered.
+is bound to), except that a kernel may decline a feature, by the one rule of the SDPA kernels
+(properties/core/limits.py, ``decline_reason``): ``NotImplementedError``, a ``TypeError`` for an optional feature's
+keyword (an older signature without ``cache_leftpad``, say), or a ``TypeError``, ``ValueError`` or ``RuntimeError``
+whose message says the combination is not supported (flash-attn's own wording, e.g. "Paged KVcache does not
+support cache_batch_idx", "Softcapping does not support dropout"), is ``Unsupported``. The clauses of that feature
+are then skipped with the kernel's message, and drawn problems of the other clauses leave the feature out
+(``FlashKernel.unsupported``, probed once per device on a tiny problem); the decline is recorded in the clause's
+coverage (properties/core/coverage.py), so the report lists what was not covered.
 """
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ from typing import Callable
 import pytest
 import torch
 
+from properties.core import coverage
+from properties.core.limits import decline_reason
 from properties.kernel.guard import KernelContractError, check_output, describe_call
 
 __all__ = ["Unsupported", "FlashKernel", "skip_unsupported", "flash_weights", "FEATURES"]
-
-_UNSUPPORTED_WORDS = ("not support", "unsupported", "not implemented")
 
 # The optional features of each API (probed once per device); the rest of the API is required.
 FEATURES = {
@@ -44,11 +47,8 @@ OPTIONAL_KEYWORDS = ("dropout_p", "window_size", "softcap", "alibi_slopes", "k",
 
 
 def _is_unsupported(exc: BaseException) -> bool:
-    if isinstance(exc, NotImplementedError):
-        return True
-    if isinstance(exc, TypeError):
-        return any(f"unexpected keyword argument '{kw}'" in str(exc) for kw in OPTIONAL_KEYWORDS)
-    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _UNSUPPORTED_WORDS)
+    """The SDPA kernels' decline rule (properties/core/limits.py) with this API's optional keywords."""
+    return decline_reason(exc, OPTIONAL_KEYWORDS) is not None
 
 
 @dataclass(frozen=True, repr=False)
@@ -88,7 +88,9 @@ class FlashKernel:
             raise KernelContractError(f"kernel {self.name} raised {type(exc).__name__}: {exc}\n  in {call}") from exc
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             out = out[0]
-        return check_output(self.name, out, q, value, call, nan_rows)
+        out = check_output(self.name, out, q, value, call, nan_rows)
+        coverage.ran(q.shape[-3], key.shape[-3], q.shape[-1], q.dtype)   # (B, L, H, D); varlen: L = total tokens
+        return out
 
     # ------------------------------------------------------------------------------ optional features
     def unsupported(self, device) -> dict[str, str]:
@@ -111,6 +113,7 @@ class FlashKernel:
         declined = self.unsupported(device)
         for feature in features:
             if feature in declined:
+                coverage.declined(declined[feature])
                 pytest.skip(f"kernel {self.name} does not support {feature}: {declined[feature]} (not covered)")
 
 
@@ -120,6 +123,7 @@ def skip_unsupported(kernel: FlashKernel, what: str):
     try:
         yield
     except Unsupported as exc:
+        coverage.declined(str(exc))
         pytest.skip(f"kernel {kernel.name} does not support {what}: {exc} (not covered)")
 
 

@@ -29,6 +29,8 @@ __all__ = ["DECLINE_WORDS", "OPTIONAL_KEYWORDS", "decline_reason", "Limits", "Li
 # How flash-attn, Triton wrappers and PyTorch word an unsupported problem (lower case, matched in the message).
 DECLINE_WORDS = ("not support", "n't support", "unsupported", "only support", "no available kernel",
                  "not implemented")
+# Python's own messages that contain those words and report a bug, not a decline.
+NOT_A_DECLINE = ("unsupported operand type", "unsupported format", "not supported between instances")
 # Keywords of optional SDPA features: a signature without one declines that feature (TypeError, unexpected keyword).
 OPTIONAL_KEYWORDS = ("enable_gqa", "scale", "dropout_p")
 
@@ -42,7 +44,7 @@ def decline_reason(exc: BaseException, optional_keywords=OPTIONAL_KEYWORDS) -> s
         return text
     if isinstance(exc, (TypeError, ValueError, RuntimeError)):
         message = str(exc).lower()
-        if any(word in message for word in DECLINE_WORDS):
+        if any(word in message for word in DECLINE_WORDS) and not any(bug in message for bug in NOT_A_DECLINE):
             return text
     return None
 

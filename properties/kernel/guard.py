@@ -23,12 +23,17 @@ from properties.core.strategies import identity_values
 from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, rounding_error,
                                        softmax_bounds, unit_roundoff)
 
-__all__ = ["KernelContractError", "GuardedKernel", "describe_call", "check_output", "check_against_oracle",
+__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "FINFO_MIN_ROWS", "FULLY_MASKED_CONVENTIONS",
+           "fully_masked_mean", "describe_call", "check_output", "check_against_oracle",
            "check_dropout_rate"]
 
 
 class KernelContractError(AssertionError):
     """The kernel raised, or returned something the contract rules out."""
+
+
+class KernelDeclined(Exception):
+    """The kernel declined a problem outside a Hypothesis example (inside one, the example is rejected)."""
 
 
 def _describe(t) -> str:
@@ -132,6 +137,7 @@ class GuardedKernel:
         other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
         import pytest
         from hypothesis import reject
+        from hypothesis.control import currently_in_test_context
         if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
             pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
         tensors = (query, key, value, kwargs.get("attn_mask"))
@@ -145,6 +151,8 @@ class GuardedKernel:
         except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
             self._limits[str(query.device)] = self.declared
         coverage.declined(reason)
+        if not currently_in_test_context():
+            raise KernelDeclined(f"kernel {self.name} declined {describe_call(query, key, value, kwargs)}: {reason}")
         reject()
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
@@ -221,22 +229,32 @@ def check_dropout_rate(w: torch.Tensor, positive: torch.Tensor, p: float, note: 
 # (an additive finfo.min mask: every score becomes finfo.min, the weights uniform; for a row that the caller's
 # own float mask sets to −inf, NaN), or any value at all.
 FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
+# A float-mask row whose every score is below -finfo(float32).max / log2(e) (--finfo-min-rows; MASK-LOW-PRECISION):
+# its softmax (SDPA's semantics), or, declared, what a query without admissible key outputs (PyTorch's
+# memory-efficient CUDA kernel scales the scores by log2(e) in float32, and such a row overflows to -inf).
+FINFO_MIN_ROWS = ("softmax", "masked")
 NON_FINITE_CONVENTIONS = ("nan", "any")
 
 
-def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor | None, no_key: torch.Tensor,
-                            dtype: torch.dtype | None = None) -> None:
-    """Rows without an admissible key equal the mean of the values over all S keys: weights 1/S each within
-    the softmax's evaluation error, the weighted sum within γ(S + 2) of Σ|w v|, plus underflow."""
-    __tracebackhide__ = True
+def fully_masked_mean(actual: torch.Tensor, value: torch.Tensor | None, dtype: torch.dtype):
+    """(the mean of the values over all S keys, its bound) broadcast to ``actual``: weights 1/S each within the
+    softmax's evaluation error, the weighted sum within the rounding of S products, plus underflow (``value`` None:
+    V = I)."""
     v = to_float64(value) if value is not None else torch.eye(actual.shape[-1], dtype=torch.float64)
     if v.dim() >= 3 and actual.dim() >= 3 and v.shape[-3] != actual.shape[-3]:
         v = expand_kv_heads(v, actual.shape[-3])
     s, dtype = v.shape[-2], value.dtype if value is not None else dtype
     mean = torch.broadcast_to(v.mean(-2, keepdim=True), actual.shape)
     rounding = evaluation_error(s, dtype) + rounding_error(s + 1, 1, dtype) + gamma(s + 2, unit_roundoff(torch.float64))
-    bound = torch.broadcast_to(rounding * v.abs().mean(-2, keepdim=True)
-                               + s * torch.finfo(dtype).tiny, actual.shape)
+    bound = torch.broadcast_to(rounding * v.abs().mean(-2, keepdim=True) + s * torch.finfo(dtype).tiny, actual.shape)
+    return mean, bound
+
+
+def check_fully_masked_mean(actual: torch.Tensor, value: torch.Tensor | None, no_key: torch.Tensor,
+                            dtype: torch.dtype | None = None) -> None:
+    """Rows without an admissible key equal the mean of the values over all S keys (``fully_masked_mean``)."""
+    __tracebackhide__ = True
+    mean, bound = fully_masked_mean(actual, value, dtype)
     rows = torch.broadcast_to(no_key.cpu(), actual.shape[:-1])
     assert_within(actual[rows], mean[rows], bound[rows], what="output of a query with no admissible key",
                   reference="mean of the values (--fully-masked mean)")

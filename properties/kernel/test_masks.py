@@ -9,11 +9,12 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_identical, assert_within
-from properties.kernel.guard import check_against_oracle
+from properties.kernel.guard import check_against_oracle, fully_masked_mean
 from properties.core.oracle import to_float64
 from properties.core.strategies import (Case, cases, huge_values, require_dtype, scale_partial_sums, score_limit,
                                         selected_dtypes, on, random_bool_mask, rescale_keys, with_pinned_cases)
-from properties.core.tolerance import output_bound
+from properties.core.oracle import reference_scores
+from properties.core.tolerance import output_bound, softmax_bounds
 
 densities = st.floats(0.0, 1.0)
 mask_kinds = st.sampled_from(["bool", "float"])
@@ -128,11 +129,13 @@ _HALF = torch.float16 if torch.float16 in selected_dtypes() else selected_dtypes
 @example(case=Case(lead=(1, 1), l=2, s=3, e=8, ev=2, dtype=_HALF, seed=0), density=0.5, magnitude=0.75,
          opposed=True)
 @given(case=cases(weights=True), density=densities, magnitude=st.floats(0.0, 1.0), opposed=st.booleans())
-def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density, magnitude, opposed):
+def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density, magnitude, opposed, fully_masked,
+                                                   finfo_min_rows):
     """magnitude: the scores' size, a fraction of the realistic exponent range of ATTN-LARGE-SCORES. opposed:
     the keys point against query 0, so that its whole row of scores is large and negative; row 0 is always
     masked with finfo.min everywhere. The pinned float16 example has row-0 scores near −2^10: score + finfo.min
-    leaves float16's range if a kernel adds the mask in float16."""
+    leaves float16's range if a kernel adds the mask in float16. Under --finfo-min-rows masked, a row whose
+    every score is below -finfo(float32).max / log2(e) may instead follow --fully-masked."""
     require_dtype(device, case.dtype)
     q, k, v = case.qkv64()
     if opposed:
@@ -150,10 +153,47 @@ def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density
     all_min[..., 0] = True
     mask64 = torch.where(all_min[..., None], torch.full_like(mask64, info.min), mask64)
     mask = on(mask64, case.dtype, device)
-    check_against_oracle(kernel, q, k, v, attn_mask=mask)
-    # Every row has a finite score: its weights sum to 1 (ATTN-ROWSUM), which an overflow to −inf breaks even
-    # where the output bound, wide at these magnitudes, would not notice.
-    w, bounds = check_against_oracle(kernel, q, k, None, attn_mask=mask, what="weights")
-    row_sums = to_float64(w).sum(-1)
-    assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error, what="sum over keys of the weights",
-                  reference="1 (no row is fully masked: score + finfo.min is finite)")
+    overflow = torch.zeros(*case.lead, case.l, dtype=torch.bool)
+    if finfo_min_rows == "masked":   # rows whose every score a float32 product with log2(e) sends to -inf
+        overflow = (reference_scores(q, k, attn_mask=mask) < _LOG2E_OVERFLOW).all(-1)
+    if not bool(overflow.any()):
+        check_against_oracle(kernel, q, k, v, attn_mask=mask)
+        # Every row has a finite score: its weights sum to 1 (ATTN-ROWSUM), which an overflow to −inf breaks even
+        # where the output bound, wide at these magnitudes, would not notice.
+        w, bounds = check_against_oracle(kernel, q, k, None, attn_mask=mask, what="weights")
+        row_sums = to_float64(w).sum(-1)
+        assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error, what="sum over keys of the weights",
+                      reference="1 (no row is fully masked: score + finfo.min is finite)")
+        return
+    for value in (v, None):   # the output, then the weights
+        out, bounds, as_masked = _softmax_or_masked(kernel, q, k, value, mask, overflow, fully_masked)
+        if value is None:   # the rows that do not follow --fully-masked sum to 1
+            row_sums = to_float64(out).sum(-1)[~as_masked]
+            assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error, what="sum over keys of the "
+                          "weights", reference="1 (rows not output as fully masked)")
+
+
+# -finfo(float32).max / log2(e): a score below it overflows to -inf where a kernel multiplies by log2(e) in float32.
+_LOG2E_OVERFLOW = -torch.finfo(torch.float32).max / math.log2(math.e)
+
+
+def _softmax_or_masked(kernel, q, k, value, mask, overflow, fully_masked):
+    """--finfo-min-rows masked: every row follows ATTN-ORACLE, except that an ``overflow`` row may instead output
+    what --fully-masked says a query without admissible key outputs. Returns (out, bounds, the rows that did)."""
+    __tracebackhide__ = True
+    bounds = softmax_bounds(q, k, value, attn_mask=mask)
+    out = kernel.weights(q, k, attn_mask=mask, nan_rows=overflow) if value is None else \
+        kernel(q, k, value, attn_mask=mask, nan_rows=overflow)
+    actual = to_float64(out)
+    if fully_masked == "mean":
+        mean, bound = fully_masked_mean(actual, value, q.dtype)
+        as_masked = ((actual - mean).abs() <= bound).all(-1)
+    else:
+        as_masked = {"zeros": (actual == 0).all(-1), "nan": torch.isnan(actual).all(-1),
+                     "any": torch.ones_like(overflow)}[fully_masked]
+    as_masked = overflow & as_masked
+    actual = torch.where(as_masked[..., None], bounds.reference.output, actual)
+    assert_within(actual, bounds.reference.output, output_bound(bounds, value), what="out" if value is not None
+                  else "weights", note=" (rows declared as overflowing may also follow --fully-masked "
+                                       f"{fully_masked}: rows {overflow.nonzero().tolist()})")
+    return out, bounds, as_masked

@@ -94,10 +94,28 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return out.to(query.dtype)
 
 
+# A float-mask row whose every entry lies below this: PyTorch's memory-efficient CUDA kernel multiplies the scores
+# by log2(e) in float32 before exp2, and such a row (finfo.min, float32 or bfloat16) overflows to -inf and comes
+# out as if fully masked (properties/SPEC.md, MASK-LOW-PRECISION; examples/repro_mem_efficient_finfo_min.py).
+_OVERFLOWING_ROW = -torch.finfo(torch.float32).max / 2
+
+
+def _shift_overflowing_rows(attn_mask):
+    """Each row of a float32/bfloat16 mask that lies entirely below -finfo(float32).max / 2 minus its largest entry:
+    the softmax is unchanged by a per-row constant, and the subtraction is exact there (Sterbenz: both in
+    [-finfo.max, -finfo.max / 2]); every other row is left bit for bit as it was."""
+    if attn_mask is None or attn_mask.dtype not in (torch.float32, torch.bfloat16):
+        return attn_mask
+    row_max = attn_mask.amax(-1, keepdim=True)
+    low = (row_max < _OVERFLOWING_ROW) & (row_max > -math.inf)
+    return torch.where(low, attn_mask - row_max, attn_mask)
+
+
 def torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
-    """PyTorch's fused kernel, called with the same contract."""
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+    """PyTorch's fused kernel, called with the same contract (a float mask's rows of finfo.min shifted first, so
+    that the memory-efficient CUDA kernel keeps them: ``_shift_overflowing_rows``)."""
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=_shift_overflowing_rows(attn_mask),
                                           dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale, enable_gqa=enable_gqa)
 
