@@ -1,20 +1,21 @@
 """`python -m zoo` as a user runs it: from another directory, with good and bad values."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
+from plain_install import plain_env
 
 
-def zoo(*arguments: str, cwd) -> subprocess.CompletedProcess:
+def zoo(*arguments: str, cwd, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True, check=False,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def test_default_command_prints_card_and_forward(tmp_path):
-    result = zoo("model=decoder_only", "heads=8", cwd=tmp_path)
+    # README's main command, after README's plain set-up: no package of an extra is importable
+    result = zoo("model=decoder_only", "heads=8", cwd=tmp_path, env=plain_env(tmp_path / "plain"))
     assert result.returncode == 0, result.stderr
     assert "heads=8" in result.stdout and "total" in result.stdout
     assert "forward    (2, 32) -> (2, 32, 1000)" in result.stdout
@@ -82,12 +83,7 @@ def test_help_prints_the_project_help_then_hydras(tmp_path):
 
 
 def test_compare_without_transformers_names_the_extra(tmp_path):
-    blocked = tmp_path / "blocked" / "transformers"
-    blocked.mkdir(parents=True)
-    (blocked / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "zoo", "preset=gpt2_small", "task=compare", "reference=hf"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=120)
+    result = zoo("preset=gpt2_small", "task=compare", "reference=hf", cwd=tmp_path, env=plain_env(tmp_path / "plain"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "transformer-zoo[hf]" in lines[0], result.stderr

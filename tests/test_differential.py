@@ -1,4 +1,4 @@
-"""Decoding and differential clauses, run the way a user runs them (``pytest properties/ ...`` in a subprocess):
+"""Decoding and differential clauses, run the way a user runs them (``pytest properties/ ...`` in a new pytest session):
 the examples pass, a reference that cannot be used is a one-line usage error, the catalog's decode-path bugs are
 missed by the clauses that existed before MODEL-BATCHED-DECODING (which catches them: tests/test_catalog.py), and
 --reference-kernel tells a broken kernel from a correct one."""
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 
 from properties.catalog import CATALOG, Entry
 from properties.catalog.run import command, run_entry
+from properties.catalog.sessions import run_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DIFF = ["MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE"]
@@ -27,9 +26,8 @@ OLDER = ["MODEL-SHAPE", "MODEL-CAUSAL", "MODEL-DEPENDENCE", "MODEL-PERMUTATION",
 def _suite(tmp_path, *args, path="properties/", timeout=900):
     """``pytest PATH ARGS --report-json`` from the repository root: (process, report rows)."""
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider",
-                           "--report-json", str(report), *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
+    proc = run_pytest([path, "-q", "-p", "no:cacheprovider", "--report-json", str(report), *args], cwd=ROOT,
+                      timeout=timeout)
     return proc, (json.loads(report.read_text()) if report.exists() else [])
 
 

@@ -1,14 +1,13 @@
 """The example factories pass the model clauses, run the way a user runs them:
-``pytest properties/ --model <factory>`` in a subprocess (and ``--zoo`` for a zoo model from overrides)."""
+``pytest properties/ --model <factory>`` in a new pytest session (and ``--zoo`` for a zoo model from overrides)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from properties.catalog.sessions import run_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = {"MODEL-SHAPE", "MODEL-CAUSAL", "MODEL-DEPENDENCE", "MODEL-PERMUTATION", "MODEL-BATCH", "MODEL-PADDING",
@@ -38,10 +37,8 @@ CASES = [
 def test_example_passes_the_model_clauses(tmp_path, option, value, expected):
     pytest.importorskip("x_transformers" if "xtransformers" in value else "transformers")
     report = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; runs may share the machine
-    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-m", "model", "-q",
-                           "--report-json", str(report), option, value],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_pytest(["properties/", "-m", "model", "-q", "--report-json", str(report), option, value], cwd=ROOT,
+                      timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     rows = json.loads(report.read_text())
     passed = {row["clause"] for row in rows if row["status"] == "passed"}

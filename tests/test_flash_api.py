@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from properties.catalog import flash_bugs
+from properties.catalog.sessions import run_pytest
 from zoo.nn import flash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,11 +19,10 @@ SUITE = ROOT / "properties"
 
 
 def _run(*args, report: Path | None = None, timeout: float = 900):
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    cmd = [*args, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     if report is not None:
         cmd += ["--report-json", str(report)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_pytest(cmd, cwd=ROOT, timeout=timeout)
     rows = json.loads(report.read_text()) if report is not None and report.exists() else []
     return proc, rows
 
@@ -161,7 +158,8 @@ def test_flash_attn_adapter_passes_the_flash_clauses(tmp_path):  # pragma: no co
 
 
 def test_window_right_below_lk_restricts_the_drawn_windows():
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from properties.core.flash import set_window_right_below_lk, windows
 

@@ -1,7 +1,6 @@
 """Decoding with trained models: cached vs recomputed, greedy vs teacher forcing, task=generate and the CLI."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from zoo.tasks.generate import generate, generate_task, pick_next
 from zoo.config.schema import ConfigError
 from zoo.tasks.train import fit_config_to_data, forward_batch, train
 
+from plain_install import plain_env
 from training import TINY, flip_byte, train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,9 +115,10 @@ def test_generate_task_needs_a_checkpoint_of_a_generating_model(tmp_path):
 # -------------------------------------------------------------------------------------------- command line
 
 def run_zoo(*arguments: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture: threads only slow a tiny model down
+    """README's training and decoding commands as they run after README's plain set-up (no extras; one thread, as
+    the one_thread fixture: threads only slow a tiny model down)."""
     return subprocess.run([sys.executable, "-m", "zoo", *arguments], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=plain_env(cwd / ".plain-install"))
 
 
 def test_cli_trains_then_generates_from_the_checkpoint(tmp_path):

@@ -87,3 +87,20 @@ def test_wheel_runs_from_a_temporary_directory(tmp_path):
         suite = run([*command, *ONE_KERNEL_TEST], cwd=elsewhere, env=env)
         assert suite.returncode == 0 and "1 passed" in suite.stdout, suite.stdout + suite.stderr
         assert "already registered" not in suite.stdout + suite.stderr
+
+
+def test_the_plain_install_sandbox_hides_the_extras_and_keeps_what_the_zoo_needs(tmp_path):
+    """tests/plain_install.py, which README's main, training and decoding commands run under (test_cli.py,
+    test_generate.py): a package of an extra is neither importable nor a pytest plug-in there, and what the
+    zoo's own modules need, saving a checkpoint included, is."""
+    from plain_install import blocked_modules, plain_env
+    extras = [m for m in ("transformers", "matplotlib", "xdist") if importlib.util.find_spec(m) is not None]
+    assert extras and set(extras) <= set(blocked_modules()), "the [test] extra is not installed here"
+    script = ("import importlib.metadata, importlib.util, sys\n"
+              f"assert all(importlib.util.find_spec(m) is None for m in {extras!r})\n"
+              "assert not [d for d in importlib.metadata.distributions() if d.metadata['Name'] == 'pytest-xdist']\n"
+              "import torch, safetensors.torch, zoo.cli, zoo.tasks.train, zoo.tasks.generate, properties.plugin\n"
+              "safetensors.torch.save_file({'w': torch.ones(2)}, sys.argv[1])\n")
+    result = run([sys.executable, "-c", script, str(tmp_path / "w.safetensors")], cwd=tmp_path,
+                 env=plain_env(tmp_path / "plain"))
+    assert result.returncode == 0, result.stderr

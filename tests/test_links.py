@@ -114,3 +114,21 @@ def test_the_checker_sees_what_it_should(tmp_path, monkeypatch):
     found = problems(document)
     assert [p.split(":")[0] for p in found] == ["docs/b.md", "docs/a.md#nope", "https", "../outside.md",
                                                 "../../shared/seeds/000.txt"], found
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_document_names_a_folder_outside_the_clone(document):
+    """In prose or code: the spec's earlier notes are cited by file name, with our note on each in
+    docs/sources/seed-notes.md; the folder they were collected in is not part of a clone."""
+    text = document.read_text(encoding="utf-8")
+    found = sorted(set(re.findall(r"(?:\.\./)*shared/\S*|seeds/\S+", text)))
+    assert not found, f"{document.relative_to(ROOT)} names paths outside the repository: {found}"
+
+
+def test_every_seed_the_spec_cites_has_a_note():
+    spec = (ROOT / "properties" / "SPEC.md").read_text(encoding="utf-8")
+    notes = (ROOT / "docs" / "sources" / "seed-notes.md").read_text(encoding="utf-8")
+    cited = set(re.findall(r"seed `?(\d{3})", spec))
+    assert cited, "SPEC.md cites no seed note (the pattern changed?)"
+    missing = sorted(n for n in cited if f"## Seed {n}" not in notes)
+    assert not missing, f"SPEC.md cites seeds without a section in docs/sources/seed-notes.md: {missing}"

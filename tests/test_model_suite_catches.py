@@ -9,9 +9,6 @@ run at startup with a one-line usage error.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ import torch
 
 from properties import Subject
 from properties.catalog.models import MAX_LEN, VOCAB, parts
+from properties.catalog.sessions import Session, run_pytest
 from zoo.nn.models import DecoderOnly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,14 +63,11 @@ def hf_bert_with_pooler():
     return hf_subject(transformers.BertModel(config))  # add_pooling_layer=True, the default
 
 
-def run_suite(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict[str, set[str]]]:
-    """pytest properties/ -m model with options, in a subprocess; -> (process, {status: clause IDs})."""
+def run_suite(tmp_path, *options: str) -> tuple[Session, dict[str, set[str]]]:
+    """pytest properties/ -m model with options, in a new pytest session; -> (session, {status: clause IDs})."""
     report = tmp_path / "report.json"
-    # One intra-op thread: the models are tiny, and several of these runs may share the machine.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-m", "model", "-q",
-                           "--report-json", str(report), *options],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_pytest(["properties/", "-m", "model", "-q", "--report-json", str(report), *options], cwd=ROOT,
+                      timeout=600)
     statuses: dict[str, set[str]] = {}
     if report.exists():
         for row in json.loads(report.read_text()):

@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from properties.catalog.sessions import run_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def suite(tmp_path, *arguments: str) -> dict[str, set[str]]:
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
-                             "--report-json", str(report), *arguments], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = run_pytest(["properties/", "-q", "-p", "no:cacheprovider", "--report-json", str(report), *arguments],
+                        cwd=ROOT, timeout=600, env={"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     outcome: dict[str, set[str]] = {}
     for row in json.loads(report.read_text()):

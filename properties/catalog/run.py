@@ -1,5 +1,5 @@
 """Running the suite on a catalog entry the way a user does: ``pytest properties/ OPTION ARGUMENT`` in a
-subprocess with ``--report-json``, and reading the report.
+new pytest session with ``--report-json``, and reading the report.
 
 Each run starts in a fresh temporary directory, so Hypothesis' example database (``.hypothesis/`` in the
 working directory) is empty: no run replays a failure another run found. The suite itself is the
@@ -8,8 +8,6 @@ installed ``properties`` package's directory, so this works from a wheel as from
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +18,7 @@ from typing import Iterable, Sequence
 
 import properties
 from properties.catalog import Entry
+from properties.catalog.sessions import run_pytest
 
 __all__ = ["SUITE", "SOURCE_ROOT", "Run", "command", "run_entry", "run_all"]
 
@@ -125,23 +124,18 @@ def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence
 
 
 def run_entry(entry: Entry, *, timeout: float = 900, **options) -> Run:
-    """Run the suite on ``entry`` in a subprocess (one intra-op thread, a fresh working directory)."""
+    """Run the suite on ``entry`` in a new pytest session (one intra-op thread, a fresh working directory),
+    forked from a server that has imported torch once (``properties.catalog.sessions``)."""
     with tempfile.TemporaryDirectory(prefix="catalog-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = command(entry, report, **options)
         if cmd is None:
             return Run(entry, [], unavailable=f"{entry.argument.split(':')[0]} is not here (a source checkout has it)")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-            returncode, output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            returncode, output = None, f"{partial}\ntimed out after {timeout:.0f} s"
+        session = run_pytest(cmd[3:], cwd=tmp, timeout=timeout)
         wall = time.perf_counter() - start
         rows = json.loads(report.read_text()) if report.exists() else []
-    return Run(entry, cmd, returncode, rows, wall, output[-6000:])
+    return Run(entry, cmd, session.returncode, rows, wall, session.output[-6000:])
 
 
 def run_all(entries: Iterable[Entry], *, jobs: int = 2, progress=None, **options) -> list[Run]:

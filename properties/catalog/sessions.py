@@ -1,0 +1,248 @@
+"""A fresh pytest session per run, without a fresh interpreter per run.
+
+The catalog runs the suite once per entry, as a user does (``python -m pytest properties/ --kernel ...`` in a new
+directory), and most of such a short run used to be start-up: importing torch, Hypothesis, pytest, Hydra and
+einops takes 2-3 s of the 3-6 s a caught entry costs. Here one server process imports them once and forks a
+child per run; the child changes to the run's directory and calls ``pytest.main`` with the run's arguments,
+with its output going to files, and exits with pytest's status. Each child is a new pytest session that
+imports, collects and configures everything of the suite itself, in a process that no other run has touched:
+the server imports only third-party libraries (the suite's own modules are imported by the child, so pytest
+rewrites their asserts as in a plain run) and never runs any of them. What a forked child lacks compared with a
+new interpreter is only the import time.
+
+Where ``fork`` is unavailable (Windows) or the server cannot be started, a run is a subprocess as before:
+:func:`run_pytest` has the same result either way. The server handles one run at a time; :class:`SessionPool`
+keeps one server per concurrent caller.
+
+    python -m properties.catalog.sessions   # the server; it reads requests on stdin (one JSON object per line)
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Session", "run_pytest", "SessionPool", "PRELOAD"]
+
+# Third-party modules only (see the docstring); each is imported when present. Not Hydra: pytest rewrites the
+# asserts of its pytest plug-in, and warns when the module was imported before it could.
+PRELOAD = ("torch", "numpy", "hypothesis", "hypothesis.extra.pytestplugin", "pytest", "_pytest.python",
+           "_pytest.fixtures", "_pytest.assertion.rewrite", "_pytest.terminal", "pluggy", "einops", "omegaconf",
+           "safetensors.torch", "yaml")
+
+
+@dataclass
+class Session:
+    """What a run left: pytest's exit status (None: killed at its time limit), its stdout and its stderr."""
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _subprocess_run(args, cwd, env, timeout) -> Session:
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        return Session(proc.returncode, proc.stdout, proc.stderr)
+    except subprocess.TimeoutExpired as exc:
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return Session(None, text(exc.stdout), text(exc.stderr) + f"\ntimed out after {timeout:.0f} s", True)
+
+
+class _Server:
+    """One server process and its pipes; ``run`` sends a request and waits for the child's status."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.process = subprocess.Popen([sys.executable, "-m", "properties.catalog.sessions"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                        cwd=tempfile.gettempdir())
+        if self.process.stdout.readline().strip() != "ready":
+            raise OSError("the pytest session server did not start")
+
+    def run(self, args, cwd, env, timeout) -> Session:
+        with tempfile.TemporaryDirectory(prefix="session-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            changes = {k: v for k, v in (env or {}).items() if self.env.get(k) != v}
+            removed = [k for k in self.env if env is not None and k not in env]
+            request = {"args": list(args), "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
+                       "env": changes, "unset": removed, "timeout": timeout}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            reply = self.process.stdout.readline()
+            if not reply:
+                raise OSError("the pytest session server stopped")
+            status = json.loads(reply)
+            def read(p):
+                return p.read_text(errors="replace") if p.exists() else ""
+            stdout, stderr = read(out), read(err)
+        if status["timed_out"]:
+            stderr += f"\ntimed out after {timeout:.0f} s"
+        return Session(status["returncode"], stdout, stderr, status["timed_out"])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class SessionPool:
+    """Servers for callers that run sessions at the same time (threads); a server that breaks is replaced by
+    subprocess runs for the rest of the pool's life."""
+
+    def __init__(self, env: dict | None = None):
+        self.env = dict(os.environ if env is None else env)
+        self.idle: queue.SimpleQueue[_Server] = queue.SimpleQueue()
+        self.servers: list[_Server] = []
+        self.lock = threading.Lock()
+        self.broken = not hasattr(os, "fork")
+
+    def run(self, args, cwd, env=None, timeout: float = 900) -> Session:
+        if self.broken:
+            return _subprocess_run(args, cwd, env, timeout)
+        try:
+            server = self.idle.get_nowait()
+        except queue.Empty:
+            try:
+                server = _Server(self.env)
+            except OSError:
+                self.broken = True
+                return _subprocess_run(args, cwd, env, timeout)
+            with self.lock:
+                self.servers.append(server)
+        try:
+            result = server.run(args, cwd, env, timeout)
+        except (OSError, ValueError):  # the server died: this run and the later ones as subprocesses
+            self.broken = True
+            return _subprocess_run(args, cwd, env, timeout)
+        self.idle.put(server)
+        return result
+
+    def close(self) -> None:
+        with self.lock:
+            for server in self.servers:
+                server.close()
+            self.servers.clear()
+
+
+_POOL: SessionPool | None = None
+
+
+def run_pytest(args, *, cwd, env: dict | None = None, timeout: float = 900) -> Session:
+    """``python -m pytest ARGS`` in ``cwd`` with ``env`` (default: this process's), as a forked session of a
+    server that imported torch once; the server is started on the first call (one per concurrent call) and
+    ends with this process."""
+    global _POOL
+    if _POOL is None:
+        import atexit
+        _POOL = SessionPool({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        atexit.register(_POOL.close)
+    return _POOL.run(args, cwd, {**_POOL.env, **(env or {})} if env is not None else None, timeout)
+
+
+# ------------------------------------------------------------------------------------------------ the server
+def _child(request: dict) -> None:
+    """In the forked child: become ``python -m pytest ARGS`` run in the request's directory; never returns."""
+    code = 70
+    try:
+        os.setpgid(0, 0)   # its own group, so that a time-out ends whatever the session started too
+        _die_with_parent()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)   # not the server's request pipe
+        os.close(devnull)
+        for name, path in (("stdout", 1), ("stderr", 2)):
+            fd = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, path)
+            os.close(fd)
+        os.environ.update(request["env"])
+        for name in request["unset"]:
+            os.environ.pop(name, None)
+        os.chdir(request["cwd"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.getcwd(), *extra, *sys.path[1:]]   # python -m puts the working directory first
+        sys.argv = [sys.argv[0], *request["args"]]
+        try:   # Hypothesis' example database lives in the working directory, as in a new process
+            from hypothesis.configuration import set_hypothesis_home_dir
+            set_hypothesis_home_dir(os.path.join(os.getcwd(), ".hypothesis"))
+        except ImportError:
+            pass
+        import pytest
+        code = int(pytest.main(list(request["args"])))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:   # noqa: BLE001 -- reported on the session's stderr, as a crashed interpreter would
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child is killed if the server dies (a caller interrupted), instead of running on alone."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait(pid: int, timeout: float | None) -> tuple[int | None, bool]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        if deadline is not None and time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return None, True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def serve() -> None:
+    import importlib
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        returncode, timed_out = _wait(pid, request.get("timeout"))
+        print(json.dumps({"returncode": returncode, "timed_out": timed_out}), flush=True)
+
+
+if __name__ == "__main__":
+    serve()
