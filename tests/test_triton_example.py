@@ -4,16 +4,14 @@ its 64 x 64 tiles, forward and backward, and on its declines.
 
 Its kernels run compiled on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1: the same kernels
 executed with NumPy). The interpreter is chosen when ``triton`` is first imported, for the whole process, so a
-run without it (CI's) checks the kernel here in a child process that has it; with it, or on a CUDA machine,
-the tests below run in this process. Skipped where Triton is not installed (pip install -e ".[triton]").
+run without it (CI's) checks the kernel here in a new pytest session that has it (forked from the server of
+properties/catalog/sessions.py, which never imports Triton); with it, or on a CUDA machine, the tests below run in
+this process. Skipped where Triton is not installed (pip install -e ".[triton]").
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[triton]'")
 
+from properties.catalog.sessions import run_pytest  # noqa: E402
 from properties.core.assertions import assert_within  # noqa: E402
 from properties.core.gradients import gradient_oracle  # noqa: E402
 from properties.core.oracle import default_scale, to_float64  # noqa: E402
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "triton_attention.py"
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 DEVICE = "cpu" if INTERPRETED else "cuda" if torch.cuda.is_available() else None
+INTERPRETER = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}   # a session's environment: the CPU, interpreted
 runs_kernels = pytest.mark.skipif(DEVICE is None, reason="Triton kernels run on CUDA or under TRITON_INTERPRET=1; "
                                   "test_the_kernel_under_the_interpreter runs these in a process with it")
 
@@ -215,15 +215,14 @@ MASK_CLAUSES = {"MASK-BOOL", "MASK-FLOAT-ADDITIVE", "MASK-FULLY-MASKED", "ATTN-G
 
 
 def _suite(tmp_path, env: dict, *options: str) -> tuple[str, list[dict]]:
-    """``pytest properties/ --kernel examples/triton_attention.py:attention OPTIONS`` in a child process: its output
-    and the kernel-level rows of its --report-json."""
+    """``pytest properties/ --kernel examples/triton_attention.py:attention OPTIONS`` as a new session (a process that
+    has not imported Triton yet): its output and the kernel-level rows of its --report-json."""
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider",
-               "--kernel", "examples/triton_attention.py:attention", "--report-json", str(report), *options]
-    proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return proc.stdout, [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
+    result = run_pytest(["properties/", "-q", "-p", "no:cacheprovider", "--kernel",
+                         "examples/triton_attention.py:attention", "--report-json", str(report), *options],
+                        cwd=ROOT, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout, [row for row in json.loads(report.read_text()) if row["level"] == "kernel"]
 
 
 def _check_verified(output: str, rows: list[dict]) -> None:
@@ -244,8 +243,7 @@ def _check_verified(output: str, rows: list[dict]) -> None:
 @pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
 def test_the_suite_verifies_the_kernel_under_the_interpreter(tmp_path):
     """The suite on the kernel under TRITON_INTERPRET=1 on the CPU, its limits declared, the pinned problems."""
-    _check_verified(*_suite(tmp_path, {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, "--device", "cpu",
-                            *SUITE_UNDER_THE_INTERPRETER))
+    _check_verified(*_suite(tmp_path, INTERPRETER, "--device", "cpu", *SUITE_UNDER_THE_INTERPRETER))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
@@ -256,10 +254,9 @@ def test_the_suite_verifies_the_kernel_on_cuda(tmp_path):
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the one under the interpreter")
 def test_the_kernel_under_the_interpreter():
-    """This file's kernel tests, in a child process with TRITON_INTERPRET=1 (on the CPU, whatever this machine has)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    """This file's kernel tests in a new session with TRITON_INTERPRET=1 (on the CPU, whatever this machine has)."""
+    result = run_pytest([str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-p", "no:xdist"], cwd=ROOT,
+                        env=INTERPRETER, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     expected = len(TILED) + len(TILE_BUGS) + len(DECLINED)
-    assert f"{expected} passed" in proc.stdout, proc.stdout[-2000:]
+    assert f"{expected} passed" in result.stdout, result.stdout[-2000:]
