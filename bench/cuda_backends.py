@@ -33,6 +33,8 @@ RUNS = [
      ["properties/kernel", "--kernel", f"{BACKENDS}:efficient", "--finfo-min-rows", "masked"]),
     ("cuDNN (SDPBackend.CUDNN_ATTENTION)", ["properties/kernel", "--kernel", f"{BACKENDS}:cudnn"]),
     ("math (SDPBackend.MATH)", ["properties/kernel", "--kernel", f"{BACKENDS}:math"]),
+    ("Triton, FlashAttention-2 style (examples/triton_attention.py)",
+     ["properties/kernel", "--kernel", "examples/triton_attention.py:attention"]),
 ]
 START, END = "<!-- cuda-table -->", "<!-- /cuda-table -->"
 
