@@ -69,5 +69,7 @@ class DecoderLayer(nn.Module):
         x = self.attn_block(x, lambda h: self.self_attn(h, key_padding_mask=mask, is_causal=True,
                                                         positions=positions, cache=cache, **packed))
         if self.cross_attn is not None:
-            x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_mask))
+            # A static cache keeps the memory's keys and values (zoo.nn.static_cache); a KVCache is self-attention's.
+            kept = {"cache": cache} if getattr(cache, "preallocated", False) else {}
+            x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_mask, **kept))
         return self.ffn_block(x, self.ffn)

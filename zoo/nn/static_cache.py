@@ -1,0 +1,156 @@
+"""A static KV cache: every position's keys and values in tensors allocated once per generation, written in place.
+
+``KVCache`` grows by concatenation: each decoding step allocates and copies every layer's keys and values, and
+the layer builds its mask and positions from the cache's length. On a GPU a step is a few small matmuls, so that
+bookkeeping, not the arithmetic, is its cost (issue 26: cached decoding slower than recomputing on an H100).
+``StaticKVCache`` is the answer of PyTorch's gpt-fast and Hugging Face's ``StaticCache``:
+
+    keys, values    one (b, k, N, e) tensor each per layer, N = capacity (the prompt plus the new tokens), zeros
+                    at first; a call writes its l new positions with ``index_copy_`` and attends to all N slots,
+                    the slots not yet written masked out
+    positions, masks
+                    the slots 0..N-1 and the causal band (N, N) (one per sliding window the layers use) are built
+                    once; a call's positions and mask are views of them (rows length..length+l-1), narrowed by the
+                    key-padding mask when one is given, made once per call and shared by every layer
+    cross K/V       an encoder-decoder's cross-attention keys and values, projected from the memory at the first
+                    call and reused at every later one
+
+So every decoding step runs the same operations on tensors of the same shapes at the same addresses: what
+``torch.compile(mode="reduce-overhead")`` needs to capture the step in one CUDA graph (zoo/tasks/generate.py).
+``prepare(l)`` makes the next call's positions and masks ahead of the call, so that a compiled step reads only
+tensors and never the Python ``length``, which changes every step (a guard on it would recompile each step).
+
+The keys and values the layers attend to are those of ``KVCache`` at the written slots; the unwritten slots get
+weight exactly 0. The static cache serves the zoo's own attention and position modules (``refusal`` says why a
+model cannot use it: a plug-in part keeps ``KVCache``, whose contract it was written against).
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from zoo.nn.attention import KVCache, MultiHeadAttention, window_size
+from zoo.nn.flash import band_allowed
+from zoo.nn.positional import (AlibiPositions, LearnedPositions, NoPositions, RotaryPositions,
+                               SinusoidalPositions)
+
+__all__ = ["StaticKVCache", "refusal"]
+
+_ZOO_POSITIONS = (NoPositions, SinusoidalPositions, LearnedPositions, RotaryPositions, AlibiPositions)
+
+
+def _stacks(model: nn.Module) -> list[nn.Module]:
+    return [model.decoder] if getattr(model, "kind", None) == "decoder_only" else [model.encoder, model.decoder]
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot decode with a StaticKVCache, or None when it can: its decoder's attention must be the
+    zoo's MultiHeadAttention with its own forward and mask (a subclass that overrides them, or a plug-in
+    attention, gets the KVCache it was written for) and its position modules the zoo's, which take a tensor of
+    positions."""
+    if getattr(model, "kind", None) not in ("decoder_only", "encoder_decoder"):
+        return f"a {getattr(model, 'kind', type(model).__name__)} model does not decode"
+    for stack in _stacks(model):
+        if type(stack.pos) not in _ZOO_POSITIONS:
+            return f"position module {type(stack.pos).__qualname__} is not one of the zoo's"
+    for layer in model.decoder.layers:
+        for attention in (layer.self_attn, layer.cross_attn):
+            if attention is None:
+                continue
+            if not isinstance(attention, MultiHeadAttention) or \
+                    type(attention).forward is not MultiHeadAttention.forward or \
+                    type(attention).mask is not MultiHeadAttention.mask:
+                return f"attention {type(attention).__qualname__} is not the zoo's MultiHeadAttention"
+    return None
+
+
+class StaticKVCache(KVCache):
+    """Keys and values of ``capacity`` positions per sequence, preallocated (see the module docstring). Build one
+    with ``StaticKVCache.for_model``; pass it as ``cache=`` to the model like a KVCache, one generation per cache.
+
+    ``length`` counts the positions of the calls made so far, the current one included once it is prepared."""
+    preallocated = True
+
+    def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
+                 bands: dict[int | None, torch.Tensor]):
+        super().__init__(keys=keys, values=values, length=0)
+        self.capacity = next(iter(keys.values())).shape[-2]
+        self.bands = bands
+        self.slots = torch.arange(self.capacity, device=next(iter(keys.values())).device)
+        self.cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.positions: torch.Tensor | None = None   # the prepared call's positions (l,)
+        self.allowed: dict[int | None, torch.Tensor] = {}  # its mask over the N slots, by window
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch: int, capacity: int) -> "StaticKVCache":
+        """A cache for ``batch`` sequences of up to ``capacity`` positions of ``model``'s decoder, allocated now,
+        on the device and in the dtype of its weights."""
+        reason = refusal(model)
+        if reason is not None:
+            raise ValueError(f"StaticKVCache: {reason} (decode with a KVCache)")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= model.max_len:
+            raise ValueError(f"StaticKVCache: capacity={capacity} positions: expected 1 to the model's "
+                             f"max_len={model.max_len}")
+        keys, values, windows = {}, {}, set()
+        for layer in model.decoder.layers:
+            attention = layer.self_attn
+            weight = attention.k_proj.weight
+            shape = (batch, attention.kv_heads, capacity, attention.head_dim)
+            keys[attention.layer_index] = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+            values[attention.layer_index] = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+            windows.add(attention.window)
+        slots = torch.arange(capacity, device=weight.device)
+        bands = {w: band_allowed(slots[:, None], slots[None, :], 0, True, window_size(w)) for w in windows}
+        return cls(keys, values, bands)
+
+    def mark_static(self) -> None:
+        """Tell torch.compile that the buffers keep their addresses: a CUDA graph may then write them in place
+        (as Hugging Face's StaticCache does)."""
+        for tensor in (*self.keys.values(), *self.values.values(), *self.bands.values(), self.slots):
+            torch._dynamo.mark_static_address(tensor)
+
+    def prepare(self, length: int, key_padding_mask: torch.Tensor | None = None) -> None:
+        """The positions and masks of the next call, of ``length`` tokens; key_padding_mask (b, positions so far,
+        this call's included) True = real, as the model takes it. Called by the model when the caller has not."""
+        start, end = self.length, self.length + length
+        if end > self.capacity:
+            raise ValueError(f"StaticKVCache: positions {start}..{end - 1} beyond its capacity of {self.capacity}")
+        self.positions = self.slots[start:end]
+        padding = None
+        if key_padding_mask is not None:
+            if key_padding_mask.shape[-1] != end:
+                raise ValueError(f"StaticKVCache: the mask covers {key_padding_mask.shape[-1]} positions; this "
+                                 f"call reaches {end}")
+            padding = torch.zeros(key_padding_mask.shape[0], self.capacity, dtype=torch.bool,
+                                  device=self.slots.device)
+            padding[:, :end] = key_padding_mask
+            padding = rearrange(padding, "b s -> b 1 1 s")
+        self.allowed = {w: band[start:end] if padding is None else band[start:end] & padding
+                        for w, band in self.bands.items()}
+        self.length = end
+
+    def begin(self, length: int, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.positions is None:
+            self.prepare(length, key_padding_mask)
+        return self.positions
+
+    def finish(self, length: int) -> None:
+        self.positions, self.allowed = None, {}  # a prepared call is used once
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (b, k, l, e) into this call's slots in place; return all N slots (b, k, N, e)."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.positions, k)
+        values.index_copy_(2, self.positions, v)
+        return keys, values
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """This call's (l, N), or with padding (b, 1, l, N), bool mask: True where query i may attend slot j."""
+        return self.allowed[window]
+
+    def cross(self, layer: int, project) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cross-attention keys and values of ``layer``: ``project()`` at the first call, then kept."""
+        if layer not in self.cross_kv:
+            self.cross_kv[layer] = project()
+        return self.cross_kv[layer]
