@@ -73,6 +73,29 @@ def train_targets_markdown(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+DECODE_COLUMNS = {"static": "static cache", "static_compiled": "static, compiled (CUDA graph)",
+                  "growing": "growing cache", "recompute": "recompute prefix", "hf_static": "HF `generate`, static cache"}
+
+
+def decode_markdown(cells: list[dict]) -> list[str]:
+    """Greedy decoding (bench/decode.py): seconds per variant, the speed-ups, operations per decoding step."""
+    names = [n for n in DECODE_COLUMNS if any(n in c["seconds"] for c in cells)]
+    lines = ["| greedy decoding | dtype | new tokens | " + " | ".join(DECODE_COLUMNS[n] for n in names)
+             + " | recompute ÷ static | HF ÷ zoo best | ops per step: growing → static | same tokens |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | --- |"]
+    for c in cells:
+        ops = c.get("ops_per_step") or {}
+        count = lambda n: f"{ops[n]['working']:.0f}" if n in ops else "n/a"  # noqa: E731
+        seconds = [f"{c['seconds'][n]:.2f} s" if n in c["seconds"] else "" for n in names]
+        hf = f"{c['vs_hf_static']:.2f}×" if c.get("vs_hf_static") else "n/a"
+        lines.append(f"| {c['model']}, {c['layers']} layers, batch {c['batch']}, prompt {c['prompt']} "
+                     f"| {c['dtype']} | {c['new_tokens']} | " + " | ".join(seconds)
+                     + f" | {c['speedup']:.1f}× | {hf} | {count('growing')} → {count('static')}"
+                     + (f" (compiled: {ops['static_compiled'].get('launches', 0):.0f} launches)"
+                        if "static_compiled" in ops else "") + f" | {c['same_tokens']} |")
+    return [*lines, ""]
+
+
 def markdown(results: dict, only: str | None = None) -> str:
     if only == "training":
         return "\n".join(training_markdown(results))
@@ -108,14 +131,7 @@ def markdown(results: dict, only: str | None = None) -> str:
                          f"| {_ratio(c['ratio']['zoo_math'])} |")
         lines.append("")
     if results.get("decode"):
-        lines += ["| greedy decoding | dtype | new tokens | KVCache | recompute prefix | speedup | same tokens |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-        for c in results["decode"]:
-            lines.append(f"| {c['model']}, {c['layers']} layers, batch {c['batch']}, prompt {c['prompt']} "
-                         f"| {c['dtype']} | {c['new_tokens']} | {c['seconds']['cached']:.2f} s "
-                         f"| {c['seconds']['recompute']:.2f} s "
-                         f"| {c['speedup']:.1f}× | {c['same_tokens']} |")
-        lines.append("")
+        lines += decode_markdown(results["decode"])
     if results.get("suite"):
         for run in results["suite"].values():
             wall = "n/a" if run["seconds"] is None else f"{run['seconds']:.0f} s wall"

@@ -35,7 +35,7 @@ from bench.common import (
     matmul_flops_per_s,
     write_json_atomic,
 )
-from bench.decode import bench_decode
+from bench.decode import bench_decode, decode_targets
 from bench.kernels import bench_kernel
 from bench.models import MODEL_HEADER, bench_models
 from bench.suite import bench_mutation, bench_suite
@@ -176,11 +176,7 @@ def evaluate_targets(results: dict) -> list[dict]:
                              f"{me['exponent']:.2f})", "met": me["exponent"] <= LINEAR_EXPONENT_TARGET,
                     "note": None if quadratic is None else f"math: x{quadratic['peak_ratio']:.1f} "
                                                            f"(exponent {quadratic['exponent']:.2f})"})
-    decode = results.get("decode") or []
-    if decode:
-        worst = min(c["speedup"] for c in decode)
-        out.append({"target": f"cached decoding >= 5x faster than recomputation ({decode[0]['new_tokens']} tokens)",
-                    "value": round(worst, 2), "met": worst >= TARGETS["decode_speedup"]})
+    out += decode_targets(results.get("decode") or [])
     suite = results.get("suite")
     if suite:
         run = suite["default"]

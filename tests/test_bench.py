@@ -80,6 +80,9 @@ def test_bench_command_writes_json(tmp_path):
     assert all(set(c["ratio"]) == {"zoo_torch", "zoo_math"} for c in results["kernel"])
     (decode,) = results["decode"]
     assert decode["new_tokens"] == 4 and decode["speedup"] > 0 and decode["same_tokens"] is True
+    assert set(decode["seconds"]) == {"static", "growing", "recompute", "hf_static"}  # + static_compiled on CUDA
+    ops = decode["ops_per_step"]  # the static cache builds no mask and concatenates nothing per layer
+    assert 0 < ops["static"]["working"] < ops["growing"]["working"] <= ops["growing"]["dispatched"]
     assert "suite" not in results and "mutation" not in results
     for target in results["targets"]:
         assert set(target) >= {"target", "value", "met"}

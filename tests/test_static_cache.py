@@ -76,6 +76,23 @@ def test_static_cache_computes_the_growing_caches_logits_in_preallocated_slots(c
         assert len(static.cross_kv) == len(model.decoder.layers)  # projected once, at the first call
 
 
+def test_a_static_cache_serves_another_generation_in_the_same_buffers():
+    """generate(cache=...) empties and reuses a cache (the addresses a CUDA graph was recorded on), cross-attention
+    keys included: the tokens of a fresh cache."""
+    model = tiny("encoder_decoder", dtype="float32")
+    prompt, _, src = batch("encoder_decoder", 2, 1)
+    cache = StaticKVCache.for_model(model, 2, 6)
+    first = generate(model, prompt, 6, src=src, eos_id=None, cache=cache)
+    buffers = [t.data_ptr() for t in (*cache.keys.values(), *(t for kv in cache.cross_kv.values() for t in kv))]
+    other = src.flip(0)
+    again = generate(model, prompt, 6, src=other, eos_id=None, cache=cache)
+    assert torch.equal(first, generate(model, prompt, 6, src=src, eos_id=None))
+    assert torch.equal(again, generate(model, prompt, 6, src=other, eos_id=None))
+    assert [t.data_ptr() for t in (*cache.keys.values(), *(t for kv in cache.cross_kv.values() for t in kv))] == buffers
+    with pytest.raises(ValueError, match="a StaticKVCache for batch 2 and capacity 7"):
+        generate(model, prompt, 7, src=src, cache=cache)
+
+
 def test_static_cache_refuses_what_it_cannot_hold_in_one_line():
     model = tiny("decoder_only")
     cache = StaticKVCache.for_model(model, 1, 4)

@@ -75,10 +75,12 @@ class StaticKVCache(KVCache):
     def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
                  bands: dict[int | None, torch.Tensor]):
         super().__init__(keys=keys, values=values, length=0)
-        self.capacity = next(iter(keys.values())).shape[-2]
+        self.batch, _, self.capacity, _ = next(iter(keys.values())).shape
         self.bands = bands
         self.slots = torch.arange(self.capacity, device=next(iter(keys.values())).device)
         self.cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cross_written: set[int] = set()   # layers whose cross K/V are this generation's
+        self._static = False
         self.positions: torch.Tensor | None = None   # the prepared call's positions (l,)
         self.allowed: dict[int | None, torch.Tensor] = {}  # its mask over the N slots, by window
 
@@ -107,8 +109,17 @@ class StaticKVCache(KVCache):
     def mark_static(self) -> None:
         """Tell torch.compile that the buffers keep their addresses: a CUDA graph may then write them in place
         (as Hugging Face's StaticCache does)."""
-        for tensor in (*self.keys.values(), *self.values.values(), *self.bands.values(), self.slots):
+        self._static = True
+        for tensor in (*self.keys.values(), *self.values.values(), *self.bands.values(), self.slots,
+                       *(t for kv in self.cross_kv.values() for t in kv)):
             torch._dynamo.mark_static_address(tensor)
+
+    def reset(self) -> None:
+        """Empty, for another generation of the same batch and capacity: the same buffers (and addresses)."""
+        for tensor in (*self.keys.values(), *self.values.values()):
+            tensor.zero_()
+        self.length, self.positions, self.allowed = 0, None, {}
+        self._cross_written.clear()  # the buffers stay, to be written again at the first call
 
     def prepare(self, length: int, key_padding_mask: torch.Tensor | None = None) -> None:
         """The positions and masks of the next call, of ``length`` tokens; key_padding_mask (b, positions so far,
@@ -150,7 +161,17 @@ class StaticKVCache(KVCache):
         return self.allowed[window]
 
     def cross(self, layer: int, project) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cross-attention keys and values of ``layer``: ``project()`` at the first call, then kept."""
-        if layer not in self.cross_kv:
-            self.cross_kv[layer] = project()
+        """The cross-attention keys and values of ``layer``: ``project()`` at the generation's first call (into the
+        buffers of an earlier generation of the same shapes, when reset() kept them), then kept."""
+        if layer not in self._cross_written:
+            new, old = project(), self.cross_kv.get(layer)
+            if old is not None and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, new)):
+                for a, b in zip(old, new):
+                    a.copy_(b)
+            else:
+                self.cross_kv[layer] = tuple(t.contiguous() for t in new)
+                if self._static:
+                    for t in self.cross_kv[layer]:
+                        torch._dynamo.mark_static_address(t)
+            self._cross_written.add(layer)
         return self.cross_kv[layer]

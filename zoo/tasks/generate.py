@@ -83,7 +83,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
              src_mask: torch.Tensor | None = None, temperature: float = 0.0, top_k: int | None = None,
              use_cache: bool = True, generator: torch.Generator | None = None, eos_id: int | None = EOS,
              pad_id: int = PAD, block_size: int | None = None, static: bool = True,
-             compile_mode: str | None = None) -> torch.Tensor:
+             compile_mode: str | None = None, cache: StaticKVCache | None = None) -> torch.Tensor:
     """Up to max_new tokens (b, n) after prompt (b, l); a row is padded with pad_id after its eos_id.
 
     Decoder-only: prompt is the start of the sequence. Encoder-decoder: src (b, s) is encoded once and
@@ -91,6 +91,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
     block_size: decode through a paged KV cache of blocks of this many positions (None: one contiguous cache).
     static: preallocate the cache (StaticKVCache) when the model's parts allow it; False: the growing KVCache.
     compile_mode: compile the decoding step (module docstring; COMPILE_MODES); it needs the static cache.
+    cache: a StaticKVCache of this batch and capacity (prompt + max_new - 1) to use again, emptied first: a CUDA
+    graph recorded on its buffers replays on them, where a new cache would have it recorded again.
     """
     if model.kind not in ("decoder_only", "encoder_decoder"):
         raise ValueError(f"generate needs a decoder_only or encoder_decoder model, got {model.kind}")
@@ -115,13 +117,17 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
     try:
         memory = model.encode(src, src_mask) if model.kind == "encoder_decoder" else None
         capacity = prompt.shape[1] + max_new - 1
-        cache = None
-        if static:
+        if cache is not None:
+            if not static or (cache.batch, cache.capacity) != (prompt.shape[0], capacity):
+                raise ValueError(f"cache: a StaticKVCache for batch {prompt.shape[0]} and capacity {capacity} "
+                                 f"(prompt + max_new - 1) is needed, with the static cache enabled")
+            cache.reset()
+        elif static:
             cache = StaticKVCache.for_model(model, prompt.shape[0], capacity)
-            if compile_mode is not None and prompt.device.type == "cuda":
-                cache.mark_static()
         elif use_cache:  # a paged cache reserves blocks for every position this call can reach, once
             cache = KVCache() if block_size is None else PagedKVCache(block_size=block_size, capacity=capacity)
+        if compile_mode is not None and prompt.device.type == "cuda":
+            cache.mark_static()
         sequence = prompt
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         new = []
