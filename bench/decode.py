@@ -14,7 +14,7 @@ import gc
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import interleaved
+from bench.common import cell_timing, interleaved, out_of_time
 from bench.models import overrides
 from bench.references import build_reference
 from zoo.config.builder import build_model, compose_config
@@ -113,6 +113,9 @@ def bench_decode(args, device) -> list[dict]:
     cells = []
     cuda = device.type == "cuda"
     for dtype in args.dtypes:
+        if out_of_time(args):
+            print(f"decode: --time-limit reached, {dtype} and the cells after it not measured", flush=True)
+            return cells
         torch.manual_seed(0)
         config = overrides("decoder_only", args, "attention=torch")
         model = build_model(config, device=device, dtype=dtype).eval()
@@ -143,8 +146,9 @@ def bench_decode(args, device) -> list[dict]:
         # generate on CUDA) on the full length, the shapes it is timed at.
         for name, run in fns.items():
             (fn(name, 8) if name in ("static", "growing", "recompute") else run)()
-        out = interleaved(fns, device, warmup=0, min_repeats=args.timing["min_repeats"], max_repeats=5,
-                          budget_s=args.timing["budget_s"], clock=args.clock)
+        timing = cell_timing(args, "decode", len(args.dtypes))
+        out = interleaved(fns, device, warmup=0, min_repeats=timing["min_repeats"], max_repeats=5,
+                          budget_s=timing["budget_s"], clock=args.clock)
         s = out["seconds"]
         zoo_best = min(s["static"], s.get("static_compiled", float("inf")))
         ops = {"growing": ops_per_step(model, prompt, static=False), "static": ops_per_step(model, prompt, static=True)}

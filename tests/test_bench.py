@@ -90,6 +90,15 @@ def test_bench_command_writes_json(tmp_path):
     assert "| family |" in table and "| greedy decoding |" in table
 
 
+def test_time_limit_begins_nothing_after_it_and_says_so(tmp_path, capsys):
+    from bench.run import main
+    results = main(["--toy", "--device", "cpu", "--threads", "1", "--parts", "kernel,decode", "--time-limit",
+                    "1e-9", "--out", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "kernel: not run, --time-limit" in out and "not run (--time-limit): kernel, decode" in out
+    assert results["not_run"] == ["kernel", "decode"] and "kernel" not in results and results["part_seconds"] == {}
+
+
 def test_mutation_summary(monkeypatch):
     monkeypatch.setattr(bench.suite, "mutation_report_first_failure_times",
                         lambda: {"a": 0.5, "b": 1.5, "c": None, "d": 3.0})
