@@ -20,7 +20,7 @@ from bench.references import build_reference
 from zoo.config.builder import build_model, compose_config
 from zoo.nn.attention import KVCache
 from zoo.nn.static_cache import StaticKVCache
-from zoo.tasks.generate import decode_step, generate
+from zoo.tasks.generate import compiled_step, decode_step, generate
 
 __all__ = ["bench_decode", "ops_per_step", "decode_targets"]
 
@@ -70,13 +70,14 @@ def _working(event) -> int:
     return 1
 
 
-def ops_per_step(model, prompt: torch.Tensor, *, static: bool, step=decode_step, steps: int = 4) -> dict:
-    """Profiler counts per decoding step (batch of ``prompt``, after it, the next token's argmax included):
-    ``dispatched`` aten operations called from Python, ``working`` those of their parts that have kernels of
-    their own and are not views or allocations (on a GPU, about one kernel launch each), and on CUDA
-    ``launches`` (kernel and CUDA-graph launches the host made)."""
-    capacity = prompt.shape[1] + steps + 8
-    cache = StaticKVCache.for_model(model, prompt.shape[0], capacity) if static else KVCache()
+def ops_per_step(model, prompt: torch.Tensor, *, cache: KVCache, step=decode_step, steps: int = 4) -> dict:
+    """Profiler counts per decoding step (batch of ``prompt``, after it, the next token's argmax included) with a
+    fresh ``cache`` (a StaticKVCache is emptied first): ``dispatched`` aten operations called from Python,
+    ``working`` those of their parts that have kernels of their own and are not views or allocations (on a GPU,
+    about one kernel launch each), and on CUDA ``launches`` (kernel and CUDA-graph launches the host made)."""
+    static = cache.preallocated
+    if static:
+        cache.reset()
     with torch.inference_mode():
         token = model(prompt, cache=cache)[:, -1].argmax(-1)
         for _ in range(2):  # warm-up (a compiled step compiles and records here)
@@ -151,10 +152,10 @@ def bench_decode(args, device) -> list[dict]:
                           budget_s=timing["budget_s"], clock=args.clock)
         s = out["seconds"]
         zoo_best = min(s["static"], s.get("static_compiled", float("inf")))
-        ops = {"growing": ops_per_step(model, prompt, static=False), "static": ops_per_step(model, prompt, static=True)}
-        if cuda:
-            from zoo.tasks.generate import _compiled
-            ops["static_compiled"] = ops_per_step(model, prompt, static=True, step=_compiled("reduce-overhead"))
+        ops = {"growing": ops_per_step(model, prompt, cache=KVCache()),
+               "static": ops_per_step(model, prompt, cache=StaticKVCache.for_model(model, args.decode_batch, capacity))}
+        if cuda:  # the graph compiled for the timed runs, on their cache (no new compilation, no new recording)
+            ops["static_compiled"] = ops_per_step(model, prompt, cache=kept, step=compiled_step("reduce-overhead"))
         zoo_tokens = [results[name] for name in variants]
         cell = {"model": "decoder_only (gpt2_small geometry)", "layers": args.layers, "backend": "torch",
                 "dtype": str(dtype).removeprefix("torch."), "batch": args.decode_batch, "prompt": args.prompt,

@@ -1,7 +1,8 @@
 """A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``.
 
 ``python -m bench.report bench/results.json --only training`` prints only that part's table; ``--only train_targets``
-the README's training targets (``python -m bench.train_targets``).
+the README's training targets (``python -m bench.train_targets``), ``--only seeds`` the recipes over seeds and
+devices.
 """
 from __future__ import annotations
 
@@ -73,6 +74,31 @@ def train_targets_markdown(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def train_seeds_markdown(results: dict) -> list[str]:
+    """The recipes over seeds and devices (``python -m bench.train_targets ... --seed 0,1,2 [--device D]``): held-out
+    exact match per seed, and the time each run took (CPU time with one thread, else wall time)."""
+    runs = results.get("train_targets_seeds")
+    if not runs:
+        return []
+    seeds = sorted({int(seed) for by_name in runs.values() for by_seed in by_name.values() for seed in by_seed})
+    lines = ["| recipe | device | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in seeds) + " |"]
+    for device, by_name in runs.items():
+        for name, by_seed in by_name.items():
+            cells = []
+            for seed in seeds:
+                row = by_seed.get(str(seed))
+                if row is None:
+                    cells.append("")
+                    continue
+                exact = "failed" if row["exact"] is None else f"{100 * row['exact']:.2f}%"
+                spent = (f"{row['cpu_seconds']:.0f} s CPU" if row.get("threads") == 1 else f"{row['seconds']:.0f} s")
+                marked = f" ({' '.join(row['extra_overrides'])})" if row.get("extra_overrides") else ""
+                cells.append(f"{exact}, {spent}{marked}")
+            lines.append(f"| `{name}` | {device} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 DECODE_COLUMNS = {"static": "static cache", "static_compiled": "static, compiled (CUDA graph)",
                   "growing": "growing cache", "recompute": "recompute prefix", "hf_static": "HF `generate`, static cache"}
 
@@ -101,6 +127,8 @@ def markdown(results: dict, only: str | None = None) -> str:
         return "\n".join(training_markdown(results))
     if only == "train_targets":
         return "\n".join(train_targets_markdown(results))
+    if only == "seeds":
+        return "\n".join(train_seeds_markdown(results))
     m, s = results["machine"], results["settings"]
     lines = [(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, device `{m['device']}` ({m['device_name']}), "
               f"torch {m['torch']}, transformers {m.get('transformers')}, {s['threads']} torch thread(s), "
@@ -156,7 +184,8 @@ def markdown(results: dict, only: str | None = None) -> str:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("path", nargs="?", default="bench/results.json")
-    p.add_argument("--only", choices=["training", "train_targets"], default=None, help="only this part's table")
+    p.add_argument("--only", choices=["training", "train_targets", "seeds"], default=None,
+                   help="only this part's table (seeds: the recipes over seeds and devices)")
     args = p.parse_args()
     with open(args.path) as f:
         print(markdown(json.load(f), args.only))

@@ -62,10 +62,11 @@ def final_exact_match(out_dir: Path) -> tuple[float | None, int | None]:
     return metrics.get("exact"), metrics.get("sequences")
 
 
-def run_target(name: str, *, seed: int | None = None, threads: int | None = None, device: str | None = None) -> dict:
+def run_target(name: str, *, seed: int | None = None, threads: int | None = None, device: str | None = None,
+               extra: tuple[str, ...] = ()) -> dict:
     """Run one target's command in a child process; its output goes to this terminal."""
     overrides = TARGETS[name] + ([] if seed is None else [f"seed={seed}", f"data.seed={seed}"]) + \
-        ([] if device is None else [f"device={device}"])
+        ([] if device is None else [f"device={device}"]) + list(extra)
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads in the child
@@ -77,7 +78,8 @@ def run_target(name: str, *, seed: int | None = None, threads: int | None = None
         done = subprocess.run(command, cwd=ROOT, env=env, check=False)
         wall, cpu = time.perf_counter() - wall, children_cpu_seconds() - cpu
         exact, sequences = final_exact_match(Path(tmp) / "run")
-    row = {"what": WHAT[name], "command": f"python -m zoo {' '.join(overrides)}", "exact": exact,
+    row = {"what": WHAT[name], "command": f"python -m zoo {' '.join(overrides)}", "extra_overrides": list(extra),
+           "exact": exact,
            "sequences": sequences, "seconds": wall, "cpu_seconds": cpu, "threads": threads,
            "returncode": done.returncode, "load_average_at_start": load,
            "measured_on": datetime.date.today().isoformat(), "goal": GOAL, "budget_seconds": BUDGET_S}
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
                         help="seed=N data.seed=N: the same recipe, other draws (several: each in turn)")
     parser.add_argument("--device", default=None, help="device=DEVICE on each command (default: the config's, cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override on each command (e.g. task.steps=20, to try this out): such runs "
+                             "are not the README's and are recorded only under train_targets_seeds, marked")
     parser.add_argument("--out", default="bench/results.json",
                         help="results JSON to merge into ('' to skip); the README's table takes only runs with the "
                              "default seed and device, every run goes under train_targets_seeds")
@@ -128,10 +133,11 @@ def main(argv=None) -> int:
     for seed in seeds:
         for name in args.targets or TARGETS:
             key = (args.device or "cpu", name, seed)
-            runs[key] = run_target(name, seed=seed or None, threads=args.threads, device=args.device)
+            runs[key] = run_target(name, seed=seed or None, threads=args.threads, device=args.device,
+                                   extra=tuple(args.set))
             if args.out:  # after every run: a long series stopped halfway keeps what it measured
                 # The README's table states the default command's run: seed 0 (the config's) on the CPU.
-                stated = {name: runs[key]} if args.device in (None, "cpu") and seed == 0 else {}
+                stated = {name: runs[key]} if args.device in (None, "cpu") and seed == 0 and not args.set else {}
                 merge_results(args.out, stated, {key: runs[key]})
     print(f"\n{'target':<15}{'device':>8}{'seed':>6}{'exact match':>13}{'wall s':>9}{'cpu s':>9}  "
           f"threads={args.threads or 'torch default'}")

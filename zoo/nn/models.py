@@ -54,7 +54,7 @@ class _Stack(nn.Module):
         x = self.pos(x, offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        return self.dropout(x)
+        return self.dropout(x)  # always called (once per pass): task=compare reads the embeddings off this module
 
     def run(self, x: torch.Tensor, **layer_inputs) -> torch.Tensor:
         for layer in self.layers:

@@ -29,7 +29,7 @@ from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_we
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
 from zoo.config.schema import ConfigError, ZooSchema, torch_dtype, validate
 
-__all__ = ["generate", "pick_next", "generate_task", "saved_config", "decode_step"]
+__all__ = ["generate", "pick_next", "generate_task", "saved_config", "decode_step", "compiled_step"]
 
 
 def saved_config(state: dict, checkpoint, *, allow_plugins: bool = False, device: str | None = None) -> DictConfig:
@@ -71,7 +71,8 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, cache: KVCache, memory: 
     return model(tokens, cache=cache, check=False)[:, -1]
 
 
-def _compiled(mode: str):
+def compiled_step(mode: str):
+    """decode_step compiled whole with torch.compile in ``mode`` (one of COMPILE_MODES), shapes static."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
     how = {"backend": mode} if mode == "aot_eager" else {"mode": mode}
@@ -111,7 +112,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
         why = ("it decodes without a cache" if not use_cache else "the cache is paged" if block_size is not None
                else refusal(model) or "static=False")
         raise ValueError(f"compile_mode={compile_mode}: compiling needs the static KV cache, and {why}")
-    step = decode_step if compile_mode is None else _compiled(compile_mode)
+    step = decode_step if compile_mode is None else compiled_step(compile_mode)
     was_training = model.training
     model.eval()  # dropout would make every step, cached or not, a different function
     try:
@@ -223,7 +224,7 @@ def generate_task(cfg: DictConfig) -> None:
         raise ConfigError(f"task.max_new={opts.max_new}: {exc}") from exc
 
     mode = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature}, top_k {opts.top_k}"
-    kind = ("without a KV cache" if not opts.cache else f"with a paged KV cache (blocks of {opts.block_size})"
+    kind = ("without a KV cache" if not opts.cache else f"with a paged (blocks of {opts.block_size}) KV cache"
             if opts.block_size else f"with a growing KV cache ({why_not_static})" if why_not_static else
             "with a static KV cache" + (f", the step compiled ({opts.compile})" if opts.compile else ""))
     print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, {kind}")
