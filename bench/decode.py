@@ -78,6 +78,9 @@ def ops_per_step(model, prompt: torch.Tensor, *, cache: KVCache, step=decode_ste
     static = cache.preallocated
     if static:
         cache.reset()
+        steps = min(steps, cache.capacity - prompt.shape[1] - 2)  # the prompt, two warm-up steps, the counted ones
+        if steps < 1:
+            raise ValueError(f"ops_per_step: a cache of {cache.capacity} positions leaves no step to count")
     with torch.inference_mode():
         token = model(prompt, cache=cache)[:, -1].argmax(-1)
         for _ in range(2):  # warm-up (a compiled step compiles and records here)
@@ -152,10 +155,11 @@ def bench_decode(args, device) -> list[dict]:
                           budget_s=timing["budget_s"], clock=args.clock)
         s = out["seconds"]
         zoo_best = min(s["static"], s.get("static_compiled", float("inf")))
-        ops = {"growing": ops_per_step(model, prompt, cache=KVCache()),
-               "static": ops_per_step(model, prompt, cache=StaticKVCache.for_model(model, args.decode_batch, capacity))}
-        if cuda:  # the graph compiled for the timed runs, on their cache (no new compilation, no new recording)
-            ops["static_compiled"] = ops_per_step(model, prompt, cache=kept, step=compiled_step("reduce-overhead"))
+        own = StaticKVCache.for_model(model, args.decode_batch, args.prompt + 6)
+        ops = {"growing": ops_per_step(model, prompt, cache=KVCache()), "static": ops_per_step(model, prompt, cache=own)}
+        if cuda and capacity >= args.prompt + 3:  # the graph compiled for the timed runs, on their cache: nothing
+            ops["static_compiled"] = ops_per_step(model, prompt, cache=kept,  # compiled or recorded again
+                                                  step=compiled_step("reduce-overhead"))
         zoo_tokens = [results[name] for name in variants]
         cell = {"model": "decoder_only (gpt2_small geometry)", "layers": args.layers, "backend": "torch",
                 "dtype": str(dtype).removeprefix("torch."), "batch": args.decode_batch, "prompt": args.prompt,
