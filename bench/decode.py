@@ -156,7 +156,8 @@ def bench_decode(args, device) -> list[dict]:
         s = out["seconds"]
         zoo_best = min(s["static"], s.get("static_compiled", float("inf")))
         own = StaticKVCache.for_model(model, args.decode_batch, args.prompt + 6)
-        ops = {"growing": ops_per_step(model, prompt, cache=KVCache()), "static": ops_per_step(model, prompt, cache=own)}
+        ops = {"growing": ops_per_step(model, prompt, cache=KVCache()),
+               "static": ops_per_step(model, prompt, cache=own)}
         if cuda and capacity >= args.prompt + 3:  # the graph compiled for the timed runs, on their cache: nothing
             ops["static_compiled"] = ops_per_step(model, prompt, cache=kept,  # compiled or recorded again
                                                   step=compiled_step("reduce-overhead"))

@@ -100,7 +100,8 @@ def train_seeds_markdown(results: dict) -> list[str]:
 
 
 DECODE_COLUMNS = {"static": "static cache", "static_compiled": "static, compiled (CUDA graph)",
-                  "growing": "growing cache", "recompute": "recompute prefix", "hf_static": "HF `generate`, static cache"}
+                  "growing": "growing cache", "recompute": "recompute prefix",
+                  "hf_static": "HF `generate`, static cache"}
 
 
 def decode_markdown(cells: list[dict]) -> list[str]:
