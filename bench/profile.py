@@ -1,7 +1,7 @@
 """Where the time goes in one benchmark cell: torch.profiler tables for the zoo and its reference.
 
     python -m bench.profile --family decoder_only --dtype bfloat16 --seq-len 128 --mode forward
-    python -m bench.profile --host-overhead      # the three families, host time per forward pass at tiny sizes
+    python -m bench.profile --host-overhead      # host time per forward pass (three families) and per decoded token
 
 ``--host-overhead`` measures what a forward pass costs the host when the arithmetic costs nothing: the model at
 d_model 16 on 8 tokens (same layers, same modules), process CPU time per call, the zoo and its reference in
@@ -56,6 +56,29 @@ def host_overhead(family: str, *, layers: int = 2, rounds: int = 15, calls: int 
     return {"family": family, "microseconds": median, "reference_over_zoo": median["reference"] / median["zoo"]}
 
 
+def decode_host_overhead(*, layers: int = 2, tokens: int = 128, rounds: int = 9) -> dict:
+    """Median process CPU microseconds per generated token (greedy, batch 1, after 8 tokens) of the decoder-only
+    model at the host-overhead size, with the static cache and with the growing KVCache: a decoding step's host
+    cost, which is what a step costs on a GPU when it is not captured in a CUDA graph."""
+    from zoo.tasks.generate import generate
+
+    tiny = [f"layers={layers}", "dropout=0", "d_model=16", "heads=2", "d_ff=32", "vocab_size=64",
+            f"max_len={tokens + 8}", "attention=torch"]
+    model = build_model(overrides("decoder_only", argparse.Namespace(layers=layers, toy=False), *tiny)).eval()
+    prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    samples = {"static": [], "growing": []}
+    with torch.inference_mode():
+        for _ in range(2):
+            for name in samples:
+                generate(model, prompt, tokens, eos_id=None, static=name == "static")
+        for _ in range(rounds):
+            for name in samples:
+                start = time.process_time()
+                generate(model, prompt, tokens, eos_id=None, static=name == "static")
+                samples[name].append((time.process_time() - start) / tokens * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="decoder_only", choices=list(FAMILIES))
@@ -81,6 +104,9 @@ def main(argv=None) -> None:
             us = out["microseconds"]
             print(f"{family:<16} host CPU per forward: zoo {us['zoo']:,.0f} us, reference {us['reference']:,.0f} us "
                   f"(reference / zoo x{out['reference_over_zoo']:.2f})", flush=True)
+        us = decode_host_overhead(layers=args.layers)
+        print(f"decoder_only     host CPU per decoded token: static cache {us['static']:,.0f} us, growing KVCache "
+              f"{us['growing']:,.0f} us (x{us['growing'] / us['static']:.2f})", flush=True)
         return
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cfg = compose_config(overrides(args.family, args))
