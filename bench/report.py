@@ -119,7 +119,9 @@ def decode_markdown(cells: list[dict]) -> list[str]:
                      f"| {c['dtype']} | {c['new_tokens']} | " + " | ".join(seconds)
                      + f" | {c['speedup']:.1f}× | {hf} | {count('growing')} → {count('static')}"
                      + (f" (compiled: {ops['static_compiled'].get('launches', 0):.0f} launches)"
-                        if "static_compiled" in ops else "") + f" | {c['same_tokens']} |")
+                        if "static_compiled" in ops else "") + f" | {c['same_tokens']}"
+                     + (f" (compiled: {c['same_tokens_compiled']})" if c.get("same_tokens_compiled") is not None
+                        else "") + " |")
     return [*lines, ""]
 
 

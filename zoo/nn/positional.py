@@ -15,8 +15,8 @@ semantics: zoo.nn.attention.Packing), a (b, l) tensor holding the position of ev
 sequence; then the keys of score_bias are those same tokens (s = l, no cache). A static KV cache
 (zoo.nn.static_cache) gives an (l,) tensor: the positions of the l tokens, keys at 0..s-1 (its slots); it checked
 them against max_len when it was made, so they are not checked again (a check would read the tensor: a device
-synchronisation per layer, and a break in a compiled graph). ``injects_order`` is False only for ``NoPositions``: then the
-model is permutation equivariant.
+synchronisation per layer, and a break in a compiled graph). ``injects_order`` is False only for
+``NoPositions``: then the model is permutation equivariant.
 """
 from __future__ import annotations
 

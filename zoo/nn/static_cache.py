@@ -6,8 +6,8 @@ bookkeeping, not the arithmetic, is its cost (issue 26: cached decoding slower t
 ``StaticKVCache`` is the answer of PyTorch's gpt-fast and Hugging Face's ``StaticCache``:
 
     keys, values    one (b, k, N, e) tensor each per layer, N = capacity (the prompt plus the new tokens), zeros
-                    at first; a call writes its l new positions with ``index_copy_`` and attends to all N slots,
-                    the slots not yet written masked out
+                    at first; a call writes its l new positions with ``index_copy_``; a compiled step attends to all
+                    N slots, those not yet written masked out, an eager call to the written ones (views)
     positions, masks
                     the slots 0..N-1 and the causal band (N, N) (one per sliding window the layers use) are built
                     once; a call's positions and mask are views of them (rows length..length+l-1), narrowed by the
@@ -20,8 +20,9 @@ So every decoding step runs the same operations on tensors of the same shapes at
 ``prepare(l)`` makes the next call's positions and masks ahead of the call, so that a compiled step reads only
 tensors and never the Python ``length``, which changes every step (a guard on it would recompile each step).
 
-The keys and values the layers attend to are those of ``KVCache`` at the written slots; the unwritten slots get
-weight exactly 0. The static cache serves the zoo's own attention and position modules (``refusal`` says why a
+The keys and values the layers attend to are those of ``KVCache``: in eager mode the same tensors' values and
+shapes, so the same sums bit for bit (the tokens of KVCache in every dtype); in a compiled step the unwritten
+slots too, with weight exactly 0. The static cache serves the zoo's own attention and position modules (``refusal`` says why a
 model cannot use it: a plug-in part keeps ``KVCache``, whose contract it was written against).
 """
 from __future__ import annotations
@@ -150,15 +151,23 @@ class StaticKVCache(KVCache):
         self.positions, self.allowed = None, {}  # a prepared call is used once
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (b, k, l, e) into this call's slots in place; return all N slots (b, k, N, e)."""
+        """Write k, v (b, k, l, e) into this call's slots in place; return the slots attended: all N (b, k, N, e)
+        in a compiled step (shapes that never change), the written ones (b, k, length, e), views, in eager mode."""
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(2, self.positions, k)
         values.index_copy_(2, self.positions, v)
-        return keys, values
+        return self._visible(keys, -2), self._visible(values, -2)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """This call's (l, N), or with padding (b, 1, l, N), bool mask: True where query i may attend slot j."""
-        return self.allowed[window]
+        """This call's (l, S), or with padding (b, 1, l, S), bool mask over the slots extend returns (S of them):
+        True where query i may attend slot j."""
+        return self._visible(self.allowed[window], -1)
+
+    def _visible(self, t: torch.Tensor, slots: int) -> torch.Tensor:
+        # Eager: only the written slots, so that the kernel sums exactly what it sums with KVCache, and the tokens
+        # are KVCache's in every dtype. Compiled: all N, masked (their weights are 0; the sums' order differs, so
+        # in half precision a tie between two logits may break the other way, as with Hugging Face's StaticCache).
+        return t if torch.compiler.is_compiling() else t.narrow(slots, 0, self.length)
 
     def cross(self, layer: int, project) -> tuple[torch.Tensor, torch.Tensor]:
         """The cross-attention keys and values of ``layer``: ``project()`` at the generation's first call (into the
