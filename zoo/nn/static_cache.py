@@ -22,8 +22,9 @@ tensors and never the Python ``length``, which changes every step (a guard on it
 
 The keys and values the layers attend to are those of ``KVCache``: in eager mode the same tensors' values and
 shapes, so the same sums bit for bit (the tokens of KVCache in every dtype); in a compiled step the unwritten
-slots too, with weight exactly 0. The static cache serves the zoo's own attention and position modules (``refusal`` says why a
-model cannot use it: a plug-in part keeps ``KVCache``, whose contract it was written against).
+slots too, with weight exactly 0. The static cache serves the zoo's own attention and position modules
+(``refusal`` says why a model cannot use it: a plug-in part keeps ``KVCache``, whose contract it was written
+against).
 """
 from __future__ import annotations
 
