@@ -22,8 +22,29 @@ import torch
 
 from zoo.io.atomic import write_text
 
-__all__ = ["CLOCKS", "default_device", "forward_flops", "interleaved", "machine_info", "matmul_flops_per_s",
-           "synchronize", "write_json_atomic"]
+__all__ = ["CLOCKS", "PART_BUDGETS_S", "cell_timing", "default_device", "forward_flops", "interleaved",
+           "machine_info", "matmul_flops_per_s", "out_of_time", "synchronize", "write_json_atomic"]
+
+# Seconds of measuring per part, shared by its cells: a cell gets part / cells, and never more than the run's
+# per-cell budget (args.timing["budget_s"]). On a GPU, where every call takes milliseconds, these budgets are the
+# run's duration: before them each cell had its own 6 s (4 x the rounds for the kernel part), and the 32 cells of
+# `--parts models,kernel,decode` alone asked for more than 3 minutes of rounds (issue 26: it did not finish in 120 s).
+# On a CPU a cell is slower than its share and gets its minimum rounds whatever the budget.
+PART_BUDGETS_S = {"toy": {"models": 2.0, "kernel": 1.0, "decode": 1.0},
+                  "quick": {"models": 12.0, "kernel": 4.0, "decode": 4.0},
+                  "full": {"models": 40.0, "kernel": 12.0, "decode": 20.0}}
+
+
+def cell_timing(args, part: str, cells: int) -> dict:
+    """interleaved()'s keywords for one of the ``cells`` cells of ``part``: its share of the part's budget."""
+    share = args.part_budgets_s[part] / max(cells, 1)
+    return {**args.timing, "budget_s": min(args.timing["budget_s"], share)}
+
+
+def out_of_time(args) -> bool:
+    """Whether the run's --time-limit has passed: a part or cell not begun by then is not begun."""
+    deadline = getattr(args, "deadline", None)
+    return deadline is not None and time.monotonic() > deadline
 
 
 def default_device() -> str:

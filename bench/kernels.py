@@ -4,15 +4,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.common import interleaved
+from bench.common import cell_timing, interleaved, out_of_time
 from zoo.nn.kernel import math_attention, torch_attention
 
 
 def bench_kernel(args, device) -> list[dict]:
     cells = []
     heads, head_dim = (4, 16) if args.toy else (12, 64)
+    share = cell_timing(args, "kernel", len(args.dtypes) * len(args.lengths) * 2)
     for dtype in args.dtypes:
         for length in args.lengths:
+            if out_of_time(args):
+                print(f"kernel: --time-limit reached, {dtype} L={length} and the cells after it not measured",
+                      flush=True)
+                return cells
             q, k, v = (torch.randn(args.batch, heads, length, head_dim, device=device).to(dtype) for _ in range(3))
             for causal in (False, True):
                 def fn(kernel, q=q, k=k, v=v, causal=causal):
@@ -22,7 +27,7 @@ def bench_kernel(args, device) -> list[dict]:
                     return run
                 fns = {"sdpa": fn(F.scaled_dot_product_attention), "zoo_torch": fn(torch_attention),
                        "zoo_math": fn(math_attention)}
-                timing = {**args.timing, "max_repeats": 4 * args.timing["max_repeats"]}  # cheap: more rounds
+                timing = {**share, "max_repeats": 4 * share["max_repeats"]}  # cheap calls: more rounds
                 out = interleaved(fns, device, warmup=2, **timing)
                 s = out["seconds"]
                 cell = {"shape": list(q.shape), "dtype": str(dtype).removeprefix("torch."), "is_causal": causal,

@@ -5,7 +5,7 @@ import gc
 
 import torch
 
-from bench.common import BACKENDS, FAMILIES, TOY, forward_flops, interleaved
+from bench.common import BACKENDS, FAMILIES, TOY, cell_timing, forward_flops, interleaved, out_of_time
 from bench.references import REFERENCE_NAMES, build_reference
 from zoo.config.builder import build_model, compose_config
 
@@ -59,9 +59,14 @@ def training_fn(model, call, inputs):
 
 def bench_models(args, device, matmul: dict) -> list[dict]:
     cells = []
+    timing = cell_timing(args, "models", len(args.families) * len(args.dtypes) * len(args.lengths) * 2)
     for family in args.families:
         cfg = compose_config(overrides(family, args))
         for dtype in args.dtypes:
+            if out_of_time(args):
+                print(f"models: --time-limit reached, {family} {dtype} and the cells after it not measured",
+                      flush=True)
+                return cells
             dtype_name = str(dtype).removeprefix("torch.")
             torch.manual_seed(0)
             models = {f"zoo_{b}": build_model(overrides(family, args, f"attention={b}"), device=device, dtype=dtype)
@@ -83,7 +88,7 @@ def bench_models(args, device, matmul: dict) -> list[dict]:
                         m.train(train)
                     fns = {name: make(models[name], calls[name], inputs)
                            for name in ("reference", "zoo_torch", "zoo_math")}
-                    out = interleaved(fns, device, **args.timing)
+                    out = interleaved(fns, device, **timing)
                     seconds = out["seconds"]
                     cell = {"family": family, "reference": REFERENCE_NAMES[family], "seq_len": length,
                             "batch": args.batch, "dtype": dtype_name, "mode": mode, "tokens_per_call": tokens,

@@ -1,7 +1,8 @@
 """A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``.
 
 ``python -m bench.report bench/results.json --only training`` prints only that part's table; ``--only train_targets``
-the README's training targets (``python -m bench.train_targets``).
+the README's training targets (``python -m bench.train_targets``), ``--only seeds`` the recipes over seeds and
+devices.
 """
 from __future__ import annotations
 
@@ -73,11 +74,64 @@ def train_targets_markdown(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def train_seeds_markdown(results: dict) -> list[str]:
+    """The recipes over seeds and devices (``python -m bench.train_targets ... --seed 0,1,2 [--device D]``): held-out
+    exact match per seed, and the time each run took (CPU time with one thread, else wall time)."""
+    runs = results.get("train_targets_seeds")
+    if not runs:
+        return []
+    seeds = sorted({int(seed) for by_name in runs.values() for by_seed in by_name.values() for seed in by_seed})
+    lines = ["| recipe | device | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in seeds) + " |"]
+    for device, by_name in runs.items():
+        for name, by_seed in by_name.items():
+            cells = []
+            for seed in seeds:
+                row = by_seed.get(str(seed))
+                if row is None:
+                    cells.append("")
+                    continue
+                exact = "failed" if row["exact"] is None else f"{100 * row['exact']:.2f}%"
+                spent = (f"{row['cpu_seconds']:.0f} s CPU" if row.get("threads") == 1 else f"{row['seconds']:.0f} s")
+                marked = f" ({' '.join(row['extra_overrides'])})" if row.get("extra_overrides") else ""
+                cells.append(f"{exact}, {spent}{marked}")
+            lines.append(f"| `{name}` | {device} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+DECODE_COLUMNS = {"static": "static cache", "static_compiled": "static, compiled (CUDA graph)",
+                  "growing": "growing cache", "recompute": "recompute prefix",
+                  "hf_static": "HF `generate`, static cache"}
+
+
+def decode_markdown(cells: list[dict]) -> list[str]:
+    """Greedy decoding (bench/decode.py): seconds per variant, the speed-ups, operations per decoding step."""
+    names = [n for n in DECODE_COLUMNS if any(n in c["seconds"] for c in cells)]
+    lines = ["| greedy decoding | dtype | new tokens | " + " | ".join(DECODE_COLUMNS[n] for n in names)
+             + " | recompute ÷ static | HF ÷ zoo best | ops per step: growing → static | same tokens |",
+             "| --- | --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | ---: | --- |"]
+    for c in cells:
+        ops = c.get("ops_per_step") or {}
+        count = lambda n: f"{ops[n]['working']:.0f}" if n in ops else "n/a"  # noqa: E731
+        seconds = [f"{c['seconds'][n]:.2f} s" if n in c["seconds"] else "" for n in names]
+        hf = f"{c['vs_hf_static']:.2f}×" if c.get("vs_hf_static") else "n/a"
+        lines.append(f"| {c['model']}, {c['layers']} layers, batch {c['batch']}, prompt {c['prompt']} "
+                     f"| {c['dtype']} | {c['new_tokens']} | " + " | ".join(seconds)
+                     + f" | {c['speedup']:.1f}× | {hf} | {count('growing')} → {count('static')}"
+                     + (f" (compiled: {ops['static_compiled'].get('launches', 0):.0f} launches)"
+                        if "static_compiled" in ops else "") + f" | {c['same_tokens']}"
+                     + (f" (compiled: {c['same_tokens_compiled']})" if c.get("same_tokens_compiled") is not None
+                        else "") + " |")
+    return [*lines, ""]
+
+
 def markdown(results: dict, only: str | None = None) -> str:
     if only == "training":
         return "\n".join(training_markdown(results))
     if only == "train_targets":
         return "\n".join(train_targets_markdown(results))
+    if only == "seeds":
+        return "\n".join(train_seeds_markdown(results))
     m, s = results["machine"], results["settings"]
     lines = [(f"Machine: {m['cpu']}, {m['usable_cores']} usable cores, device `{m['device']}` ({m['device_name']}), "
               f"torch {m['torch']}, transformers {m.get('transformers')}, {s['threads']} torch thread(s), "
@@ -108,14 +162,7 @@ def markdown(results: dict, only: str | None = None) -> str:
                          f"| {_ratio(c['ratio']['zoo_math'])} |")
         lines.append("")
     if results.get("decode"):
-        lines += ["| greedy decoding | dtype | new tokens | KVCache | recompute prefix | speedup | same tokens |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-        for c in results["decode"]:
-            lines.append(f"| {c['model']}, {c['layers']} layers, batch {c['batch']}, prompt {c['prompt']} "
-                         f"| {c['dtype']} | {c['new_tokens']} | {c['seconds']['cached']:.2f} s "
-                         f"| {c['seconds']['recompute']:.2f} s "
-                         f"| {c['speedup']:.1f}× | {c['same_tokens']} |")
-        lines.append("")
+        lines += decode_markdown(results["decode"])
     if results.get("suite"):
         for run in results["suite"].values():
             wall = "n/a" if run["seconds"] is None else f"{run['seconds']:.0f} s wall"
@@ -140,7 +187,8 @@ def markdown(results: dict, only: str | None = None) -> str:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("path", nargs="?", default="bench/results.json")
-    p.add_argument("--only", choices=["training", "train_targets"], default=None, help="only this part's table")
+    p.add_argument("--only", choices=["training", "train_targets", "seeds"], default=None,
+                   help="only this part's table (seeds: the recipes over seeds and devices)")
     args = p.parse_args()
     with open(args.path) as f:
         print(markdown(json.load(f), args.only))

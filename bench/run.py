@@ -4,12 +4,15 @@ Sections (``--parts``, all by default):
     models   forward and forward+backward tokens/s of the three families vs their references,
              both zoo kernels, and forward FLOP/s as a fraction of the machine's matmul FLOP/s
     kernel   the zoo's math and torch kernels vs F.scaled_dot_product_attention called directly
-    decode   greedy decoding with a KVCache vs recomputing the whole prefix at every step
+    decode   greedy decoding with the static KV cache vs the growing one, recomputing the prefix, and Hugging
+             Face's generate with a static cache; on CUDA also the compiled step; operations per step (bench/decode.py)
     suite    wall time of ``pytest properties/``, alone and with ``-n auto`` (subprocesses)
     mutation median time to the first failure over the mutation catalog, when one exists
     training peak memory and time of an attention training step (forward + backward of the kernel alone) of the
              memory_efficient, math and torch kernels at L = 1024, 4096, 8192 (bench/training.py)
 
+Each part's measuring is bounded by a budget its cells share (bench/common.py: PART_BUDGETS_S), and
+``--time-limit`` stops beginning new parts and cells; the run ends by saying how long each part took.
 Results are printed as tables and written as JSON (``--out``; ``--merge`` updates the parts run in an
 existing file and keeps the others). Ratios are zoo / reference
 throughput, so > 1 means the zoo is faster; every ratio comes from one interleaved measurement.
@@ -29,8 +32,10 @@ import torch
 
 from bench.common import (
     FAMILIES,
+    PART_BUDGETS_S,
     default_device,
     machine_info,
+    out_of_time,
     matmul_flops_per_s,
     write_json_atomic,
 )
@@ -38,7 +43,7 @@ from bench.decode import bench_decode
 from bench.kernels import bench_kernel
 from bench.models import MODEL_HEADER, bench_models
 from bench.suite import bench_mutation, bench_suite
-from bench.targets import TARGETS, evaluate_targets, missed_targets
+from bench.targets import evaluate_targets, missed_targets
 from bench.training import bench_training
 
 PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
@@ -47,8 +52,8 @@ PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats (measured on a shared 2-core CPU: 40 minutes, 30 of them the "
-                        "mutation part, which reached its time limit; about 10 without it)")
+                   help="small sizes, few repeats, the mutation part on one catalog entry in 8 (README, "
+                        "Benchmarks: how long each run takes)")
     p.add_argument("--toy", action="store_true", help="tiny geometry instead of the presets' (smoke tests)")
     p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
@@ -69,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model families")
     p.add_argument("--out", default="bench/results.json", help="JSON output path ('' to skip)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="begin no part and no model, kernel or decode cell after this many seconds (what was "
+                        "measured is kept and reported; default: none, the part budgets bound the run)")
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 when a stated target is missed or a part fails (for CI); without it "
                         "a missed target is reported and the exit status is 0")
@@ -129,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    {"min_repeats": 2, "max_repeats": 5, "budget_s": 1.0} if args.quick else
                    {"min_repeats": 3, "max_repeats": 15, "budget_s": 6.0})
     args.timing["clock"] = args.clock
+    args.part_budgets_s = PART_BUDGETS_S["toy" if args.toy else "quick" if args.quick else "full"]
+    if args.time_limit is not None and args.time_limit <= 0:
+        p.error(f"--time-limit {args.time_limit}: expected a positive number of seconds")
+    args.deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     return args
 
 
@@ -189,7 +201,7 @@ def main(argv=None) -> dict:
         return bench_models(args, device, results["matmul"])
 
     def mutation():
-        out = bench_mutation()
+        out = bench_mutation(every=8 if quick_sizes else 1)
         print(f"mutation median time to first failure: {out.get('median_first_failure_seconds', 'n/a')} "
               f"({out.get('caught', 0)}/{out.get('mutants', 0)} caught) {out.get('reason', '')} "
               f"[{out['module']}]", flush=True)
@@ -198,13 +210,22 @@ def main(argv=None) -> dict:
     sections = {"models": models, "kernel": lambda: bench_kernel(args, device),
                 "decode": lambda: bench_decode(args, device), "suite": bench_suite, "mutation": mutation,
                 "training": lambda: bench_training(args, device)}
+    quick_sizes = args.quick or args.toy
+    run["part_seconds"] = {}
     for name in args.parts:
+        if out_of_time(args):
+            print(f"{name}: not run, --time-limit {args.time_limit:g} s reached", flush=True)
+            run.setdefault("not_run", []).append(name)
+            continue
+        began = time.perf_counter()
         try:
             results[name] = sections[name]()
         except Exception as exc:  # noqa: BLE001 -- keep what the other sections measured
             traceback.print_exc()
             results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
             gc.collect()
+        run["part_seconds"][name] = time.perf_counter() - began
+        print(f"{name}: {run['part_seconds'][name]:.0f} s", flush=True)
         if args.out:
             write_json_atomic(args.out, results)
     results["targets"] = evaluate_targets(results)
@@ -219,7 +240,9 @@ def main(argv=None) -> dict:
             print(f"           {line}")
     for name, error in results.get("errors", {}).items():
         print(f"  [ERROR ] {name}: {error}")
-    print(f"wall time {run['wall_seconds']:.0f} s")
+    print(f"finished: wall time {run['wall_seconds']:.0f} s (" + ", ".join(
+        f"{name} {seconds:.0f} s" for name, seconds in run["part_seconds"].items()) + ")"
+          + (f"; not run (--time-limit): {', '.join(run['not_run'])}" if run.get("not_run") else ""))
     if args.out:
         write_json_atomic(args.out, results)
         print(f"wrote {args.out}")

@@ -80,11 +80,23 @@ def test_bench_command_writes_json(tmp_path):
     assert all(set(c["ratio"]) == {"zoo_torch", "zoo_math"} for c in results["kernel"])
     (decode,) = results["decode"]
     assert decode["new_tokens"] == 4 and decode["speedup"] > 0 and decode["same_tokens"] is True
+    assert set(decode["seconds"]) == {"static", "growing", "recompute", "hf_static"}  # + static_compiled on CUDA
+    ops = decode["ops_per_step"]  # the static cache builds no mask and concatenates nothing per layer
+    assert 0 < ops["static"]["working"] < ops["growing"]["working"] <= ops["growing"]["dispatched"]
     assert "suite" not in results and "mutation" not in results
     for target in results["targets"]:
         assert set(target) >= {"target", "value", "met"}
     table = markdown(results)  # the README's tables
     assert "| family |" in table and "| greedy decoding |" in table
+
+
+def test_time_limit_begins_nothing_after_it_and_says_so(tmp_path, capsys):
+    from bench.run import main
+    results = main(["--toy", "--device", "cpu", "--threads", "1", "--parts", "kernel,decode", "--time-limit",
+                    "1e-9", "--out", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "kernel: not run, --time-limit" in out and "not run (--time-limit): kernel, decode" in out
+    assert results["not_run"] == ["kernel", "decode"] and "kernel" not in results and results["part_seconds"] == {}
 
 
 def test_mutation_summary(monkeypatch):
@@ -139,3 +151,52 @@ def test_training_skips_a_cell_that_would_not_fit(monkeypatch):
     assert training.skip_reason(previous, 4096, torch.device("cpu")) is None
     slow = {"length": 1024, "peak_bytes": 2**20, "seconds": 3.0}
     assert "min" in training.skip_reason(slow, 8192, torch.device("cpu"))
+
+
+def test_train_targets_records_every_seed_and_device_and_states_only_the_default_run(tmp_path, monkeypatch):
+    import bench.train_targets as targets
+    from bench.report import train_seeds_markdown
+
+    ran = []
+
+    def fake(name, *, seed=None, threads=None, device=None, extra=()):
+        ran.append((name, seed, device, extra))
+        return {"what": name, "command": f"python -m zoo {name}", "extra_overrides": list(extra),
+                "exact": 0.995 if seed else 1.0, "sequences": 1024, "seconds": 20.0, "cpu_seconds": 10.0,
+                "threads": threads, "returncode": 0, "met": True, "goal": 0.99}
+    monkeypatch.setattr(targets, "run_target", fake)
+    out = tmp_path / "r.json"
+    assert targets.main(["reverse", "--seed", "0,2", "--threads", "1", "--out", str(out)]) == 0
+    assert targets.main(["reverse", "--seed", "1", "--device", "cuda", "--out", str(out)]) == 0
+    assert targets.main(["sort", "--set", "task.steps=2", "--out", str(out)]) == 0
+    assert ran[:2] == [("reverse", None, None, ()), ("reverse", 2, None, ())]  # seed 0: the README's command
+    results = json.loads(out.read_text())
+    assert set(results["train_targets"]) == {"reverse"}  # not seed 2, not cuda, not a run with --set
+    assert set(results["train_targets_seeds"]["cpu"]["reverse"]) == {"0", "2"}
+    assert results["train_targets_seeds"]["cuda"]["reverse"]["1"]["exact"] == 0.995
+    table = "\n".join(train_seeds_markdown(results))
+    assert "| `reverse` | cpu | 100.00%, 10 s CPU |  | 99.50%, 10 s CPU |" in table
+    assert "| `reverse` | cuda |  | 99.50%, 20 s |  |" in table and "(task.steps=2)" in table
+    with pytest.raises(SystemExit):
+        targets.main(["reverse", "--seed", "one"])
+
+
+def test_gpu_check_fills_the_readme_block_and_nothing_else(tmp_path):
+    from bench.gpu_check import BEGIN, END, fill_readme, gpu_section
+
+    results = {"machine": {"device_name": "NVIDIA H100", "torch": "2.x", "transformers": "5.x", "usable_cores": 16},
+               "measured_on": "2026-01-01", "tiny": False, "seconds": 300.0,
+               "steps": {"streams": {"status": 0, "seconds": 5.0}, "recipes": {"status": 0, "seconds": 120.0}},
+               "streams": {"reverse": {"same_initial_weights": True, "same_first_batch": True,
+                                       "devices": ["cpu", "cuda"]}},
+               "recipes": {"train_targets_seeds": {"cuda": {"sort": {"0": {
+                   "exact": 0.9951, "seconds": 21.0, "cpu_seconds": 20.0, "threads": None}}}}}}
+    section = gpu_section(results)
+    assert "NVIDIA H100" in section and "`reverse` initial weights equal on cpu and cuda" in section
+    assert "| `sort` | cuda | 99.51%, 21 s |" in section
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{BEGIN}\nUnmeasured.\n{END}\nafter\n")
+    fill_readme(readme, section)
+    text = readme.read_text()
+    assert text.startswith(f"before\n{BEGIN}\nMeasured by") and text.endswith(f"{END}\nafter\n")
+    assert "Unmeasured" not in text

@@ -82,12 +82,18 @@ def generate_config(checkpoint, *extra):
 def test_generate_task_prints_prompts_answers_and_exact_match(finished_run, capsys):
     generate_task(generate_config(finished_run, "task.samples=5"))
     out = capsys.readouterr().out
-    assert "(step 4)" in out and "greedy, with KV cache" in out and "exact match" in out
+    out_eager = out.splitlines()
+    assert "(step 4)" in out and "greedy, with a static KV cache" in out and "exact match" in out
     assert len([line for line in out.splitlines() if "->" in line]) == 5
     generate_task(generate_config(finished_run / "step-0000002", "task.prompt='5 0 3'", "task.temperature=0.7",
                                   "task.top_k=3", "task.cache=false"))
     out = capsys.readouterr().out
-    assert "(step 2)" in out and "without KV cache" in out and "5 0 3  ->" in out
+    assert "(step 2)" in out and "without a KV cache" in out and "5 0 3  ->" in out
+    # task.compile: the decoding step compiled whole (aot_eager on the CPU), the same answers as the eager step.
+    generate_task(generate_config(finished_run, "task.samples=5", "task.compile=aot_eager"))
+    compiled = capsys.readouterr().out
+    assert "with a static KV cache, the step compiled (aot_eager)" in compiled
+    assert [line for line in compiled.splitlines() if "->" in line] == [line for line in out_eager if "->" in line]
 
 
 @pytest.mark.parametrize("extra,words", [
@@ -95,6 +101,8 @@ def test_generate_task_prints_prompts_answers_and_exact_match(finished_run, caps
     (("task.prompt='1 2 6'",), ["task.prompt", "symbols in 0..5"]),
     (("task.prompt='1 2 3 4 5 0'",), ["6 symbols", "at most 5"]),
     (("task.max_new=50",), ["task.max_new=50", "max_len"]),
+    (("task.compile=fast",), ["task.compile=fast", "reduce-overhead", "aot_eager"]),
+    (("task.compile=aot_eager", "task.block_size=4"), ["task.compile=aot_eager", "static KV cache"]),
 ])
 def test_generate_task_bad_options_are_config_errors(finished_run, extra, words):
     with pytest.raises(ConfigError) as error:

@@ -115,7 +115,7 @@ class Limits:
         (masks, is_causal, grouped heads) are left alone: a kernel that declines them declines the problem."""
         if not dataclasses.is_dataclass(problem) or not hasattr(problem, "dtype") or not hasattr(problem, "e"):
             return problem
-        from properties.core.strategies import selected_dtypes
+        from properties.core.dtypes import selected_dtypes
         changes: dict = {}
         if self.dtypes is not None and problem.dtype not in self.dtypes:
             changes["dtype"] = self.dtypes_among(selected_dtypes())[0]
@@ -231,7 +231,7 @@ class Probe:
 
 
 def _supported(device, dtype) -> bool:
-    from properties.core.strategies import dtype_supported
+    from properties.core.dtypes import dtype_supported
     return dtype_supported(str(device), dtype)
 
 

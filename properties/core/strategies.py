@@ -10,7 +10,6 @@ them with :func:`select_dtypes` before any test module is imported.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 
 import math
@@ -22,6 +21,7 @@ from hypothesis import assume, example, given, strategies as st
 
 from properties.core.tiles import (TILE_HEAD_SIZES, TILE_LENGTHS, TILE_SHARE, drawn_head_size, head_sizes_up_to,
                                    kernel_limits, problem_budget, tile_shape)
+from properties.core.dtypes import dtype_supported, select_dtypes, selected_dtypes
 from zoo.config.options import DTYPES
 
 __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes", "selected_dtypes", "dtypes", "Case", "cases",
@@ -29,29 +29,14 @@ __all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "requ
            "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit",
            "pinned_property", "required"]
 
-# DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
-# float32 unless the failure needs another dtype.
-
 
 def derived_generator(seed: int, stream: int = 0) -> torch.Generator:
     """The CPU generator of an example's ``stream``-th independent draw: the one seed formula of the suite."""
     return torch.Generator().manual_seed(seed * 1009 + stream)
 
-_selected: list[torch.dtype] = list(DTYPES.values())
-
-
-def select_dtypes(dtypes) -> None:
-    """Restrict every dtype strategy to ``dtypes`` (called once by properties.plugin from ``--dtype``)."""
-    _selected[:] = [d for d in DTYPES.values() if d in set(dtypes)]
-
-
-def selected_dtypes() -> tuple[torch.dtype, ...]:
-    return tuple(_selected)
-
-
 @st.composite
 def _steered_dtype(draw) -> torch.dtype:
-    return draw(st.sampled_from(kernel_limits().dtypes_among(_selected)))
+    return draw(st.sampled_from(kernel_limits().dtypes_among(selected_dtypes())))
 
 
 def dtypes() -> st.SearchStrategy[torch.dtype]:
@@ -123,7 +108,7 @@ def pinned_cases(n_lead: int = 2, tiles: bool = True) -> list[Case]:
     """Shapes every property also runs on, in the first selected dtype: L = 1, S = 1, odd head sizes, and
     B == L (a kernel that swaps the batch and query axes raises no shape error there, so the values are
     what catch it); with ``tiles``, the kernel-scale ones (``TILE_PINS``).  ``n_lead`` keeps that many leading dims."""
-    dtype = _selected[0]
+    dtype = selected_dtypes()[0]
     shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
               ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
     small = [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0) for lead, l, s, e, ev in shapes]
@@ -136,7 +121,7 @@ def tile_pins(n_lead: int = 2) -> list[Case]:
     two-row last key tile of 64, a head size past 64; the mask clauses add their float mask); S = 1024 in
     bfloat16 (long rows: 16 full tiles of 64, 8 of 128); L = S = 129 with E = 96 (one past a 128-tile, for kernels
     whose query tiles are 128 rows; a head size that is no power of two)."""
-    first = _selected[0]
+    first = selected_dtypes()[0]
     return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
             for l, s, e, ev, dtype in ((65, 65, 64, 64, first), (65, 130, 128, 64, first),
                                        (3, 1024, 64, 64, torch.bfloat16), (129, 129, 96, 96, first))]
@@ -310,23 +295,10 @@ def huge_values(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(v < 0, -1.0, 1.0).to(torch.float64) * (torch.finfo(dtype).max / 4)
 
 
-@functools.lru_cache(maxsize=None)
-def dtype_supported(device: str, dtype: torch.dtype) -> bool:
-    """Whether ``device`` computes in ``dtype`` (bf16 needs compute capability 8 on CUDA)."""
-    if device.startswith("cuda") and dtype == torch.bfloat16:
-        return torch.cuda.is_bf16_supported()
-    try:
-        x = torch.ones(2, 2, dtype=dtype, device=device)
-        (x @ x).exp().sum().item()
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
 def require_dtype(device: str, dtype: torch.dtype) -> None:
     """Discard an example whose dtype the device cannot compute in, or that the run did not select (an
     ``@example`` pinned in float16 is skipped under ``--dtype float32``)."""
-    assume(dtype in _selected and dtype_supported(device, dtype))
+    assume(dtype in selected_dtypes() and dtype_supported(device, dtype))
 
 
 @contextlib.contextmanager

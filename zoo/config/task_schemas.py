@@ -13,10 +13,14 @@ from zoo.config.errors import _fail
 from zoo.config.plugins import locate
 from zoo.tasks.data import DATA_TASKS
 
-__all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "RunTask", "VerifyTask", "SummaryTask", "TrainTask",
+__all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "COMPILE_MODES",
+           "RunTask", "VerifyTask", "SummaryTask", "TrainTask",
            "GenerateTask", "CompareTask", "check_task"]
 
 PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin_session.py
+# task.compile (zoo/tasks/generate.py): torch.compile's inductor modes, and aot_eager, which traces without
+# generating code (a check that the step compiles whole, as the CPU tests use it).
+COMPILE_MODES = ("reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs", "aot_eager")
 
 
 @dataclass
@@ -72,6 +76,7 @@ class GenerateTask:
     top_k: Optional[int] = None  # null: sample from the whole vocabulary
     cache: bool = True          # incremental decoding with a KV cache (false: recompute the prefix)
     block_size: Optional[int] = None  # a paged KV cache of blocks of this many positions; null: contiguous
+    compile: Optional[str] = None  # compile the decoding step: one of COMPILE_MODES; null: eager
     seed: int = 0
 
 
@@ -112,6 +117,8 @@ _TASK_RANGES = {
     "top_k": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
     "max_new": (lambda v: v is None or v >= 1, "must be a positive integer or null"),
     "block_size": (lambda v: v is None or v >= 1, "must be a positive integer or null (a contiguous KV cache)"),
+    "compile": (lambda v: v is None or v in COMPILE_MODES,
+                f"expected null (eager) or one of {', '.join(COMPILE_MODES)}"),
 }
 
 
@@ -148,6 +155,10 @@ def check_task(cfg: DictConfig) -> None:
     if cfg.task.get("block_size") is not None and not cfg.task.get("cache", True):
         _fail("task.block_size", cfg.task.block_size, "pages the KV cache, and task.cache=false decodes without one "
                                                       "(set task.cache=true or task.block_size=null)")
+    paged_or_none = cfg.task.get("block_size") is not None or not cfg.task.get("cache", True)
+    if cfg.task.get("compile") is not None and paged_or_none:
+        _fail("task.compile", cfg.task.compile, "compiles the step of the static KV cache (task.cache=true, "
+                                                "task.block_size=null)")
     if cfg.task.get("packing") and getattr(locate(cfg.model._target_), "kind", None) != "decoder_only":
         _fail("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an encoder's "
                                                 "batches keep one sequence per row")

@@ -50,6 +50,15 @@ class KVCache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     length: int = 0  # positions already decoded; advanced by the model after each step
+    preallocated = False  # True for zoo.nn.static_cache.StaticKVCache: fixed slots, positions given as a tensor
+
+    def begin(self, length: int, key_padding_mask: torch.Tensor | None = None) -> int:
+        """The model's first act with a cache: the position of the first of ``length`` new tokens."""
+        return self.length
+
+    def finish(self, length: int) -> None:
+        """The model's last act with a cache, once every layer has extended it."""
+        self.length += length
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self.keys:
@@ -173,11 +182,16 @@ class MultiHeadAttention(nn.Module):
         self.layer_index = 0  # set by the model so a KVCache can tell layers apart
 
     # The steps of forward, each overridable alone (the bug catalog gets exactly one of them wrong).
+    # split and merge are the einops patterns in their docstrings, written as the view and transpose einops makes
+    # of them: on a GPU a small model's forward pass is bound by the host's time per operation, and einops' own
+    # Python per call was 8% of it (README, Benchmarks: the encoder-decoder against nn.Transformer).
     def split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
-        return rearrange(t, "b l (h e) -> b h l e", h=heads)
+        """rearrange(t, "b l (h e) -> b h l e", h=heads)"""
+        return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(1, 2)
 
     def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
-        return rearrange(out, "b h l e -> b l (h e)")
+        """rearrange(out, "b h l e -> b l (h e)")"""
+        return out.transpose(1, 2).flatten(2)
 
     def mask(self, l: int, s: int, offset: int, key_padding_mask: torch.Tensor | None, is_causal: bool,
              bias: torch.Tensor | None, device, *, window: int | None = None,
@@ -224,9 +238,16 @@ class MultiHeadAttention(nn.Module):
         """
         source = x if memory is None else memory
         q = self.split_heads(self.q_proj(x), self.heads)
-        k = self.split_heads(self.k_proj(source), self.kv_heads)
-        v = self.split_heads(self.v_proj(source), self.kv_heads)
-        offset = cache.length if cache is not None else 0
+        if getattr(cache, "preallocated", False) and memory is not None:
+            # A StaticKVCache given to cross-attention: the memory's keys and values, projected at the first call.
+            k, v = cache.cross(self.layer_index, lambda: (self.split_heads(self.k_proj(source), self.kv_heads),
+                                                          self.split_heads(self.v_proj(source), self.kv_heads)))
+            cache = None  # nothing else of the cache concerns cross-attention
+        else:
+            k = self.split_heads(self.k_proj(source), self.kv_heads)
+            v = self.split_heads(self.v_proj(source), self.kv_heads)
+        static = getattr(cache, "preallocated", False)  # zoo.nn.static_cache.StaticKVCache, causal self-attention
+        offset = cache.positions if static else cache.length if cache is not None else 0
         if packing is not None:
             if cache is not None or memory is not None:
                 raise ValueError("packing applies to self-attention without a KV cache (training, scoring)")
@@ -237,11 +258,15 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.extend(self.layer_index, k, v)
         l, s = q.shape[-2], k.shape[-2]
         bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
-        # The window only when set and only for self-attention; the catalog's mask() overrides predate it.
-        extra = {"window": self.window} if self.window is not None and memory is None else {}
-        if packing is not None:
-            extra["segments"] = packing.segments
-        mask = self.mask(l, s, offset, key_padding_mask, is_causal, None if bias is None else bias.to(q.dtype),
-                         x.device, **extra)
+        bias = None if bias is None else bias.to(q.dtype)
+        if static:  # this call's mask over the N slots, made once per call for every layer
+            mask = cache.mask(self.window)
+            mask = mask if bias is None else bias.masked_fill(~mask, float("-inf"))
+        else:
+            # The window only when set and only for self-attention; the catalog's mask() overrides predate it.
+            extra = {"window": self.window} if self.window is not None and memory is None else {}
+            if packing is not None:
+                extra["segments"] = packing.segments
+            mask = self.mask(l, s, offset, key_padding_mask, is_causal, bias, x.device, **extra)
         out = self.attend(q, k, v, mask, is_causal and mask is None)
         return self.out_proj(self.merge_heads(out))

@@ -20,7 +20,21 @@ class TokenEmbedding(nn.Module):
     def weight(self) -> nn.Parameter:
         return self.embedding.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
-        return self.embedding(tokens) * self.multiplier
+    def check(self, *tokens: torch.Tensor) -> None:
+        """Refuse ids outside [0, vocab_size) in one line, before nn.Embedding reads them (on a GPU an id out of
+        range is a device-side assert). Reading the extremes waits for the device: one synchronisation for all the
+        tensors given. Inside a compiled graph (a decoding step fed the ids the model chose) nothing is read."""
+        tokens = [t for t in tokens if t.numel()]
+        if not tokens or torch.compiler.is_compiling():
+            return
+        extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in tokens]).tolist()
+        low, high = min(e[0] for e in extremes), max(e[1] for e in extremes)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{low}, {high}]")
+
+    def forward(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """check=False: the caller has checked the ids (TokenEmbedding.check)."""
+        if check:
+            self.check(tokens)
+        x = self.embedding(tokens)
+        return x if self.multiplier == 1.0 else x * self.multiplier  # x * 1.0 is x: no kernel for it

@@ -40,4 +40,4 @@ class FeedForward(nn.Module):
             hidden = self.activation(self.gate(x)) * self.up(x)
         else:
             hidden = self.activation(self.up(x))
-        return self.down(self.dropout(hidden))
+        return self.down(self.dropout(hidden) if self.dropout.p else hidden)  # p = 0: the identity, no call

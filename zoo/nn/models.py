@@ -40,19 +40,21 @@ class _Stack(nn.Module):
             layer(attention, ffn, norm, norm_placement, dropout, **layer_kwargs, **kw) for _ in range(layers))
         for index, module in enumerate(self.layers):
             module.self_attn.layer_index = index
+            if getattr(module, "cross_attn", None) is not None:
+                module.cross_attn.layer_index = index
         if final_norm is None:  # pre-norm leaves the last residual sum unnormalised; post-norm does not
             final_norm = norm_placement == "pre"
         self.final_norm = norm(**kw) if final_norm else None
 
     def embed(self, tokens: torch.Tensor, offset: int | torch.Tensor = 0,
-              extra: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embedding(tokens)
+              extra: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
+        x = self.embedding(tokens, check=check)
         if extra is not None:
             x = x + extra
         x = self.pos(x, offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        return self.dropout(x)
+        return self.dropout(x)  # always called (once per pass): task=compare reads the embeddings off this module
 
     def run(self, x: torch.Tensor, **layer_inputs) -> torch.Tensor:
         for layer in self.layers:
@@ -128,20 +130,24 @@ class DecoderOnly(nn.Module):
             self.lm_head.weight = self.decoder.embedding.weight
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, *, segments: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, *, segments: torch.Tensor | None = None,
+                check: bool = True) -> torch.Tensor:
         """With a cache, ``tokens`` are the next positions and ``mask`` covers all positions so far.
 
         segments (b, l): packed rows (zoo.nn.attention.Packing): the index of each token's sequence in its row,
-        -1 on padding; every sequence is then computed as if alone (its own positions from 0, attention within it)."""
-        offset, layer_inputs = (cache.length if cache is not None else 0), {}
+        -1 on padding; every sequence is then computed as if alone (its own positions from 0, attention within it).
+        check=False: the ids are known to lie in the vocabulary (a decoding step fed the model's own picks), so
+        they are not read back from the device (TokenEmbedding.check)."""
+        offset, layer_inputs = (cache.begin(tokens.shape[1], mask) if cache is not None else 0), {}
         if segments is not None:
             if cache is not None:
                 raise ValueError("segments (packed rows) are for training and scoring, not cached decoding")
             packing = Packing.from_segments(segments)
             offset, layer_inputs = packing.positions, {"packing": packing}
-        x = self.decoder.run(self.decoder.embed(tokens, offset), mask=mask, cache=cache, **layer_inputs)
+        x = self.decoder.run(self.decoder.embed(tokens, offset, check=check), mask=mask, cache=cache,
+                             **layer_inputs)
         if cache is not None:
-            cache.length += tokens.shape[1]
+            cache.finish(tokens.shape[1])
         return self.lm_head(x)
 
 
@@ -168,18 +174,22 @@ class EncoderDecoder(nn.Module):
         if tie_head:
             self.lm_head.weight = self.decoder.embedding.weight
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.encoder.run(self.encoder.embed(src), mask=src_mask)
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
+        return self.encoder.run(self.encoder.embed(src, check=check), mask=src_mask)
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
-               tgt_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        offset = cache.length if cache is not None else 0
-        x = self.decoder.run(self.decoder.embed(tgt, offset), memory=memory, mask=tgt_mask,
+               tgt_mask: torch.Tensor | None = None, cache: KVCache | None = None, *,
+               check: bool = True) -> torch.Tensor:
+        offset = cache.begin(tgt.shape[1], tgt_mask) if cache is not None else 0
+        x = self.decoder.run(self.decoder.embed(tgt, offset, check=check), memory=memory, mask=tgt_mask,
                              memory_mask=src_mask, cache=cache)
         if cache is not None:
-            cache.length += tgt.shape[1]
+            cache.finish(tgt.shape[1])
         return self.lm_head(x)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor | None = None,
                 tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+        # Both token tensors checked before any kernel runs: the decoder's own check, after the encoder, would make
+        # the host wait for the encoder's kernels on a GPU (a synchronisation in the middle of the forward pass).
+        self.decoder.embedding.check(src, tgt)
+        return self.decode(tgt, self.encode(src, src_mask, check=False), src_mask, tgt_mask, check=False)

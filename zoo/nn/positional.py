@@ -12,8 +12,11 @@ Each default is the identity (or None), so a scheme overrides only what it does,
 class here, one file under conf/pos/ and its spec clause. ``offset`` is the absolute position of the first
 token (non-zero while decoding with a cache), or, for packed rows (several sequences in one row, varlen
 semantics: zoo.nn.attention.Packing), a (b, l) tensor holding the position of every token within its own
-sequence; then the keys of score_bias are those same tokens (s = l, no cache). ``injects_order`` is False only for ``NoPositions``: then the
-model is permutation equivariant.
+sequence; then the keys of score_bias are those same tokens (s = l, no cache). A static KV cache
+(zoo.nn.static_cache) gives an (l,) tensor: the positions of the l tokens, keys at 0..s-1 (its slots); it checked
+them against max_len when it was made, so they are not checked again (a check would read the tensor: a device
+synchronisation per layer, and a break in a compiled graph). ``injects_order`` is False only for
+``NoPositions``: then the model is permutation equivariant.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ class _Positions(nn.Module):
     def _check_length(self, end: int | torch.Tensor) -> None:
         """end: one past the last position, or the positions themselves (a tensor: packed rows)."""
         if torch.is_tensor(end):
+            if end.dim() == 1:  # a static cache's slots, checked when it was made (module docstring)
+                return
             end = int(end.max()) + 1 if end.numel() else 0
         if end > self.max_len:
             raise ValueError(f"sequence reaches position {end}, beyond max_len={self.max_len}")
@@ -90,9 +95,11 @@ class SinusoidalPositions(_Positions):
         return self
 
     def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        position = position_ids(offset, x.shape[1], x.device)
-        self._check_length(position if torch.is_tensor(offset) else offset + x.shape[1])
-        return x + self.table[position].to(x.dtype)
+        if not torch.is_tensor(offset):  # a slice of the table: no index tensor to build, no gather
+            self._check_length(offset + x.shape[1])
+            return x + self.table[offset:offset + x.shape[1]].to(x.dtype)
+        self._check_length(offset)
+        return x + self.table[offset.to(x.device)].to(x.dtype)
 
 
 class LearnedPositions(_Positions):
@@ -171,11 +178,13 @@ class AlibiPositions(_Positions):
         return self
 
     def score_bias(self, l: int, s: int, offset: int | torch.Tensor, heads: int) -> torch.Tensor:
-        """(h, l, s), or (b, h, l, s) for packed rows (offset a (b, l) tensor of positions, keys the same tokens)."""
+        """(h, l, s), or (b, h, l, s) for packed rows (offset a (b, l) tensor of positions, keys the same tokens);
+        offset an (l,) tensor: the queries' positions in a static cache, keys its slots 0..s-1."""
         if heads != self.slopes.numel():
             raise ValueError(f"ALiBi was built for {self.slopes.numel()} heads, asked for {heads}")
         query = position_ids(offset, l, self.slopes.device)
-        key = query if torch.is_tensor(offset) else torch.arange(s, device=self.slopes.device)
+        packed = torch.is_tensor(offset) and offset.dim() == 2
+        key = query if packed else torch.arange(s, device=self.slopes.device)
         self._check_length(query if torch.is_tensor(offset) else max(offset + l, s))
         distance = (query[..., :, None] - key[..., None, :]).abs().to(self.slopes.dtype)
         if distance.dim() == 3:

@@ -1,11 +1,19 @@
 """``task=generate``: decode with a trained model, greedily or by sampling, with the KV cache.
 
-With ``use_cache=True`` the prompt is run once and then each new token alone, its keys and values
-appended to a ``KVCache``; with ``use_cache=False`` the whole prefix is run again at every step. Both
-compute the same function, so they give the same tokens (tests/test_train.py checks it). With ``block_size=N``
-the cache is paged (``PagedKVCache``: blocks of N positions through a block table, as vLLM's PagedAttention and
-flash_attn_with_kvcache's ``block_table``), which gives exactly the tokens of the contiguous cache
-(tests/test_zoo_features.py).
+With ``use_cache=True`` the prompt is run once and then each new token alone, its keys and values kept in a
+cache; with ``use_cache=False`` the whole prefix is run again at every step. Both compute the same function, so
+they give the same tokens (tests/test_generate.py checks it). The cache is a ``StaticKVCache`` (zoo/nn/static_cache.py:
+allocated once for the prompt and every new token, written in place, each step's positions and masks precomputed),
+or, for a model with a plug-in attention or position module, the growing ``KVCache`` those were written against.
+With ``block_size=N`` it is paged (``PagedKVCache``: blocks of N positions through a block table, as vLLM's
+PagedAttention and flash_attn_with_kvcache's ``block_table``), which gives exactly the tokens of the contiguous
+cache (tests/test_zoo_features.py).
+
+``compile_mode`` (``task.compile``) compiles the decoding step (one new token per sequence, the static cache)
+with ``torch.compile(fullgraph=True)``: ``reduce-overhead`` captures it in a CUDA graph, so a step is one graph
+launch instead of a few hundred kernel launches; ``default`` and ``max-autotune`` are inductor's other modes;
+``aot_eager`` traces the step without generating code (no speed-up: a check that it traces, which the CPU tests
+use). The prompt runs eagerly. The compiled step gives the eager step's tokens (tests/test_static_cache.py).
 """
 from __future__ import annotations
 
@@ -14,12 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from zoo.nn.attention import KVCache, PagedKVCache
+from zoo.nn.static_cache import StaticKVCache, refusal
 from zoo.config.builder import check_fits, model_from_config
+from zoo.config.task_schemas import COMPILE_MODES
 from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
 from zoo.config.schema import ConfigError, ZooSchema, torch_dtype, validate
 
-__all__ = ["generate", "pick_next", "generate_task", "saved_config"]
+__all__ = ["generate", "pick_next", "generate_task", "saved_config", "decode_step", "compiled_step"]
 
 
 def saved_config(state: dict, checkpoint, *, allow_plugins: bool = False, device: str | None = None) -> DictConfig:
@@ -53,16 +63,37 @@ def pick_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None 
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+def decode_step(model: nn.Module, tokens: torch.Tensor, cache: KVCache, memory: torch.Tensor | None,
+                src_mask: torch.Tensor | None) -> torch.Tensor:
+    """Last-position logits (b, vocab) of one cached call; the ids are the model's own picks, so not checked."""
+    if memory is not None:
+        return model.decode(tokens, memory, src_mask, cache=cache, check=False)[:, -1]
+    return model(tokens, cache=cache, check=False)[:, -1]
+
+
+def compiled_step(mode: str):
+    """decode_step compiled whole with torch.compile in ``mode`` (one of COMPILE_MODES), shapes static."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    how = {"backend": mode} if mode == "aot_eager" else {"mode": mode}
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, **how)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch.Tensor | None = None,
              src_mask: torch.Tensor | None = None, temperature: float = 0.0, top_k: int | None = None,
              use_cache: bool = True, generator: torch.Generator | None = None, eos_id: int | None = EOS,
-             pad_id: int = PAD, block_size: int | None = None) -> torch.Tensor:
+             pad_id: int = PAD, block_size: int | None = None, static: bool = True,
+             compile_mode: str | None = None, cache: StaticKVCache | None = None) -> torch.Tensor:
     """Up to max_new tokens (b, n) after prompt (b, l); a row is padded with pad_id after its eos_id.
 
     Decoder-only: prompt is the start of the sequence. Encoder-decoder: src (b, s) is encoded once and
     prompt starts the target (usually a BOS column). Prompts in one batch must have the same length.
     block_size: decode through a paged KV cache of blocks of this many positions (None: one contiguous cache).
+    static: preallocate the cache (StaticKVCache) when the model's parts allow it; False: the growing KVCache.
+    compile_mode: compile the decoding step (module docstring; COMPILE_MODES); it needs the static cache.
+    cache: a StaticKVCache of this batch and capacity (prompt + max_new - 1) to use again, emptied first: a CUDA
+    graph recorded on its buffers replays on them, where a new cache would have it recorded again.
     """
     if model.kind not in ("decoder_only", "encoder_decoder"):
         raise ValueError(f"generate needs a decoder_only or encoder_decoder model, got {model.kind}")
@@ -74,25 +105,36 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
     if prompt.shape[1] + max_new - 1 > model.max_len:
         raise ValueError(f"prompt of {prompt.shape[1]} tokens + {max_new} new ones exceeds the model's "
                          f"max_len={model.max_len}")
+    if max_new < 1:
+        return prompt.new_empty(prompt.shape[0], 0)
+    static = static and use_cache and block_size is None and refusal(model) is None
+    if compile_mode is not None and not static:
+        why = ("it decodes without a cache" if not use_cache else "the cache is paged" if block_size is not None
+               else refusal(model) or "static=False")
+        raise ValueError(f"compile_mode={compile_mode}: compiling needs the static KV cache, and {why}")
+    step = decode_step if compile_mode is None else compiled_step(compile_mode)
     was_training = model.training
     model.eval()  # dropout would make every step, cached or not, a different function
     try:
         memory = model.encode(src, src_mask) if model.kind == "encoder_decoder" else None
-
-        def run(tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-            if memory is not None:
-                return model.decode(tokens, memory, src_mask, cache=cache)
-            return model(tokens, cache=cache)
-
-        cache = None
-        if use_cache:  # a paged cache reserves blocks for every position this call can reach, once
-            cache = KVCache() if block_size is None else PagedKVCache(block_size=block_size,
-                                                                      capacity=prompt.shape[1] + max_new - 1)
-        sequence, feed = prompt, prompt
+        capacity = prompt.shape[1] + max_new - 1
+        if cache is not None:
+            if not static or (cache.batch, cache.capacity) != (prompt.shape[0], capacity):
+                raise ValueError(f"cache: a StaticKVCache for batch {prompt.shape[0]} and capacity {capacity} "
+                                 f"(prompt + max_new - 1) is needed, with the static cache enabled")
+            cache.reset()
+        elif static:
+            cache = StaticKVCache.for_model(model, prompt.shape[0], capacity)
+        elif use_cache:  # a paged cache reserves blocks for every position this call can reach, once
+            cache = KVCache() if block_size is None else PagedKVCache(block_size=block_size, capacity=capacity)
+        if compile_mode is not None and prompt.device.type == "cuda":
+            cache.mark_static()
+        sequence = prompt
         finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         new = []
-        for _ in range(max_new):
-            logits = run(feed if use_cache else sequence, cache)[:, -1]
+        logits = (model.decode(prompt, memory, src_mask, cache=cache)[:, -1] if memory is not None else
+                  model(prompt, cache=cache)[:, -1])  # the prompt, eagerly; its ids are checked
+        for index in range(max_new):
             token = pick_next(logits, temperature, top_k, generator)
             token = token.masked_fill(finished, pad_id)
             new.append(token)
@@ -100,8 +142,15 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new: int, *, src: torch
                 finished |= token == eos_id
                 if bool(finished.all()):
                     break
-            feed = token[:, None]
-            sequence = torch.cat([sequence, feed], dim=1)
+            if index == max_new - 1:
+                break
+            if cache is None:
+                sequence = torch.cat([sequence, token[:, None]], dim=1)
+                logits = decode_step(model, sequence, None, memory, src_mask)
+                continue
+            if static:
+                cache.prepare(1)  # outside a compiled step: it reads the Python length
+            logits = step(model, token[:, None], cache, memory, src_mask)
         return torch.stack(new, dim=1) if new else prompt.new_empty(prompt.shape[0], 0)
     finally:
         model.train(was_training)
@@ -144,6 +193,10 @@ def generate_task(cfg: DictConfig) -> None:
     else:
         x, lengths = data.sample(opts.samples, "heldout", 0)
     expected = data.answer(x, lengths)
+    why_not_static = refusal(model)
+    if opts.compile and why_not_static:
+        raise ConfigError(f"task.compile={opts.compile}: compiling needs the static KV cache, which this model "
+                          f"cannot use: {why_not_static}")
     max_new = opts.max_new or data.max_len + 1
     generator = torch.Generator(device=cfg.device).manual_seed(opts.seed)
     outputs: list[torch.Tensor | None] = [None] * len(x)
@@ -153,7 +206,8 @@ def generate_task(cfg: DictConfig) -> None:
             prompt = torch.full((len(x), 1), BOS)
             out = generate(model, prompt.to(cfg.device), max_new, src=x.to(cfg.device),
                            src_mask=src_mask.to(cfg.device), temperature=opts.temperature, top_k=opts.top_k,
-                           use_cache=opts.cache, generator=generator, block_size=opts.block_size)
+                           use_cache=opts.cache, generator=generator, block_size=opts.block_size,
+                           compile_mode=opts.compile)
             outputs = list(out.cpu())
         else:
             # Prompts of one length share a batch: BOS x SEP, with no padding for positions to shift.
@@ -163,16 +217,17 @@ def generate_task(cfg: DictConfig) -> None:
                                     torch.full((len(rows), 1), SEP)], dim=1)
                 out = generate(model, prompt.to(cfg.device), max_new, temperature=opts.temperature,
                                top_k=opts.top_k, use_cache=opts.cache, generator=generator,
-                               block_size=opts.block_size)
+                               block_size=opts.block_size, compile_mode=opts.compile)
                 for row, tokens in zip(rows.tolist(), out.cpu()):
                     outputs[row] = tokens
     except ValueError as exc:  # a prompt/max_new the model's positions cannot hold
         raise ConfigError(f"task.max_new={opts.max_new}: {exc}") from exc
 
     mode = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature}, top_k {opts.top_k}"
-    print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, "
-          f"{'with' if opts.cache else 'without'}{f' a paged (blocks of {opts.block_size})' if opts.block_size else ''}"
-          f" KV cache")
+    kind = ("without a KV cache" if not opts.cache else f"with a paged (blocks of {opts.block_size}) KV cache"
+            if opts.block_size else f"with a growing KV cache ({why_not_static})" if why_not_static else
+            "with a static KV cache" + (f", the step compiled ({opts.compile})" if opts.compile else ""))
+    print(f"{model.kind} from {checkpoint} (step {state['step']}), data={data.name}, {mode}, {kind}")
     if opts.prompt and int(lengths[0]) < data.min_len:
         print(f"  (the prompt is shorter than any the model was trained on: {data.min_len}-{data.max_len} symbols)")
     right = 0

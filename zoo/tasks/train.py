@@ -33,7 +33,7 @@ from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
 __all__ = ["fit_config_to_data", "family_of", "recipe_values", "recipe_line", "learning_rate", "make_optimizer",
-           "forward_batch", "batch_metrics", "evaluate", "train", "train_task"]
+           "forward_batch", "batch_metrics", "evaluate", "seeded_model", "train", "train_task"]
 
 
 def family_of(cfg: DictConfig) -> str:
@@ -250,8 +250,7 @@ def train(cfg: DictConfig, *, quiet: bool = False, recipe: str | None = None) ->
     _check_writable(out_dir)
     check_fits(cfg, training=True)
 
-    torch.manual_seed(cfg.seed)
-    model = model_from_config(cfg)
+    model = seeded_model(cfg)
     model.train()
     optimizer = make_optimizer(model, lr=opts.lr, weight_decay=opts.weight_decay)
     start = 0
@@ -296,6 +295,14 @@ def train(cfg: DictConfig, *, quiet: bool = False, recipe: str | None = None) ->
                   f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU)")
     return {**result, "seconds": seconds, "cpu_seconds": cpu_seconds, "model": model, "out_dir": out_dir,
             "config": cfg}
+
+
+def seeded_model(cfg: DictConfig) -> nn.Module:
+    """The model cfg builds, its initial weights drawn from ``cfg.seed`` on the CPU's generator and then moved to
+    ``cfg.device``: a CUDA generator seeded alike draws another stream, so building on the device would start a
+    recipe from other weights on every kind of device. The data streams are CPU draws too (SyntheticTask)."""
+    torch.manual_seed(cfg.seed)
+    return model_from_config(cfg, device="cpu").to(cfg.device)
 
 
 def _check_writable(out_dir: Path) -> None:
