@@ -168,8 +168,8 @@ def check_run(level: str, misdeed: str, when: str, expected: str, folder: str) -
     if expected == "fatal":
         assert len(errors) == 1 and ("ended the test process" in errors[0] or "did not return" in errors[0]), where
         assert "plug" in errors[0], where   # the plug-in is named: plug.py:attention, plug.BadNorm, ...
-        if when == "call":
-            assert re.search(r"clause [A-Z0-9, -]+, test properties/", errors[0]), where
+        if when == "call":   # in a clause, or in the probe of a kernel's limits that precedes them
+            assert re.search(r"clause [A-Z0-9, -]+, test properties/|a probe of its limits", errors[0]), where
         if misdeed == "segfault":
             assert proc.returncode == -11 and re.search(r"signal SIGSEGV at .*plug\.py:\d+ in misdeed", errors[0]), where
         if misdeed == "hang in C":

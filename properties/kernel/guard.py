@@ -97,7 +97,7 @@ class GuardedKernel:
         device = str(device)
         if device not in self._limits:
             from properties.core.strategies import selected_dtypes
-            self._limits[device] = learn_limits(self._watched_fn, device, self.declared, selected_dtypes())
+            self._limits[device] = learn_limits(self._probe_fn, device, self.declared, selected_dtypes())
         return self._limits[device]
 
     def plainest_declined(self, device) -> str:
@@ -105,7 +105,7 @@ class GuardedKernel:
         from properties.core.strategies import selected_dtypes
         dtypes = self.declared.dtypes_among(selected_dtypes())
         return Probe(dtypes[0], e=min(self.declared.head_sizes or (16,), key=lambda n: (n < 16, n))).call(
-            self._watched_fn, device) or ""
+            self._probe_fn, device) or ""
 
     # ------------------------------------------------------------------------------------------- calls
     def __call__(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -130,8 +130,14 @@ class GuardedKernel:
         return out
 
     def _watched_fn(self, query, key, value, **kwargs):
-        """The kernel, called under the watchdog (the limits' probes call it this way too)."""
+        """The kernel, called under the watchdog."""
         with user_call(self.plugin, lambda: describe_call(query, key, value, kwargs)):
+            return self.fn(query, key, value, **kwargs)
+
+    def _probe_fn(self, query, key, value, **kwargs):
+        """The kernel as the probes of its limits call it: under the watchdog, the call named as a probe (outside
+        any clause, at start-up or at a first decline)."""
+        with user_call(self.plugin, lambda: f"{describe_call(query, key, value, kwargs)}, a probe of its limits"):
             return self.fn(query, key, value, **kwargs)
 
     def _accepts(self, query, key, value, kwargs) -> bool:
