@@ -26,14 +26,14 @@ from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
-from zoo.config.options import DTYPES, PARTS
+from zoo.config.options import DTYPES, MAX_LAYERS, PARTS, SEED_RANGE  # noqa: F401 - SEED_RANGE importable here
 from zoo.config.plugins import PluginError, locate
-from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_task
+from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
                                      TrainTask, VerifyTask)
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
-           "integral_overrides"]
+           "integral_overrides", "MAX_LAYERS", "SEED_RANGE", "check_seed"]
 
 
 @dataclass
@@ -143,9 +143,10 @@ def _positive(cfg: DictConfig, *keys: str) -> None:
 
 
 def _divisors(n: int, limit: int = 12) -> list[int]:
-    """The smallest `limit` divisors of n, in O(sqrt(n)) steps (d_model may be 1e9)."""
+    """The smallest `limit` divisors of n, trying at most 10^5 candidates (d_model may be 1e9, or a large prime:
+    then the list shows the divisors found among them, and n itself)."""
     small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
+    for d in range(1, min(math.isqrt(n), 10**5) + 1):
         if n % d == 0:
             small.append(d)
             if d != n // d:
@@ -212,17 +213,43 @@ def _check_part_values(path: str, node: DictConfig) -> None:
             _fail(where, value, "must be positive (null: no capping)")
         if key in _PART_SIZES and value < 1:
             _fail(where, value, "must be a positive integer")
+        if key in ("layers", "decoder_layers") and value > MAX_LAYERS:
+            _fail(where, value, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
         if key in _PART_COUNTS and value < 0:
             _fail(where, value, "must be a non-negative integer")
 
 
+def _check_interpolations(node: DictConfig, path: str = "") -> None:
+    """Every interpolation must resolve; `${hydra:...}` only can inside a Hydra run, and is left to it elsewhere."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    for key in node:
+        where = f"{path}{key}"
+        if OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except InterpolationResolutionError as exc:
+                if "HydraConfig was not set" in str(exc):
+                    continue
+                raw = OmegaConf.to_container(node, resolve=False)[key]
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                _fail(where, raw, f"the interpolation does not resolve: {reason}")
+        elif OmegaConf.is_config(node._get_node(key)) and not OmegaConf.is_missing(node, key) \
+                and isinstance(node._get_node(key), DictConfig):
+            _check_interpolations(node[key], f"{where}.")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError (one line) for the first value that cannot be used."""
+    _check_interpolations(cfg)
     known = {f.name for f in fields(ZooSchema)}
     for key in cfg:
         if key not in known and key != "hydra":
             _fail(key, cfg[key], f"unknown key (allowed: {', '.join(sorted(known))})")
     _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
+    if cfg.layers > MAX_LAYERS:
+        _fail("layers", cfg.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+    check_seed("seed", cfg.seed)
     if cfg.d_model % cfg.heads:
         _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
     if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
