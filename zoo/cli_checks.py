@@ -201,11 +201,15 @@ def _hydra_for(args: argparse.Namespace) -> Iterator[str]:
     config_path = args.config_path if args.config_path is not None else "pkg://zoo.conf"
     if args.config_path is not None:
         _check_config_path(config_path)
+        if not config_path.startswith("pkg://"):
+            _check_config_files(config_path if os.path.isabs(config_path)
+                                else os.path.join(os.path.dirname(__file__), config_path), "--config-path")
     search_path = create_automatic_config_search_path(None, _TASK_MODULE, config_path)
     if args.config_dir is not None:
         directory = os.path.abspath(args.config_dir)
         if not os.path.isdir(directory):
             raise ConfigError(f"--config-dir={args.config_dir}: no such directory")
+        _check_config_files(directory, "--config-dir")
         search_path.prepend(provider="command-line", path=f"file://{directory}",
                             anchor=SearchPathQuery(provider="schema"))
     config_name = args.config_name if args.config_name is not None else "config"
@@ -245,9 +249,33 @@ def _check_config_path(config_path: str) -> None:
                           f"{os.path.dirname(__file__)}; give an absolute one)")
 
 
+MAX_CONFIG_BYTES = 1 << 20  # one YAML file of a config directory (the zoo's are under 2 KiB)
+MAX_CONFIG_FILES = 10_000
+
+
+def _check_config_files(directory: str, flag: str) -> None:
+    """The YAML files of a config directory a user names, bounded before Hydra parses any: at most
+    MAX_CONFIG_FILES files looked at, each at most MAX_CONFIG_BYTES."""
+    seen = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            seen += 1
+            if seen > MAX_CONFIG_FILES:
+                raise ConfigError(f"{flag}={directory}: more than {MAX_CONFIG_FILES:,} files (a config directory "
+                                  f"holds YAML files, not a data set)")
+            path = os.path.join(root, name)
+            try:
+                size = os.path.getsize(path) if name.endswith((".yaml", ".yml")) else 0
+            except OSError:
+                continue
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{flag}={directory}: {path} has {size:,} bytes, more than the "
+                                  f"{MAX_CONFIG_BYTES:,} a config file may have")
+
+
 def _compose(overrides: list[str], config_name: str) -> tuple[DictConfig, DictConfig]:
     from zoo.config.composition import compose_checked
-    return compose_checked(overrides, config_name=config_name)
+    return compose_checked(overrides, config_name=config_name, command_line=True)
 
 
 def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]], DictConfig]:

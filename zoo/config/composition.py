@@ -28,8 +28,12 @@ __all__ = ["compose_checked", "compose_config", "explain_composition_error", "ex
 OPTIONAL_GROUPS = ("recipe",)  # `optional` entries of conf/config.yaml's defaults: Hydra skips a missing option
 
 
-def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config") -> tuple[DictConfig, DictConfig]:
-    """(the validated config, the whole composed config with Hydra's node: run and sweep dirs, choices)."""
+def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config",
+                    command_line: bool = False) -> tuple[DictConfig, DictConfig]:
+    """(the validated config, the whole composed config with Hydra's node: run and sweep dirs, choices).
+
+    command_line: the overrides are a command line's, so a key its task does not read is refused (check_applies);
+    building a model from overrides (build_model) runs no task and reads every model key."""
     overrides = integral_overrides(list(overrides))
     _check_removals(overrides)
     try:
@@ -40,16 +44,17 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
                 whole = compose(config_name, overrides=overrides, return_hydra_config=True)
     except HydraException as exc:
         raise ConfigError(explain_composition_error(exc, overrides)) from None
-    except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError) as exc:  # `=5`: a ValueError
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise ConfigError(explain_config_error(exc, overrides)) from None
     _check_optional_choices(whole, overrides)
     cfg = copy.deepcopy(whole)
     with open_dict(cfg):
         del cfg["hydra"]
-    try:
-        check_applies(cfg, overrides)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(explain_config_error(exc, overrides)) from None
+    if command_line:
+        try:
+            check_applies(cfg, overrides)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(explain_config_error(exc, overrides)) from None
     validate_checked(cfg, overrides)
     return cfg, whole
 
