@@ -76,6 +76,15 @@ def test_an_output_directory_under_a_file_is_one_line(places, key):
     assert_one_line_refusal(zoo_in_process(argv, work, watch=work.parent), key, "Not a directory")
 
 
+@pytest.mark.parametrize("argv", [["hydra.job_logging.root.level=NOSUCH"], ["hydra.output_subdir=/proc/x"],
+                                  ["-m", "heads=1,2", "hydra.sweep.subdir=/proc"]])
+def test_what_only_hydras_run_finds_is_one_line_and_leaves_nothing(places, argv):
+    """Hydra's own machinery (logging set up from hydra.job_logging, where it saves the config) fails after it
+    made the output directory: still one line, and the directory goes."""
+    work, _ = places
+    assert_one_line_refusal(zoo_in_process([*argv, "task=summary"], work), "Hydra cannot start the run")
+
+
 def test_an_out_dir_that_takes_no_files_says_so(places):
     work, _ = places
     line = assert_one_line_refusal(zoo_in_process(["task=train", "task.out_dir=/proc"], work), "task.out_dir=/proc")

@@ -197,6 +197,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     except OSError as error:  # a file or directory that cannot be read or written
         where = f": {error.filename}" if error.filename else ""
         _refuse(f"zoo: {error.strerror or type(error).__name__}{where}")
+    except Exception:  # a bug in a task: its traceback, as Python shows it (main() tells it from Hydra's errors)
+        global _TASK_RAISED
+        _TASK_RAISED = True
+        raise
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -208,17 +212,16 @@ def _first_line(error: BaseException) -> str:
 
 
 _PLAN: Plan | None = None  # this process's checked command line: what a refusal inside the run removes
+_TASK_RAISED = False  # set when a task itself raised: that is a bug, shown with its traceback
 
 
 def _refuse(message: str, status: int = 2) -> NoReturn:
     """One line on stderr and the exit status; the output directory Hydra made for this run goes too if it
     holds nothing but Hydra's own files (a bad input leaves nothing behind)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
+    if _PLAN is not None:
         try:
-            discard(_PLAN.output if _PLAN is not None else None, HydraConfig.get().runtime.output_dir)
-        except Exception:  # noqa: BLE001 - the refusal itself must still be said
+            discard(_PLAN.output)
+        except OSError:  # the refusal itself must still be said
             pass
     print(message, file=sys.stderr, flush=True)
     sys.exit(status)
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(arguments: list[str]) -> None:
-    global _PLAN
+    global _PLAN, _TASK_RAISED
     try:  # Hydra's own errors span several lines and leave an output directory: check everything first
         checked = plan(arguments)
     except ModelTooLarge as error:
@@ -248,6 +251,9 @@ def _main(arguments: list[str]) -> None:
         sys.exit(2)
     except ConfigError as error:
         print(f"zoo: invalid config: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except CheckpointError as error:
+        print(f"zoo: bad checkpoint: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     if "--help" in checked.argv:
         print(project_help(), flush=True)
@@ -258,12 +264,19 @@ def _main(arguments: list[str]) -> None:
     sys.argv[1:] = checked.argv
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it meets instead of printing it over many lines
+    _TASK_RAISED = False
     try:
         _hydra_main()
     except HydraException as error:  # what Hydra met that the checks before it did not foresee
         _refuse(f"zoo: invalid config: {explain_composition_error(error, checked.argv)}")
     except OmegaConfBaseException as error:
         _refuse(f"zoo: invalid config: {explain_config_error(error, checked.argv)}")
+    except Exception as error:  # Hydra's own machinery (logging set up from hydra.job_logging, a callback ...)
+        if _TASK_RAISED:
+            raise
+        cause = error.__cause__ or error
+        _refuse(f"zoo: invalid config: Hydra cannot start the run: {_first_line(error)}"
+                + (f": {_first_line(cause)}" if cause is not error else ""))
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -298,6 +298,9 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
     except (OmegaConfBaseException, ValueError, TypeError, KeyError) as exc:
         from zoo.config.composition import explain_config_error
         raise ConfigError(explain_config_error(exc, overrides)) from None
+    batch = whole.hydra.get("sweeper", {}).get("max_batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError(f"hydra.sweeper.max_batch_size={batch}: must be a positive integer or null (all at once)")
     lists: dict[str, list[str]] = {}
     for override in parsed:
         key = override.get_key_element()
@@ -311,6 +314,8 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
             values = list(itertools.islice(override.sweep_string_iterator(), MAX_JOBS + 1))
         except HydraException as exc:
             raise ConfigError(f"{override.input_line}: {explain_composition_error(exc, overrides)}") from None
+        if not values:
+            raise ConfigError(f"{override.input_line}: matches no value, so the sweep has no jobs")
         if len(values) > MAX_JOBS:
             raise ConfigError(f"{override.input_line}: more than {MAX_JOBS:,} values (allowed: at most {MAX_JOBS:,} "
                               f"jobs in one sweep)")
@@ -348,8 +353,12 @@ def task_checks(cfg: DictConfig, whole: DictConfig) -> None:
         from zoo.tasks.compare import check_compare
 
         check_compare(whole.hydra.runtime.choices.get("preset"), cfg.reference, cfg.task)
-    elif name == "generate" and not cfg.task.checkpoint:
-        raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
+    elif name == "generate":
+        from zoo.io.checkpoint import resolve_checkpoint
+
+        if not cfg.task.checkpoint:
+            raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
+        resolve_checkpoint(cfg.task.checkpoint)  # a directory that holds one (read and verified when the task runs)
 
 
 # ------------------------------------------------------------------------------------------ output directories
@@ -408,22 +417,25 @@ def _resolved_dir(whole: DictConfig, kind: str, raw: str, overrides: list[str]) 
     return value
 
 
-def discard(output: tuple[Path, Path] | None, directory: str | None) -> None:
-    """After a refusal inside the run: remove the directory Hydra made for it if it holds only Hydra's own files
-    (.hydra/, the job's log, a sweep's multirun.yaml), then its parents that this run made and left so."""
+def discard(output: tuple[Path, Path] | None) -> None:
+    """After a refusal once Hydra has started: remove the run's (or sweep's) directory if every file in it is one of
+    Hydra's own (under .hydra/, a job's log, a sweep's multirun.yaml), then its parents that this run made."""
     import shutil
 
-    if output is None or directory is None:
+    if output is None:
         return
-    _, base = output
-    here = Path(directory).absolute()
-    for path in (here, *here.parents):
-        if path == base or base not in path.parents:
+    target, base = output
+    if target == base or base not in target.parents or not target.is_dir():
+        return
+    for root, _, names in os.walk(target):
+        inside_hydra = ".hydra" in Path(root).relative_to(target).parts
+        if not all(inside_hydra or name.endswith(".log") or name == "multirun.yaml" for name in names):
             return
+    shutil.rmtree(target, ignore_errors=True)
+    for parent in target.parents:
+        if parent == base:
+            break
         try:
-            if not all((e.name == ".hydra" and e.is_dir()) or (e.is_file() and (e.suffix == ".log"
-                       or e.name == "multirun.yaml")) for e in path.iterdir()):
-                return
+            parent.rmdir()  # only an empty one: another run may share it
         except OSError:
-            return
-        shutil.rmtree(path, ignore_errors=True)
+            break

@@ -71,6 +71,9 @@ def _check_removals(overrides: Sequence[str]) -> None:
 
     required = {f.name for f in fields(ZooSchema)} - {"kv_heads", "reference", "allow_plugins"}
     for word in overrides:
+        if not word.strip():
+            raise ConfigError(f"{word!r}: an empty argument is not an override (an override is key=value, "
+                              f"group=option or ~key)")
         key, equals, value = word.partition("=")
         bare = key.lstrip("+~")
         if not bare:
@@ -133,8 +136,7 @@ def options_below(group: str) -> tuple[str, ...]:
 def explain_composition_error(exc: HydraException, overrides: Sequence[str] = ()) -> str:
     """Hydra's several-line composition errors, said in one line: key, value, what is allowed."""
     if isinstance(exc, MissingConfigException) and exc.options:
-        group = (exc.missing_cfg_file or "").split("/")[0]
-        choice = (exc.missing_cfg_file or "").split("/", 1)[-1]
+        group, _, choice = (exc.missing_cfg_file or "").rpartition("/")
         return f"{group}={choice}: no such option (allowed: {', '.join(sorted(exc.options))})"
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         return f"{exc.missing_cfg_file}: no such config (a config name or group option that does not exist)"
@@ -148,6 +150,11 @@ def explain_composition_error(exc: HydraException, overrides: Sequence[str] = ()
         if "could not be converted to" in reason:
             reason = "expected " + reason.rsplit("converted to ", 1)[1].lower()
         return f"{lines[0].removeprefix('Error merging override ')}: {reason}"
+    unparsed = _unparsed(lines)
+    if unparsed is not None:
+        word, reason = unparsed
+        return (f"{word}: not an override Hydra can parse{f' ({reason})' if reason else ''}; quote a value with "
+                f"spaces or brackets: key='a b'")
     if lines and lines[0].startswith("Ambiguous value for argument '"):
         word = lines[0].split("'")[1]
         return f"{word}: a comma list is a sweep (add -m), a list is KEY=[A,B], a string is KEY='A,B'"
@@ -157,6 +164,18 @@ def explain_composition_error(exc: HydraException, overrides: Sequence[str] = ()
         return f"{word}: nothing to remove, {key} is null or absent"
     text = " ".join(lines) if len(" ".join(lines)) < 300 else (lines[0] if lines else type(exc).__name__)
     return text
+
+
+def _unparsed(lines: list[str]) -> tuple[str, str] | None:
+    """(the override, why) from Hydra's parse errors: "Error parsing override 'W'" with the parser's reason on the
+    next line, or the lexer's "LexerNoViableAltException: W"."""
+    if lines and lines[0].startswith("Error parsing override '"):
+        word = lines[0].removeprefix("Error parsing override '").removesuffix("'")
+        reason = lines[1].split(" expecting ")[0] if len(lines) > 1 and not lines[1].startswith("See ") else ""
+        return word, reason
+    if lines and lines[0].startswith("LexerNoViableAltException: "):
+        return lines[0].removeprefix("LexerNoViableAltException: "), ""
+    return None
 
 
 def explain_config_error(exc: Exception, overrides: Sequence[str] = ()) -> str:

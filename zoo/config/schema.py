@@ -9,6 +9,7 @@ their checks, are in zoo/config/task_schemas.py (their names are importable from
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -293,9 +294,30 @@ def validate(cfg: DictConfig) -> None:
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
         _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 
+    _check_zoo_parts_build(cfg)
     check_task(cfg)
 
 
+def _check_zoo_parts_build(cfg: DictConfig) -> None:
+    """Each of the zoo's own parts is built once on the meta device (no memory, about a millisecond): what its
+    constructor refuses, e.g. an attention.kv_heads that does not divide attention.heads, is one line here rather
+    than an error of the whole model's build. A plug-in part is left to its own constructor."""
+    from zoo.config.builder import instantiate_part
+
+    for part in PARTS:
+        node = cfg[part]
+        if node.get("_target_") not in zoo_targets():
+            continue
+        try:
+            with torch.device("meta"):
+                instantiate_part(node)(device="meta", dtype=torch_dtype(cfg.dtype))
+        except Exception as exc:  # noqa: BLE001 - the constructor's own words, in one line
+            cause = exc.__cause__ or exc
+            raise ConfigError(f"{part}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") \
+                from None
+
+
+@functools.lru_cache(maxsize=None)
 def zoo_targets() -> frozenset[str]:
     """The import paths of the zoo's own parts and models: every `_target_` of the packaged config groups
     (conf/model, conf/attention, conf/ffn, conf/norm, conf/pos), under its current and its pre-split module path
