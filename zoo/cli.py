@@ -223,8 +223,14 @@ def _refuse(message: str, status: int = 2) -> NoReturn:
             discard(_PLAN.output)
         except OSError:  # the refusal itself must still be said
             pass
-    print(message, file=sys.stderr, flush=True)
+    say(message)
     sys.exit(status)
+
+
+def say(message: str) -> None:
+    """One line on stderr, whatever the message quotes of the input: a control character or a line separator in
+    a value (\\n, \\r, U+0085, U+2028 ...) is written as its escape."""
+    print("".join(c if c.isprintable() else repr(c)[1:-1] for c in message), file=sys.stderr, flush=True)
 
 
 def _exit_with(error: Exception) -> NoReturn:
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         _main(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line (the task's own, if it said where it stopped)
         message = str(stop) if isinstance(stop, Interrupted) else "interrupted"
-        print(f"zoo: {message}", file=sys.stderr, flush=True)
+        say(f"zoo: {message}")
         sys.exit(getattr(stop, "status", 130))
 
 
@@ -247,13 +253,13 @@ def _main(arguments: list[str]) -> None:
     try:  # Hydra's own errors span several lines and leave an output directory: check everything first
         checked = plan(arguments)
     except ModelTooLarge as error:
-        print(f"zoo: model too large: {error}", file=sys.stderr, flush=True)
+        say(f"zoo: model too large: {error}")
         sys.exit(2)
     except ConfigError as error:
-        print(f"zoo: invalid config: {error}", file=sys.stderr, flush=True)
+        say(f"zoo: invalid config: {error}")
         sys.exit(2)
     except CheckpointError as error:
-        print(f"zoo: bad checkpoint: {error}", file=sys.stderr, flush=True)
+        say(f"zoo: bad checkpoint: {error}")
         sys.exit(2)
     if "--help" in checked.argv:
         print(project_help(), flush=True)
@@ -297,7 +303,7 @@ def _rerun(path: str) -> None:
             warnings.simplefilter("ignore")
             cfg = _get_rerun_conf(path, [])
     except Exception as error:  # noqa: BLE001 - whatever the file holds, one line
-        print(f"zoo: invalid config: --experimental-rerun={path}: not a config pickle Hydra wrote "
-              f"({type(error).__name__}: {_first_line(error)})", file=sys.stderr, flush=True)
+        say(f"zoo: invalid config: --experimental-rerun={path}: not a config pickle Hydra wrote "
+            f"({type(error).__name__}: {_first_line(error)})")
         sys.exit(2)
     _hydra_main(cfg)

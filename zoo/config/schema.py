@@ -104,8 +104,9 @@ def _check_part(path: str, node: DictConfig) -> None:
     """Every key of a part node must be a parameter of its _target_, of the annotated type (an OFF_WHEN_NULL
     key only when set)."""
     target = node.get("_target_")
-    if not target:
-        _fail(f"{path}._target_", None, "every part needs an import path such as 'zoo.nn.attention.MultiHeadAttention'")
+    if not target or not isinstance(target, str):
+        _fail(f"{path}._target_", target, "every part needs an import path such as "
+                                          "'zoo.nn.attention.MultiHeadAttention'")
     try:
         obj = locate(target)
     except PluginError as exc:
@@ -118,6 +119,13 @@ def _check_part(path: str, node: DictConfig) -> None:
     except Exception:  # annotations that cannot be evaluated: skip the type check, keep the key check
         hints = {}
     names = [n for n in signature.parameters if n not in ("self", "device", "dtype")]
+    given_elsewhere = PARTS if path == "model" else ()  # model_from_config hands the model its parts
+    for name, parameter in signature.parameters.items():
+        if name in ("self", "device", "dtype") or name in given_elsewhere or name in node \
+                or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
+                or parameter.default is not parameter.empty:
+            continue
+        raise ConfigError(f"{path}.{name}: missing, and {target} needs it (set {path}.{name}=VALUE)")
     for key in node:
         if key in ("_target_", "_partial_") or (key in OFF_WHEN_NULL and node[key] is None):
             continue

@@ -249,7 +249,10 @@ def model_size(cfg: DictConfig, *, dtype: torch.dtype | None = None) -> ModelSiz
             family = "decoder_only"
         estimated.append(f"model._target_={cfg.model._target_} counted as the zoo's {family} family")
     model = _arguments(_family_class(family), cfg.model)
-    count = _model(family, model, parts)
+    try:
+        count = _model(family, model, parts)
+    except (KeyError, TypeError) as exc:  # validate() refuses such a node first; said here too, never skipped
+        raise ConfigError(f"model: cannot be sized from its config ({type(exc).__name__}: {exc})") from None
     return ModelSize(parameters=count.parameters, by_part=dict(zip(PART_ORDER, count.parts)), buffers=count.buffers,
                      modules=count.modules, tensors=count.tensors,
                      element_size=torch.empty((), dtype=dtype, device="meta").element_size(),

@@ -129,6 +129,9 @@ def check_task(cfg: DictConfig) -> None:
         _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
     schema = TASK_SCHEMAS[name]
     allowed = {f.name for f in fields(schema)}
+    for f in fields(schema):
+        if f.name not in cfg.task:
+            _missing(f"task.{f.name}", f"task={name}")
     for key in cfg.task:
         if key not in allowed:
             _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
@@ -238,10 +241,18 @@ def check_applies(cfg: DictConfig, overrides) -> None:
               f"not read by task={name}, {why} (allowed with task={name}: task.*, {', '.join(sorted(reads))})")
 
 
+def _missing(key: str, who: str) -> None:
+    from zoo.config.errors import ConfigError
+    raise ConfigError(f"{key}: missing, and {who} needs it (set {key}=VALUE)")
+
+
 def _check_data(data: DictConfig) -> None:
     if data.get("name") not in DATA_TASKS:
         _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
     allowed = {f.name for f in fields(DataOptions)}
+    for f in fields(DataOptions):
+        if f.name not in data:
+            _missing(f"data.{f.name}", f"data={data.name}")
     for key in data:
         if key not in allowed:
             _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
