@@ -49,8 +49,9 @@ def places(tmp_path):
     (["allow_plugins=true"], ["allow_plugins=true", "loads none"]),
     (["layers=1e9"], ["layers=1000000000", "allowed: 1 to 4096"]),
     (["-m", "layers=1,1e9"], ["layers=1000000000"]),
-    (["d_model=1099511627776"], ["model too large", "parameters", "available"]),
-    (["task=train", "d_model=1099511627776"], ["model too large", "AdamW"]),
+    (["d_model=1099511627776"], ["model too large", "9,671,406,559,162,236,141,568,512 parameters"]),
+    (["d_model=1073741824"], ["model too large", "parameters in float32", "available"]),
+    (["task=train", "d_model=1073741824"], ["model too large", "AdamW"]),
     (["--cfg", "job", "--package", "nosuch"], ["--package=nosuch", "no such package"]),
     (["--package", "task"], ["--package=task", "--cfg"]),
     (["--resolve"], ["--resolve"]),
@@ -138,6 +139,8 @@ def test_a_manifest_with_too_many_entries_is_a_bad_checkpoint(tmp_path):
 ])
 def test_valid_command_lines_reach_their_task(places, argv, ran):
     work, _ = places
+    (work / "runs" / "rev" / "step-0000001").mkdir(parents=True)  # what task=generate finds before it runs
+    (work / "runs" / "rev" / "step-0000001" / "state.json").write_text("{}")
     outcome = zoo_in_process(argv, work)
     assert outcome.status == 0 and outcome.ran == ran, outcome.err[-3000:]
 

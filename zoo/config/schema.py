@@ -321,6 +321,11 @@ def _check_zoo_parts_build(cfg: DictConfig) -> None:
                 instantiate_part(node)(device="meta", dtype=torch_dtype(cfg.dtype))
         except Exception as exc:  # noqa: BLE001 - the constructor's own words, in one line
             cause = exc.__cause__ or exc
+            if "overflow" in str(cause):  # a tensor of 2^63 bytes or more: no device holds it
+                from zoo.config.sizing import ModelTooLarge, model_size
+                raise ModelTooLarge(f"the model does not fit in any memory: {model_size(cfg).parameters:,} "
+                                    f"parameters in {cfg.dtype}, and one {part} tensor alone would hold 2^63 bytes "
+                                    f"or more, more than any device has") from None
             raise ConfigError(f"{part}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") \
                 from None
 
