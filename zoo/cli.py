@@ -12,7 +12,8 @@ from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.cli_checks import Plan, discard, plan
+from zoo.cli_checks import Plan, plan
+from zoo.cli_dirs import discard
 from zoo.config.builder import ModelTooLarge, check_fits, model_from_config
 from zoo.config.composition import explain_composition_error, explain_config_error, validate_checked
 from zoo.config.schema import ConfigError

@@ -20,17 +20,15 @@ from pathlib import Path
 from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
+from zoo.cli_dirs import output_dir
 from zoo.config.errors import ConfigError
-from zoo.io.atomic import existing_ancestor, unwritable
 
-__all__ = ["Plan", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks", "discard"]
+__all__ = ["Plan", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks"]
 
 MAX_JOBS = 1024            # jobs in one sweep; each is composed and checked before the first one starts
 MAX_RERUN_BYTES = 16 << 20  # an --experimental-rerun pickle (Hydra's config.pickle is a few KiB)
-_HYDRA_DEFAULT_DIRS = {"run": "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}",
-                       "sweep": "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}"}
 _SHELLS = ("bash", "zsh", "fish")
 _TASK_MODULE = "zoo.cli"   # where the @hydra.main function lives: Hydra's search path and job name follow from it
 
@@ -64,7 +62,7 @@ def plan(argv: list[str]) -> Plan:
             for job in jobs:
                 cfg, job_whole = _compose(job, config_name)
                 task_checks(cfg, job_whole)
-            directory, extra = _output_dir(whole, "sweep", overrides)
+            directory, extra = output_dir(whole, "sweep", overrides)
         else:
             cfg, whole = _compose(overrides, config_name)
             if mode == "cfg" and args.package:
@@ -72,7 +70,7 @@ def plan(argv: list[str]) -> Plan:
             if mode != "run":  # --cfg, --info, --help print and write nothing
                 return Plan(mode, argv=_hydra_argv(args, overrides))
             task_checks(cfg, whole)
-            directory, extra = _output_dir(whole, "run", overrides)
+            directory, extra = output_dir(whole, "run", overrides)
     return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory)
 
 
@@ -359,83 +357,3 @@ def task_checks(cfg: DictConfig, whole: DictConfig) -> None:
         if not cfg.task.checkpoint:
             raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
         resolve_checkpoint(cfg.task.checkpoint)  # a directory that holds one (read and verified when the task runs)
-
-
-# ------------------------------------------------------------------------------------------ output directories
-
-def _output_dir(whole: DictConfig, kind: str, overrides: list[str]) -> tuple[tuple[Path, Path] | None, list[str]]:
-    """((the run's or sweep's directory, its deepest ancestor that exists now), the overrides to add).
-
-    Hydra's default directory (outputs/DATE/TIME, multirun/DATE/TIME) is shared by two runs started in the same
-    second: unless the config names another, it is named after the time to the microsecond and the process id,
-    which no two running processes share. A named one must resolve and be writable."""
-    from datetime import datetime
-
-    raw = OmegaConf.to_container(whole.hydra[kind], resolve=False)["dir"]
-    extra = []
-    if raw == _HYDRA_DEFAULT_DIRS[kind]:
-        now = datetime.now()
-        root = "outputs" if kind == "run" else "multirun"
-        path = f"{root}/{now:%Y-%m-%d}/{now:%H-%M-%S}-{now:%f}-{os.getpid()}"
-        # both, as before: a sweep's jobs read hydra.run.dir too where a launcher runs them one by one
-        extra = [f"hydra.{k}.dir={root_dir}/{now:%Y-%m-%d}/{now:%H-%M-%S}-{now:%f}-{os.getpid()}"
-                 for k, root_dir in (("run", "outputs"), ("sweep", "multirun"))
-                 if OmegaConf.to_container(whole.hydra[k], resolve=False)["dir"] == _HYDRA_DEFAULT_DIRS[k]]
-    else:
-        path = _resolved_dir(whole, kind, raw, overrides)
-        if path is None:
-            return None, extra
-    problem = unwritable(path)
-    if problem:
-        given = next((w for w in overrides if w.partition("=")[0].lstrip("+") == f"hydra.{kind}.dir"), None)
-        raise ConfigError(f"{given or f'hydra.{kind}.dir={raw}'}: the output directory cannot be written: {problem}")
-    target = Path(path).expanduser().absolute()
-    return (target, existing_ancestor(target)), extra
-
-
-def _resolved_dir(whole: DictConfig, kind: str, raw: str, overrides: list[str]) -> str | None:
-    """hydra.<kind>.dir resolved as Hydra will resolve it (the `now` and `hydra` resolvers); None when it names a
-    value only the run sets (`${hydra:runtime.output_dir}`)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    instance = HydraConfig.instance()
-    previous = instance.cfg
-    try:
-        instance.set_config(whole)
-        value = whole.hydra[kind].dir
-    except MissingMandatoryValue:
-        return None
-    except (InterpolationResolutionError, OmegaConfBaseException, ValueError) as exc:
-        given = next((w for w in overrides if w.partition("=")[0].lstrip("+") == f"hydra.{kind}.dir"), None)
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{given or f'hydra.{kind}.dir={raw}'}: the interpolation does not resolve: {reason}") \
-            from None
-    finally:
-        instance.cfg = previous
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"hydra.{kind}.dir={raw}: not a directory name")
-    return value
-
-
-def discard(output: tuple[Path, Path] | None) -> None:
-    """After a refusal once Hydra has started: remove the run's (or sweep's) directory if every file in it is one of
-    Hydra's own (under .hydra/, a job's log, a sweep's multirun.yaml), then its parents that this run made."""
-    import shutil
-
-    if output is None:
-        return
-    target, base = output
-    if target == base or base not in target.parents or not target.is_dir():
-        return
-    for root, _, names in os.walk(target):
-        inside_hydra = ".hydra" in Path(root).relative_to(target).parts
-        if not all(inside_hydra or name.endswith(".log") or name == "multirun.yaml" for name in names):
-            return
-    shutil.rmtree(target, ignore_errors=True)
-    for parent in target.parents:
-        if parent == base:
-            break
-        try:
-            parent.rmdir()  # only an empty one: another run may share it
-        except OSError:
-            break

@@ -14,8 +14,8 @@ from typing import Sequence
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException)
+from omegaconf import DictConfig, open_dict
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from zoo.config.errors import ConfigError
 from zoo.config.options import options

@@ -55,7 +55,7 @@ def unwritable(path: str) -> str | None:
 
     if "\x00" in path:
         return "a path cannot hold a NUL character"
-    target = Path(path).expanduser().absolute()
+    target = Path(path).absolute()
     try:
         os.fsencode(str(target))
     except UnicodeError:
