@@ -44,7 +44,7 @@ def check_compare(preset: str | None, reference: str | None, task) -> None:
     reference implementation, that reference, and memory for both models at task.*'s sizes in float32 and float64
     (the zoo model and the reference in each: 24 bytes per parameter)."""
     from zoo.config.errors import ConfigError
-    from zoo.config.sizing import available_memory
+    from zoo.config.sizing import ModelTooLarge, available_memory
 
     if preset not in REFERENCES:
         raise ConfigError(f"preset={preset}: task=compare needs a preset with a reference implementation "
@@ -56,7 +56,7 @@ def check_compare(preset: str | None, reference: str | None, task) -> None:
     parameters = decoders * layers * (4 * d * d + 8 * d * d) + vocab * d + task.max_len * d
     free = available_memory("cpu")
     if free is not None and 24 * parameters > free[0]:
-        raise ConfigError(f"task.d_model={d}: the compared models need about {24 * parameters / 2**30:,.1f} GiB "
+        raise ModelTooLarge(f"task.d_model={d}: the compared models need about {24 * parameters / 2**30:,.1f} GiB "
                           f"(both in float32 and float64), and {free[0] / 2**30:,.1f} GiB is available ({free[1]})")
 
 
