@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,7 @@ def zoo_in_process(argv: list[str], cwd: Path, *, watch: Path | None = None, rea
         for name in tasks:
             zoo.cli.TASKS[name] = lambda cfg: ran.append(str(cfg.task.name))
     previous = (os.getcwd(), list(sys.argv), signal.getsignal(signal.SIGTERM), dict(os.environ))
+    loggers = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).level) for name in ("", "hydra")}
     out, err = io.StringIO(), io.StringIO()
     status = 0
     try:
@@ -69,6 +71,13 @@ def zoo_in_process(argv: list[str], cwd: Path, *, watch: Path | None = None, rea
         os.environ.update(previous[3])
         HydraConfig.instance().cfg = None  # a run leaves its config set; later tests must not find it
         GlobalHydra.instance().clear()
+        for name, (handlers, level) in loggers.items():  # Hydra set up logging for the job: undo it
+            logger = logging.getLogger(name)
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
     after = _tree(watch)
     written = sorted(p for p in after if before.get(p) != after[p])
     return Outcome(status, out.getvalue(), err.getvalue(), written, ran)

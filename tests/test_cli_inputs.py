@@ -151,3 +151,24 @@ def test_hydra_flags_that_print_still_print_and_write_nothing(places, argv, expe
     work, _ = places
     outcome = zoo_in_process(argv, work)
     assert outcome.status == 0 and expected in outcome.out and not outcome.written, outcome.err[-3000:]
+
+
+EXITING_PART = """\
+import sys
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model, heads, kv_heads=None, bias=True, dropout=0.0, kernel="math", *, device=None,
+                 dtype=None):
+        super().__init__()
+        sys.exit(0)
+"""
+
+
+def test_a_plug_in_that_calls_sys_exit_while_built_is_one_line_not_a_silent_exit(places, monkeypatch):
+    work, _ = places
+    (work.parent / "exiting_part.py").write_text(EXITING_PART)
+    monkeypatch.syspath_prepend(str(work.parent))
+    outcome = zoo_in_process(["task=summary", "attention._target_=exiting_part.Attention"], work, real_tasks=True)
+    assert_one_line_refusal(outcome, "sys.exit(0)", "plug-in")

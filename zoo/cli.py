@@ -117,7 +117,7 @@ def _verify(cfg: DictConfig, model, profile: str) -> None:
     status = verify(cfg, list(runtime.overrides.task), dict(runtime.runtime.choices),
                     Path(runtime.runtime.output_dir), profile=profile, model=model)
     if status:
-        sys.exit(status)
+        raise _OwnExit(status)
 
 
 def run(cfg: DictConfig) -> None:
@@ -164,7 +164,7 @@ def compare(cfg: DictConfig) -> None:
                 f'pip install "transformer-zoo[hf]" (from a checkout: pip install -e ".[hf]")')
     if not result["ok"]:
         print("zoo: compare: a difference exceeds its rounding-error bound", file=sys.stderr)
-        sys.exit(1)
+        raise _OwnExit(1)
 
 
 TASKS = {"verify": verify_task, "compare": compare, "run": run, "summary": summary, "train": train_task, "generate": generate_task}
@@ -178,6 +178,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         _exit_with(error)
     try:  # a task finds some problems only once it runs (data vs model, a checkpoint): still one line
         TASKS[cfg.task.name](cfg)
+    except _OwnExit:
+        raise
+    except SystemExit as stop:  # code the run called (a plug-in's constructor, kernel or forward) ended it
+        _refuse(f"zoo: the run was ended by sys.exit({stop.code!r}) in code it called (a plug-in?); nothing it "
+                f"was to do was finished")
     except ModelTooLarge as error:
         _refuse(f"zoo: model too large: {error}")
     except ConfigError as error:
@@ -225,7 +230,12 @@ def _refuse(message: str, status: int = 2) -> NoReturn:
         except OSError:  # the refusal itself must still be said
             pass
     say(message)
-    sys.exit(status)
+    raise _OwnExit(status)
+
+
+class _OwnExit(SystemExit):
+    """The zoo's own exit with a status (its one-line refusals, a verification that failed); any other SystemExit
+    inside a run came from code the run called."""
 
 
 def say(message: str) -> None:

@@ -176,7 +176,9 @@ def _part(cfg: DictConfig, role: str, dtype: torch.dtype, estimated: list) -> tu
         return Count.of(card_part, sum(p.numel() for p in module.parameters()),
                         buffers=sum(b.numel() for b in module.buffers()), modules=len(list(module.modules())),
                         tensors=len(tensors)), 0
-    except Exception as exc:  # noqa: BLE001 - the user's constructor may fail in any way on the meta device
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the user's constructor may fail in any way, sys.exit() too
         estimated.append(f"{role}._target_={node._target_} counted as the zoo's {zoo_name} (one instance could "
                          f"not be built on the meta device: {type(exc).__name__})")
     zoo_class = next(c for c in formulas if c.__name__ == zoo_name)
