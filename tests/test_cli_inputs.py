@@ -64,6 +64,15 @@ def places(tmp_path):
     (["task=compare", "preset=gpt2_small", "task.seq_len=1"], ["task.seq_len=1"]),
     (["task=generate"], ["task.checkpoint: required"]),
     (["heads=3", "d_model=1000000000000000003"], ["heads=3", "allowed: 1, 1000000000000000003"]),
+    (["-m", "heads=" + "[" * 3000 + "]" * 3000], ["nested 3,000 deep"]),  # Hydra's parser recurses
+    (["+a" + ".b" * 5000 + "=1"], ["a key of 10,002 characters"]),  # Hydra looks for a group of that name
+    (["task.prompt=" + "1 " * 10000], ["20,012 characters"]),  # Hydra's parser takes seconds per 10 KiB
+    ([""], ["empty argument"]),
+    (["~attention.window"], ["nothing to remove"]),
+    (["~model.layers"], ["model.layers: missing"]),
+    (["attention.kv_heads=3"], ["attention: kv_heads=3 must be a positive divisor of heads=4"]),
+    (["++attention._target_=0.5"], ["attention._target_=0.5", "import path"]),
+    (["norm_placement='a\nb\x85c\u2028d'"], ["norm_placement=a\\nb\\x85c\\u2028d"]),  # one line: escaped
 ])
 def test_a_bad_input_is_one_line_and_writes_nothing(places, argv, words):
     work, _ = places

@@ -293,7 +293,7 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
         parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(overrides)
     except HydraException as exc:
         raise ConfigError(explain_composition_error(exc, overrides)) from None
-    except (OmegaConfBaseException, ValueError, TypeError, KeyError) as exc:
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, RecursionError, OSError) as exc:
         from zoo.config.composition import explain_config_error
         raise ConfigError(explain_config_error(exc, overrides)) from None
     batch = whole.hydra.get("sweeper", {}).get("max_batch_size")

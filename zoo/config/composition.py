@@ -44,7 +44,7 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
                 whole = compose(config_name, overrides=overrides, return_hydra_config=True)
     except HydraException as exc:
         raise ConfigError(explain_composition_error(exc, overrides)) from None
-    except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError, RecursionError, OSError) as exc:
         raise ConfigError(explain_config_error(exc, overrides)) from None
     _check_optional_choices(whole, overrides)
     cfg = copy.deepcopy(whole)
@@ -59,6 +59,24 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
     return cfg, whole
 
 
+# Bounds on the command line, checked before Hydra's parser (recursive, and slow on long text) reads it.
+MAX_OVERRIDES = 1000
+MAX_OVERRIDE_CHARS = 16384
+MAX_OVERRIDE_NESTING = 32
+MAX_KEY_CHARS = 255
+
+
+def _nesting(word: str) -> int:
+    depth = deepest = 0
+    for char in word:
+        if char in "[{(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]})":
+            depth -= 1
+    return deepest
+
+
 _REQUIRED_GROUPS = ("model", "attention", "ffn", "norm", "pos", "task", "data", "preset")
 
 
@@ -70,7 +88,18 @@ def _check_removals(overrides: Sequence[str]) -> None:
     from zoo.config.schema import ZooSchema
 
     required = {f.name for f in fields(ZooSchema)} - {"kv_heads", "reference", "allow_plugins"}
+    if len(overrides) > MAX_OVERRIDES:
+        raise ConfigError(f"{len(overrides):,} overrides, more than the {MAX_OVERRIDES:,} a command line may have")
     for word in overrides:
+        if len(word) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(f"{word[:40]}...: {len(word):,} characters, more than the {MAX_OVERRIDE_CHARS:,} an "
+                              f"override may have")
+        if len(word.partition("=")[0]) > MAX_KEY_CHARS:
+            raise ConfigError(f"{word[:40]}...: a key of {len(word.partition('=')[0]):,} characters, more than the "
+                              f"{MAX_KEY_CHARS} a key may have (a group's key names a directory)")
+        if _nesting(word) > MAX_OVERRIDE_NESTING:
+            raise ConfigError(f"{word[:40]}...: brackets nested {_nesting(word):,} deep, more than the "
+                              f"{MAX_OVERRIDE_NESTING} an override may nest")
         if not word.strip():
             raise ConfigError(f"{word!r}: an empty argument is not an override (an override is key=value, "
                               f"group=option or ~key)")
