@@ -157,7 +157,7 @@ def _readable_file(path: Path, limit: int) -> str | None:
     except (OSError, ValueError) as exc:
         return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
     if size > limit:
-        return f"{size:,} bytes, more than the {limit:,} such a file can hold"
+        return f"{size:,} bytes, more than the {limit:,} such a file may have"
     if not os.access(path, os.R_OK):
         return "cannot be read (permission denied)"
     return None
@@ -284,9 +284,9 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
     from hydra.errors import HydraException
     from hydra.types import RunMode
 
-    from zoo.config.composition import _check_removals, explain_composition_error
+    from zoo.config.composition import check_override_words, explain_composition_error
 
-    _check_removals(overrides)
+    check_override_words(overrides)
     hydra = GlobalHydra.instance().hydra
     try:
         whole = hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN)
@@ -324,8 +324,6 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
     if count > MAX_JOBS:
         raise ConfigError(f"-m {' '.join(o for o in overrides if ',' in o or '(' in o)[:200]}: {count:,} jobs "
                           f"(allowed: at most {MAX_JOBS:,} jobs in one sweep)")
-    if count == 0:
-        raise ConfigError(f"-m {' '.join(overrides)[:200]}: a sweep over no values has no jobs")
     return [list(job) for job in itertools.product(*lists.values())], whole
 
 

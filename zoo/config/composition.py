@@ -23,7 +23,7 @@ from zoo.config.schema import integral_overrides, validate
 from zoo.config.task_schemas import check_applies, override_key
 
 __all__ = ["compose_checked", "compose_config", "explain_composition_error", "explain_config_error",
-           "validate_checked", "OPTIONAL_GROUPS"]
+           "validate_checked", "check_override_words", "OPTIONAL_GROUPS"]
 
 OPTIONAL_GROUPS = ("recipe",)  # `optional` entries of conf/config.yaml's defaults: Hydra skips a missing option
 
@@ -35,7 +35,7 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
     command_line: the overrides are a command line's, so a key its task does not read is refused (check_applies);
     building a model from overrides (build_model) runs no task and reads every model key."""
     overrides = integral_overrides(list(overrides))
-    _check_removals(overrides)
+    check_override_words(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # inside a running Hydra app, or the CLI's pre-check
             whole = compose(config_name, overrides=overrides, return_hydra_config=True)
@@ -80,9 +80,11 @@ def _nesting(word: str) -> int:
 _REQUIRED_GROUPS = ("model", "attention", "ffn", "norm", "pos", "task", "data", "preset")
 
 
-def _check_removals(overrides: Sequence[str]) -> None:
-    """Words with no key, and the removal of what every config needs (`~d_model`, `~attention`, `model=null`),
-    refused before Hydra composes: it would fail later, and only in a long message about something else."""
+def check_override_words(overrides: Sequence[str]) -> None:
+    """The command line's words before Hydra's parser reads them (it recurses on nesting, takes seconds on long text
+    and looks a group's key up as a file name): bounded in number, length and nesting; and a word with no key, or
+    the removal of what every config needs (`~d_model`, `~attention`, `model=null`), refused now rather than later
+    in a long message about something else."""
     from dataclasses import fields
 
     from zoo.config.schema import ZooSchema
