@@ -181,3 +181,59 @@ def test_a_plug_in_that_calls_sys_exit_while_built_is_one_line_not_a_silent_exit
     monkeypatch.syspath_prepend(str(work.parent))
     outcome = zoo_in_process(["task=summary", "attention._target_=exiting_part.Attention"], work, real_tasks=True)
     assert_one_line_refusal(outcome, "sys.exit(0)", "plug-in")
+
+
+def _readme_commands() -> list[str]:
+    """Every `python -m zoo ...` command of README.md that a user may run as written (not the `$ ...` examples of
+    refusals, not placeholders such as mypkg or NAME)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    found = re.findall(r"^python -m zoo ([^\n#]*)", text, re.M) + re.findall(r"`python -m zoo ([^`]*)`", text)
+    commands = []
+    for words in found:
+        words = words.strip()
+        if words and not any(p in words for p in ("mypkg", "NAME", "wrong_scale", "...", "ARGS")):
+            commands.append(words)
+    return sorted(set(commands), key=commands.index)
+
+
+@pytest.mark.parametrize("command", _readme_commands())
+def test_every_readme_command_passes_the_checks(tmp_path, monkeypatch, command):
+    """bars/12's commands keep working: each passes every check before Hydra (zoo.cli_checks.plan), which is
+    where a bad input stops; its task then runs as it did before (tests/test_cli.py, test_train.py ...)."""
+    import shlex
+
+    from zoo.cli_checks import plan
+
+    monkeypatch.chdir(tmp_path)
+    if "task.resume=true" in command or "task=generate" in command:  # what the earlier command would have left
+        (tmp_path / "runs" / "rev" / "step-0000001").mkdir(parents=True)
+        (tmp_path / "runs" / "rev" / "step-0000001" / "state.json").write_text("{}")
+    checked = plan(shlex.split(command))
+    assert checked.mode in ("run", "multirun", "help") and not list(tmp_path.glob("outputs")), checked
+
+
+@pytest.mark.parametrize("command,said", [
+    ("heads=3", "zoo: invalid config: heads=3: must divide d_model=64 (allowed: 1, 2, 4, 8, 16, 32, 64)"),
+    ("model=transformer", "zoo: invalid config: model=transformer: no such option (allowed: decoder_only, "
+                          "encoder_decoder, encoder_only)"),
+    ("-m model=nosuch,decoder_only", "zoo: invalid config: model=nosuch: no such option (allowed: decoder_only, "
+                                     "encoder_decoder, encoder_only)"),
+    ("'hydra.run.dir=${nosuch:x}'", "zoo: invalid config: hydra.run.dir=${nosuch:x}: the interpolation does not "
+                                    "resolve: Unsupported interpolation type nosuch"),
+    ("reference=hf", "zoo: invalid config: reference=hf: only task=compare compares with a reference, not task=run"),
+    ("d_model=1073741824", "zoo: model too large: the model does not fit in memory: 9,223,374,229,435,580,928 "
+                           "parameters in float32 need at least 32.0 EiB (weights and buffers, and the activations "
+                           "of a batch of 2 x 32 tokens) on cpu, and "),
+])
+def test_the_refusals_readme_shows_are_what_the_cli_says(places, command, said):
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert f"$ python -m zoo {command}\n{said}" in readme
+    work, _ = places
+    assert assert_one_line_refusal(zoo_in_process(shlex.split(command), work)).startswith(said)
