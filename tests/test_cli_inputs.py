@@ -237,3 +237,19 @@ def test_the_refusals_readme_shows_are_what_the_cli_says(places, command, said):
     assert f"$ python -m zoo {command}\n{said}" in readme
     work, _ = places
     assert assert_one_line_refusal(zoo_in_process(shlex.split(command), work)).startswith(said)
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    """A FIFO in place of state.json or a weight file would block the first read forever."""
+    import os
+
+    from zoo.io.checkpoint import CheckpointError, read_state
+
+    step = tmp_path / "step-0000001"
+    step.mkdir()
+    for name in ("model.safetensors", "train_state.safetensors"):
+        (step / name).write_bytes(b"\0")
+    os.mkfifo(step / "state.json")
+    os.mkfifo(step / "manifest.json")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_state(step)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,26 @@ class InputTooLarge(ValueError):
 
 
 def read_bounded(path: str | os.PathLike, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of a file of at most max_bytes (checked before reading, and again while reading: it may grow)."""
+    """The bytes of a regular file of at most max_bytes (checked before reading, and again while reading: it may
+    grow). A FIFO, a device or a directory is refused before anything waits on it."""
     path = Path(path)
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise InputTooLarge(f"{path}: {size:,} bytes, more than the {max_bytes:,} a {what} may have")
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # FileNotFoundError and the like are the caller's to say
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputTooLarge(f"{path}: not a regular file (a directory, FIFO or device)")
+        if info.st_size > max_bytes:
+            raise InputTooLarge(f"{path}: {info.st_size:,} bytes, more than the {max_bytes:,} a {what} may have")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise InputTooLarge(f"{path}: more than the {max_bytes:,} bytes a {what} may have")
     return data

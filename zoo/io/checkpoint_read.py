@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +94,14 @@ def _verify_files(checkpoint: Path) -> None:
             raise CheckpointError(f"{path}: no checksum for {name}")
         file = checkpoint / name
         try:
-            size = file.stat().st_size
+            info = file.stat()
         except FileNotFoundError:
             raise CheckpointError(f"{file} is missing") from None
         except OSError as exc:
             raise CheckpointError(f"{file} cannot be read: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the checksum's read forever
+            raise CheckpointError(f"{file}: not a regular file (a directory, FIFO or device)")
+        size = info.st_size
         if size != entry.get("bytes"):
             what = "truncated to" if isinstance(entry.get("bytes"), int) and size < entry["bytes"] else "now"
             raise CheckpointError(f"{file} is damaged: {what} {size:,} bytes, {entry.get('bytes')!r} recorded at "
