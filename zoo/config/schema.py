@@ -324,8 +324,8 @@ def _check_zoo_parts_build(cfg: DictConfig) -> None:
             if "overflow" in str(cause):  # a tensor of 2^63 bytes or more: no device holds it
                 from zoo.config.sizing import ModelTooLarge, model_size
                 raise ModelTooLarge(f"the model does not fit in any memory: {model_size(cfg).parameters:,} "
-                                    f"parameters in {cfg.dtype}, and one {part} tensor alone would hold 2^63 bytes "
-                                    f"or more, more than any device has") from None
+                                    f"parameters in {cfg.dtype} (d_model={cfg.d_model}), and one {part} tensor "
+                                    f"alone would hold 2^63 bytes or more, more than any device has") from None
             raise ConfigError(f"{part}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") \
                 from None
 
