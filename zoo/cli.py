@@ -172,6 +172,7 @@ TASKS = {"verify": verify_task, "compare": compare, "run": run, "summary": summa
 
 @hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _TASK_RAISED
     try:
         validate_checked(cfg)
     except ConfigError as error:
@@ -198,13 +199,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         _refuse(f"zoo: out of memory: {_first_line(error)}")
     except RuntimeError as error:  # the CPU allocator says it this way
         if not _out_of_memory(error):
+            _TASK_RAISED = True
             raise
         _refuse(f"zoo: out of memory: {_first_line(error)}")
     except OSError as error:  # a file or directory that cannot be read or written
         where = f": {error.filename}" if error.filename else ""
         _refuse(f"zoo: {error.strerror or type(error).__name__}{where}")
     except Exception:  # a bug in a task: its traceback, as Python shows it (main() tells it from Hydra's errors)
-        global _TASK_RAISED
         _TASK_RAISED = True
         raise
 
