@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
+from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from zoo.config.builder import ModelTooLarge, check_fits, compose_config, model_from_config
-from zoo.config.schema import ConfigError, integral_overrides, validate
+from zoo.cli_checks import Plan, plan
+from zoo.cli_dirs import discard
+from zoo.config.builder import ModelTooLarge, check_fits, model_from_config
+from zoo.config.composition import explain_composition_error, explain_config_error, validate_checked
+from zoo.config.schema import ConfigError
 from zoo.io.checkpoint import CheckpointError
 from zoo.tasks.generate import generate_task
 from zoo.tasks.interrupts import Interrupted, stop_on_sigterm
@@ -21,12 +26,6 @@ from zoo.tasks.train import train_task
 __all__ = ["main"]
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch < 2.5: cuda's
-
-# Flags after which Hydra itself answers (help, config printing) or sweeps: no pre-check then.
-_HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-m", "--multirun",
-                "--shell-completion", "-sc", "-p", "--package", "--resolve", "-cp", "--config-path",
-                "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
-
 
 # `python -m zoo --help`: this project's help first, then Hydra's (config groups and the composed config).
 _TASKS = {
@@ -109,11 +108,6 @@ def project_help() -> str:
     ])
 
 
-def _exit_with(error: Exception) -> None:
-    print(f"zoo: invalid config: {error}", file=sys.stderr)
-    sys.exit(2)
-
-
 def _verify(cfg: DictConfig, model, profile: str) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -123,11 +117,11 @@ def _verify(cfg: DictConfig, model, profile: str) -> None:
     status = verify(cfg, list(runtime.overrides.task), dict(runtime.runtime.choices),
                     Path(runtime.runtime.output_dir), profile=profile, model=model)
     if status:
-        sys.exit(status)
+        raise _OwnExit(status)
 
 
 def run(cfg: DictConfig) -> None:
-    check_fits(cfg)
+    check_fits(cfg, batch=cfg.task.batch, length=cfg.task.seq_len)
     torch.manual_seed(cfg.seed)
     model = model_from_config(cfg)
     print(model_card(cfg, model))
@@ -156,26 +150,21 @@ def summary(cfg: DictConfig) -> None:
 def compare(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from zoo.tasks.compare import REFERENCES, run_compare
+    from zoo.tasks.compare import REFERENCES, check_compare, run_compare
 
     preset = HydraConfig.get().runtime.choices.get("preset")
-    if preset not in REFERENCES:
-        raise ConfigError(f"preset={preset}: task=compare needs a preset with a reference implementation "
-                          f"(allowed: {', '.join(REFERENCES)})")
-    if cfg.reference is not None and cfg.reference != REFERENCES[preset]:
-        raise ConfigError(f"reference={cfg.reference}: preset={preset} is compared with reference={REFERENCES[preset]}")
+    check_compare(preset, cfg.reference, cfg.task)
     options = {k: v for k, v in cfg.task.items() if k != "name"}
     try:
         result = run_compare(preset, cfg.reference, seed=cfg.seed, **options)
     except ModuleNotFoundError as error:  # an optional dependency: one line naming the extra
         if error.name != "transformers":
             raise
-        print(f"zoo: task=compare reference={REFERENCES[preset]} needs Hugging Face transformers: "
-              f'pip install "transformer-zoo[hf]" (from a checkout: pip install -e ".[hf]")', file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: task=compare reference={REFERENCES[preset]} needs Hugging Face transformers: "
+                f'pip install "transformer-zoo[hf]" (from a checkout: pip install -e ".[hf]")')
     if not result["ok"]:
         print("zoo: compare: a difference exceeds its rounding-error bound", file=sys.stderr)
-        sys.exit(1)
+        raise _OwnExit(1)
 
 
 TASKS = {"verify": verify_task, "compare": compare, "run": run, "summary": summary, "train": train_task, "generate": generate_task}
@@ -183,122 +172,150 @@ TASKS = {"verify": verify_task, "compare": compare, "run": run, "summary": summa
 
 @hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _TASK_RAISED
     try:
-        validate(cfg)
+        validate_checked(cfg)
     except ConfigError as error:
         _exit_with(error)
     try:  # a task finds some problems only once it runs (data vs model, a checkpoint): still one line
         TASKS[cfg.task.name](cfg)
+    except _OwnExit:
+        raise
+    except SystemExit as stop:  # code the run called (a plug-in's constructor, kernel or forward) ended it
+        _refuse(f"zoo: the run was ended by sys.exit({stop.code!r}) in code it called (a plug-in?); nothing it "
+                f"was to do was finished")
     except ModelTooLarge as error:
-        print(f"zoo: model too large: {error}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: model too large: {error}")
     except ConfigError as error:
         _exit_with(error)
     except CheckpointError as error:
-        print(f"zoo: bad checkpoint: {error}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: bad checkpoint: {error}")
+    except InstantiationException as error:  # a constructor (of a plug-in, or one given sizes it cannot take)
+        cause = error.__cause__ or error
+        if _out_of_memory(cause):
+            _refuse(f"zoo: out of memory: {_first_line(cause)}")
+        _refuse(f"zoo: the model cannot be built: {type(cause).__name__}: {_first_line(cause)}")
     except (_OUT_OF_MEMORY, MemoryError) as error:
-        print(f"zoo: out of memory: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
-              file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: out of memory: {_first_line(error)}")
     except RuntimeError as error:  # the CPU allocator says it this way
-        if "can't allocate memory" not in str(error):
+        if not _out_of_memory(error):
+            _TASK_RAISED = True
             raise
-        print(f"zoo: out of memory: {str(error).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: out of memory: {_first_line(error)}")
     except OSError as error:  # a file or directory that cannot be read or written
         where = f": {error.filename}" if error.filename else ""
-        print(f"zoo: {error.strerror or type(error).__name__}{where}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(f"zoo: {error.strerror or type(error).__name__}{where}")
+    except Exception:  # a bug in a task: its traceback, as Python shows it (main() tells it from Hydra's errors)
+        _TASK_RAISED = True
+        raise
 
 
-def _fits(cfg: DictConfig) -> None:
-    """Refuse a model too large for its device before Hydra starts (and before a byte of it is allocated)."""
-    if cfg.task.name in ("run", "verify"):
-        check_fits(cfg)
-    elif cfg.task.name == "train":
-        from zoo.tasks.train import fit_config_to_data
-        check_fits(fit_config_to_data(cfg)[0], training=True)
+def _out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (_OUT_OF_MEMORY, MemoryError)) or "can't allocate memory" in str(error)
 
 
-def _given(arguments: list[str], key: str) -> str | None:
-    values = [a.split("=", 1)[1] for a in arguments if a.split("=", 1)[0].lstrip("+~") == key and "=" in a]
-    return values[-1] if values else None
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _unique_output_dirs(arguments: list[str]) -> list[str]:
-    """Hydra's default output directory (outputs/DATE/TIME) is shared by two runs started in the same second;
-    unless one is given, name it after the time to the microsecond and the process id, which no two running
-    processes share (likewise a sweep's multirun/DATE/TIME)."""
-    now = datetime.now()
-    stamp = f"{now:%H-%M-%S}-{now:%f}-{os.getpid()}"
-    extra = []
-    if _given(arguments, "hydra.run.dir") is None:
-        extra.append(f"hydra.run.dir=outputs/{now:%Y-%m-%d}/{stamp}")
-    if _given(arguments, "hydra.sweep.dir") is None:
-        extra.append(f"hydra.sweep.dir=multirun/{now:%Y-%m-%d}/{stamp}")
-    return extra
+_PLAN: Plan | None = None  # this process's checked command line: what a refusal inside the run removes
+_TASK_RAISED = False  # set when a task itself raised: that is a bug, shown with its traceback
 
 
-def _unwritable(path: str) -> str | None:
-    """Why a directory cannot be created or written into, or None. It is created here (Hydra would create it
-    next), and a file is made and removed in it: only trying says so for sure (a read-only file system, /proc,
-    a path under a file)."""
-    import tempfile
-
-    target = Path(path).expanduser().absolute()
-    if target.exists() and not target.is_dir():
-        return f"{target} exists and is not a directory"
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target):
+def _refuse(message: str, status: int = 2) -> NoReturn:
+    """One line on stderr and the exit status; the output directory Hydra made for this run goes too if it
+    holds nothing but Hydra's own files (a bad input leaves nothing behind)."""
+    if _PLAN is not None:
+        try:
+            discard(_PLAN.output)
+        except OSError:  # the refusal itself must still be said
             pass
-    except OSError as exc:
-        return f"{exc.strerror or type(exc).__name__}{f': {exc.filename}' if exc.filename else ''}"
-    return None
+    say(message)
+    raise _OwnExit(status)
 
 
-def _check_output_dir(arguments: list[str]) -> None:
-    value = _given(arguments, "hydra.run.dir")
-    if value is None:
-        return
-    from omegaconf import OmegaConf
-    try:  # a literal path or one with ${now:...}; other interpolations only Hydra can resolve
-        path = str(OmegaConf.create({"dir": value.strip("'\"")}).dir)
-    except Exception:
-        return
-    problem = _unwritable(path)
-    if problem:
-        print(f"zoo: hydra.run.dir={value}: the output directory cannot be written: {problem}", file=sys.stderr)
-        sys.exit(2)
+class _OwnExit(SystemExit):
+    """The zoo's own exit with a status (its one-line refusals, a verification that failed); any other SystemExit
+    inside a run came from code the run called."""
 
 
-def main() -> None:
+def say(message: str) -> None:
+    """One line on stderr, whatever the message quotes of the input: a control character or a line separator in
+    a value (\\n, \\r, U+0085, U+2028 ...) is written as its escape."""
+    print("".join(c if c.isprintable() else repr(c)[1:-1] for c in message), file=sys.stderr, flush=True)
+
+
+def _exit_with(error: Exception) -> NoReturn:
+    _refuse(f"zoo: invalid config: {error}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m zoo ARGS`; `main([...])` runs the same in this process (the CLI's tests do)."""
     stop_on_sigterm()
     try:
-        _main()
+        _main(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line (the task's own, if it said where it stopped)
         message = str(stop) if isinstance(stop, Interrupted) else "interrupted"
-        print(f"zoo: {message}", file=sys.stderr, flush=True)
+        say(f"zoo: {message}")
         sys.exit(getattr(stop, "status", 130))
 
 
-def _main() -> None:
-    arguments = integral_overrides(sys.argv[1:])
-    if "--help" in arguments or "-h" in arguments:
+def _main(arguments: list[str]) -> None:
+    global _PLAN, _TASK_RAISED
+    try:  # Hydra's own errors span several lines and leave an output directory: check everything first
+        checked = plan(arguments)
+    except ModelTooLarge as error:
+        say(f"zoo: model too large: {error}")
+        sys.exit(2)
+    except ConfigError as error:
+        say(f"zoo: invalid config: {error}")
+        sys.exit(2)
+    except CheckpointError as error:
+        say(f"zoo: bad checkpoint: {error}")
+        sys.exit(2)
+    if "--help" in checked.argv:
         print(project_help(), flush=True)
-    hydra_flags = any(a.split("=")[0] in _HYDRA_FLAGS for a in arguments)
-    if not hydra_flags:
-        try:  # Hydra's own errors span several lines; compose first to say them in one
-            _fits(compose_config(arguments))
-        except ModelTooLarge as error:
-            print(f"zoo: model too large: {error}", file=sys.stderr)
-            sys.exit(2)
-        except ConfigError as error:
-            _exit_with(error)
-        _check_output_dir(arguments)
-    if not any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
-               for a in arguments):
-        arguments = arguments + _unique_output_dirs(arguments)
-    sys.argv[1:] = arguments
-    _hydra_main()
+    if checked.mode == "rerun":
+        _rerun(checked.rerun)
+        return
+    _PLAN = checked
+    sys.argv[1:] = checked.argv
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it meets instead of printing it over many lines
+    _TASK_RAISED = False
+    try:
+        _hydra_main()
+    except HydraException as error:  # what Hydra met that the checks before it did not foresee
+        _refuse(f"zoo: invalid config: {explain_composition_error(error, checked.argv)}")
+    except OmegaConfBaseException as error:
+        _refuse(f"zoo: invalid config: {explain_config_error(error, checked.argv)}")
+    except Exception as error:  # Hydra's own machinery (logging set up from hydra.job_logging, a callback ...)
+        if _TASK_RAISED:
+            raise
+        cause = error.__cause__ or error
+        _refuse(f"zoo: invalid config: Hydra cannot start the run: {_first_line(error)}"
+                + (f": {_first_line(cause)}" if cause is not error else ""))
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+        _PLAN = None
+
+
+def _rerun(path: str) -> None:
+    """--experimental-rerun FILE: the job a config.pickle describes (Hydra's PickleJobInfoCallback writes it), run
+    again through the same checks as any run. The file is unpickled: name only one you wrote."""
+    import warnings
+
+    from hydra.main import _get_rerun_conf
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = _get_rerun_conf(path, [])
+    except Exception as error:  # noqa: BLE001 - whatever the file holds, one line
+        say(f"zoo: invalid config: --experimental-rerun={path}: not a config pickle Hydra wrote "
+            f"({type(error).__name__}: {_first_line(error)})")
+        sys.exit(2)
+    _hydra_main(cfg)

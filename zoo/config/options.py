@@ -6,9 +6,14 @@ from importlib.resources import files
 
 import torch
 
-__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS"]
+__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS", "MAX_LAYERS", "SEED_RANGE"]
 
 PARTS = ("attention", "ffn", "norm", "pos")  # the config groups a model is assembled from
+# The deepest stack a config may ask for. Each layer is a dozen torch modules built one at a time (a millisecond
+# or more each, on the meta device too): 10^9 layers would build for weeks. The deepest published Transformers
+# have about a thousand layers (DeepNet, Wang et al. 2022).
+MAX_LAYERS = 4096
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.manual_seed and torch.Generator.manual_seed accept
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

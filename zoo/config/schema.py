@@ -9,6 +9,7 @@ their checks, are in zoo/config/task_schemas.py (their names are importable from
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -26,14 +27,14 @@ from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
-from zoo.config.options import DTYPES, PARTS
+from zoo.config.options import DTYPES, MAX_LAYERS, PARTS, SEED_RANGE  # noqa: F401 - SEED_RANGE importable here
 from zoo.config.plugins import PluginError, locate
-from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_task
+from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
                                      TrainTask, VerifyTask)
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
-           "integral_overrides"]
+           "integral_overrides", "MAX_LAYERS", "SEED_RANGE", "check_seed"]
 
 
 @dataclass
@@ -103,8 +104,9 @@ def _check_part(path: str, node: DictConfig) -> None:
     """Every key of a part node must be a parameter of its _target_, of the annotated type (an OFF_WHEN_NULL
     key only when set)."""
     target = node.get("_target_")
-    if not target:
-        _fail(f"{path}._target_", None, "every part needs an import path such as 'zoo.nn.attention.MultiHeadAttention'")
+    if not target or not isinstance(target, str):
+        _fail(f"{path}._target_", target, "every part needs an import path such as "
+                                          "'zoo.nn.attention.MultiHeadAttention'")
     try:
         obj = locate(target)
     except PluginError as exc:
@@ -117,6 +119,13 @@ def _check_part(path: str, node: DictConfig) -> None:
     except Exception:  # annotations that cannot be evaluated: skip the type check, keep the key check
         hints = {}
     names = [n for n in signature.parameters if n not in ("self", "device", "dtype")]
+    given_elsewhere = PARTS if path == "model" else ()  # model_from_config hands the model its parts
+    for name, parameter in signature.parameters.items():
+        if name in ("self", "device", "dtype") or name in given_elsewhere or name in node \
+                or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
+                or parameter.default is not parameter.empty:
+            continue
+        raise ConfigError(f"{path}.{name}: missing, and {target} needs it (set {path}.{name}=VALUE)")
     for key in node:
         if key in ("_target_", "_partial_") or (key in OFF_WHEN_NULL and node[key] is None):
             continue
@@ -143,9 +152,10 @@ def _positive(cfg: DictConfig, *keys: str) -> None:
 
 
 def _divisors(n: int, limit: int = 12) -> list[int]:
-    """The smallest `limit` divisors of n, in O(sqrt(n)) steps (d_model may be 1e9)."""
+    """The smallest `limit` divisors of n, trying at most 10^5 candidates (d_model may be 1e9, or a large prime:
+    then the list shows the divisors found among them, and n itself)."""
     small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
+    for d in range(1, min(math.isqrt(n), 10**5) + 1):
         if n % d == 0:
             small.append(d)
             if d != n // d:
@@ -212,17 +222,43 @@ def _check_part_values(path: str, node: DictConfig) -> None:
             _fail(where, value, "must be positive (null: no capping)")
         if key in _PART_SIZES and value < 1:
             _fail(where, value, "must be a positive integer")
+        if key in ("layers", "decoder_layers") and value > MAX_LAYERS:
+            _fail(where, value, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
         if key in _PART_COUNTS and value < 0:
             _fail(where, value, "must be a non-negative integer")
 
 
+def _check_interpolations(node: DictConfig, path: str = "") -> None:
+    """Every interpolation must resolve; `${hydra:...}` only can inside a Hydra run, and is left to it elsewhere."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    for key in node:
+        where = f"{path}{key}"
+        if OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except InterpolationResolutionError as exc:
+                if "HydraConfig was not set" in str(exc):
+                    continue
+                raw = OmegaConf.to_container(node, resolve=False)[key]
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                _fail(where, raw, f"the interpolation does not resolve: {reason}")
+        elif OmegaConf.is_config(node._get_node(key)) and not OmegaConf.is_missing(node, key) \
+                and isinstance(node._get_node(key), DictConfig):
+            _check_interpolations(node[key], f"{where}.")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError (one line) for the first value that cannot be used."""
+    _check_interpolations(cfg)
     known = {f.name for f in fields(ZooSchema)}
     for key in cfg:
         if key not in known and key != "hydra":
             _fail(key, cfg[key], f"unknown key (allowed: {', '.join(sorted(known))})")
     _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
+    if cfg.layers > MAX_LAYERS:
+        _fail("layers", cfg.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+    check_seed("seed", cfg.seed)
     if cfg.d_model % cfg.heads:
         _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
     if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
@@ -266,9 +302,35 @@ def validate(cfg: DictConfig) -> None:
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
         _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 
+    _check_zoo_parts_build(cfg)
     check_task(cfg)
 
 
+def _check_zoo_parts_build(cfg: DictConfig) -> None:
+    """Each of the zoo's own parts is built once on the meta device (no memory, about a millisecond): what its
+    constructor refuses, e.g. an attention.kv_heads that does not divide attention.heads, is one line here rather
+    than an error of the whole model's build. A plug-in part is left to its own constructor."""
+    from zoo.config.builder import instantiate_part
+
+    for part in PARTS:
+        node = cfg[part]
+        if node.get("_target_") not in zoo_targets():
+            continue
+        try:
+            with torch.device("meta"):
+                instantiate_part(node)(device="meta", dtype=torch_dtype(cfg.dtype))
+        except Exception as exc:  # noqa: BLE001 - the constructor's own words, in one line
+            cause = exc.__cause__ or exc
+            if "overflow" in str(cause):  # a tensor of 2^63 bytes or more: no device holds it
+                from zoo.config.sizing import ModelTooLarge, model_size
+                raise ModelTooLarge(f"the model does not fit in any memory: {model_size(cfg).parameters:,} "
+                                    f"parameters in {cfg.dtype} (d_model={cfg.d_model}), and one {part} tensor "
+                                    f"alone would hold 2^63 bytes or more, more than any device has") from None
+            raise ConfigError(f"{part}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") \
+                from None
+
+
+@functools.lru_cache(maxsize=None)
 def zoo_targets() -> frozenset[str]:
     """The import paths of the zoo's own parts and models: every `_target_` of the packaged config groups
     (conf/model, conf/attention, conf/ffn, conf/norm, conf/pos), under its current and its pre-split module path

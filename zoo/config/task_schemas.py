@@ -10,12 +10,13 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zoo.config.errors import _fail
+from zoo.config.options import MAX_LAYERS, SEED_RANGE
 from zoo.config.plugins import locate
 from zoo.tasks.data import DATA_TASKS
 
-__all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "COMPILE_MODES",
-           "RunTask", "VerifyTask", "SummaryTask", "TrainTask",
-           "GenerateTask", "CompareTask", "check_task"]
+__all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "COMPILE_MODES", "RunTask", "VerifyTask", "SummaryTask",
+           "TrainTask", "GenerateTask", "CompareTask", "check_task", "check_seed", "check_applies", "override_key",
+           "READS"]
 
 PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin_session.py
 # task.compile (zoo/tasks/generate.py): torch.compile's inductor modes, and aot_eager, which traces without
@@ -122,6 +123,12 @@ _TASK_RANGES = {
 }
 
 
+def check_seed(key: str, value: int) -> None:
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        _fail(key, value, f"outside torch's seed range (allowed: {low} to {high})")
+
+
 def check_task(cfg: DictConfig) -> None:
     """The task node against the schema of its task and the ranges types cannot say, then the data node."""
     name = cfg.task.get("name")
@@ -129,6 +136,9 @@ def check_task(cfg: DictConfig) -> None:
         _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
     schema = TASK_SCHEMAS[name]
     allowed = {f.name for f in fields(schema)}
+    for f in fields(schema):
+        if f.name not in cfg.task:
+            _missing(f"task.{f.name}", f"task={name}")
     for key in cfg.task:
         if key not in allowed:
             _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
@@ -167,14 +177,93 @@ def check_task(cfg: DictConfig) -> None:
         if cfg.task.seq_len > limit:
             _fail("task.seq_len", cfg.task.seq_len, f"beyond {limit_key}={limit}, the longest sequence the model's "
                                                     f"positions cover (lower task.seq_len or raise {limit_key})")
+    if "seed" in cfg.task:
+        check_seed("task.seed", cfg.task.seed)
+    if name == "compare":
+        _check_compare(cfg.task)
+    if cfg.get("reference") is not None:
+        if name != "compare":
+            _fail("reference", cfg.reference, f"only task=compare compares with a reference, not task={name}")
+        if cfg.reference not in ("hf", "torch"):
+            _fail("reference", cfg.reference, "no such reference (allowed: hf, torch)")
+    if cfg.get("allow_plugins") and not (name == "generate" or (name == "train" and cfg.task.get("resume"))):
+        _fail("allow_plugins", "true", f"lets a checkpoint that is loaded import its plug-ins, and task={name} "
+                                     f"loads none (allowed with task=generate or task=train task.resume=true)")
     if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
         _check_data(cfg.data)
+
+
+def _check_compare(task: DictConfig) -> None:
+    """What zoo.tasks.compare.run_compare needs of its sizes: both models are built at them."""
+    if task.layers > MAX_LAYERS:
+        _fail("task.layers", task.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+    if task.d_model % task.heads:
+        _fail("task.heads", task.heads, f"must divide task.d_model={task.d_model}")
+    if task.seq_len < 2:
+        _fail("task.seq_len", task.seq_len, "must be at least 2 (the target is seq_len - 3 tokens, at least 2)")
+
+
+# What each task reads besides its own task.* options (and Hydra's hydra.*). A key named on the command line that
+# the chosen task does not read is refused: a value is never accepted and then ignored.
+_MODEL = frozenset({"d_model", "heads", "kv_heads", "layers", "d_ff", "vocab_size", "max_len", "dropout",
+                    "norm_placement", "dtype", "model", "attention", "ffn", "norm", "pos", "preset",
+                    "experiment"})
+READS = {
+    "run": _MODEL | {"device", "seed"},
+    "verify": _MODEL | {"device", "seed"},
+    "summary": _MODEL | {"device", "seed"},
+    "train": _MODEL | {"device", "seed", "data", "recipe", "allow_plugins"},
+    "generate": frozenset({"device", "allow_plugins"}),
+    "compare": frozenset({"preset", "reference", "seed"}),
+}
+_WHY = {
+    "generate": "which decodes with the model and data saved in task.checkpoint",
+    "compare": "which builds the preset and its reference at the sizes task.* gives, in float32 and float64 on the "
+               "CPU",
+    "data": "data is what task=train learns",
+    "recipe": "a recipe sets up a task=train run",
+}
+_ALWAYS = frozenset({"task", "hydra", "reference", "allow_plugins"})  # checked by check_task for every task
+
+
+def override_key(word: str) -> str:
+    """The top-level key or group an override names: `heads` for `heads=8`, `attention` for
+    `~attention.window`, `hydra` for `hydra/launcher=joblib`, `model` for `model@x=...`."""
+    key = word.partition("=")[0].lstrip("+~")
+    for separator in (".", "/", "@"):
+        key = key.split(separator)[0]
+    return key
+
+
+def check_applies(cfg: DictConfig, overrides) -> None:
+    """Refuse an override of a key the task does not read (e.g. `heads=8 task=generate`, `data=sort task=run`)."""
+    name = cfg.task.get("name")
+    reads = READS.get(name)
+    if reads is None:
+        return
+    for word in overrides:
+        key = override_key(word)
+        if key in _ALWAYS or key in reads or key not in READS["train"] | READS["compare"]:
+            continue
+        if word.startswith("~") and key in ("recipe", "experiment"):  # dropping what does not apply is harmless
+            continue
+        why = _WHY.get(name) or _WHY.get(key, "")
+        _fail(word.lstrip("+~").partition("=")[0], word.partition("=")[2] or "(removed)",
+              f"not read by task={name}, {why} (allowed with task={name}: task.*, {', '.join(sorted(reads))})")
+
+
+def _missing(key: str, who: str) -> None:
+    from zoo.config.errors import ConfigError
+    raise ConfigError(f"{key}: missing, and {who} needs it (set {key}=VALUE)")
 
 
 def _check_data(data: DictConfig) -> None:
     if data.get("name") not in DATA_TASKS:
         _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
     allowed = {f.name for f in fields(DataOptions)}
+    for f in fields(DataOptions):
+        if f.name not in data:
+            _missing(f"data.{f.name}", f"data={data.name}")
     for key in data:
         if key not in allowed:
             _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")

@@ -13,8 +13,11 @@ import json
 import math
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
+
+from zoo.io.bounded import InputTooLarge, read_json
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "checkpoints_in", "latest_checkpoint", "resolve_checkpoint",
            "read_state", "check_config"]
@@ -27,8 +30,20 @@ _FILES = ("model.safetensors", "train_state.safetensors")
 _COVERED = (*_FILES, "state.json")
 
 
+# What a checkpoint's JSON files may hold, checked before they are parsed: the zoo writes a manifest of about 400
+# bytes listing 3 files, and a state.json of a few KiB plus one integer per parameter tensor (a 4,096-layer model:
+# under 1 MiB). Nesting: at most zoo.io.bounded.MAX_DEPTH.
+MAX_MANIFEST_BYTES = 64 << 10
+MAX_MANIFEST_ENTRIES = 16
+MAX_STATE_BYTES = 64 << 20
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged or made for another model; str() is one line."""
+
+
+def _line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _sha256(path: Path) -> str:
@@ -54,17 +69,22 @@ def _verify_files(checkpoint: Path) -> None:
     """Every file of the checkpoint against manifest.json (which checks itself first)."""
     path = checkpoint / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = read_json(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
     except FileNotFoundError:
         if (checkpoint / "state.json").is_file():
             raise CheckpointError(f"{path} is missing: the checkpoint's files cannot be verified (a checkpoint of "
                                   f"an older zoo, or a damaged one)") from None
         raise CheckpointError(f"{checkpoint}: state.json is missing; not a complete checkpoint") from None
+    except InputTooLarge as exc:
+        raise CheckpointError(f"{exc} (not a manifest the zoo wrote)") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is damaged or unreadable: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{path} is damaged or unreadable: {type(exc).__name__}: {_line(exc)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT \
             or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: not a {_MANIFEST_FORMAT} file")
+    if len(manifest["files"]) > MAX_MANIFEST_ENTRIES:
+        raise CheckpointError(f"{path}: {len(manifest['files']):,} entries, more than the {MAX_MANIFEST_ENTRIES} "
+                              f"a checkpoint's manifest has (it lists {', '.join(_COVERED)})")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if manifest.get("sha256") != _manifest_digest(body):
         raise CheckpointError(f"{path} is damaged: its own sha256 does not match its contents")
@@ -74,11 +94,14 @@ def _verify_files(checkpoint: Path) -> None:
             raise CheckpointError(f"{path}: no checksum for {name}")
         file = checkpoint / name
         try:
-            size = file.stat().st_size
+            info = file.stat()
         except FileNotFoundError:
             raise CheckpointError(f"{file} is missing") from None
         except OSError as exc:
             raise CheckpointError(f"{file} cannot be read: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the checksum's read forever
+            raise CheckpointError(f"{file}: not a regular file (a directory, FIFO or device)")
+        size = info.st_size
         if size != entry.get("bytes"):
             what = "truncated to" if isinstance(entry.get("bytes"), int) and size < entry["bytes"] else "now"
             raise CheckpointError(f"{file} is damaged: {what} {size:,} bytes, {entry.get('bytes')!r} recorded at "
@@ -127,9 +150,11 @@ def read_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{checkpoint}: not a checkpoint directory")
     _verify_files(checkpoint)
     try:
-        state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+        state = read_json(checkpoint / "state.json", max_bytes=MAX_STATE_BYTES, what="checkpoint's state.json")
+    except InputTooLarge as exc:
+        raise CheckpointError(f"{exc} (not a state.json the zoo wrote)") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{checkpoint}/state.json is damaged: {exc}") from None
+        raise CheckpointError(f"{checkpoint}/state.json is damaged: {_line(exc)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else None
         raise CheckpointError(f"{checkpoint}/state.json: not a {FORMAT} file" + (f" ({found})" if found else ""))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zoo.io.atomic import replacing
+from zoo.io.bounded import loads_json
 
 __all__ = ["StateDictMismatch", "read_checkpoint", "load_state_dict_checked", "load_checkpoint", "save_checkpoint"]
 
@@ -110,7 +111,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
         with safe_open(str(path), framework="pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}
-            aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
+            aliases = loads_json((f.metadata() or {}).get(_ALIASES, "{}"), where=f"checkpoint {str(path)!r}: "
+                                 f"metadata {_ALIASES}", max_depth=1)
+        if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in aliases.items()):
+            raise ValueError(f"checkpoint {str(path)!r}: metadata {_ALIASES} is not a mapping of names to names")
         for alias, key in aliases.items():
             if key not in state:
                 raise ValueError(f"checkpoint {str(path)!r}: alias {alias!r} points to missing key {key!r}")

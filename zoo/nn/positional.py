@@ -167,8 +167,11 @@ class AlibiPositions(_Positions):
     def __init__(self, d_model: int, max_len: int, heads: int, *, device=None, dtype=None):
         super().__init__(max_len)
         # A fixed function of the head count, not a parameter: kept out of the state dict.
-        slopes = alibi_slopes(heads, device=None if device == "meta" else device, dtype=dtype)
-        self.register_buffer("slopes", slopes.to(device) if device == "meta" else slopes, persistent=False)
+        if torch.device(device or "cpu").type == "meta":  # shapes only: no values to compute (heads may be huge)
+            slopes = torch.empty(heads, device="meta", dtype=dtype or torch.get_default_dtype())
+        else:
+            slopes = alibi_slopes(heads, device=device, dtype=dtype)
+        self.register_buffer("slopes", slopes, persistent=False)
 
     def _apply(self, fn, recurse=True):
         # As for the sinusoidal table: recompute in the new dtype from float64 rather than round the old values.

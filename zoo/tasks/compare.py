@@ -33,10 +33,31 @@ from torch import nn
 from zoo import interop
 from zoo.interop import Geometry, ConversionError
 
-__all__ = ["REFERENCES", "error_bound", "randomize_", "run_compare", "compare", "format_table"]
+__all__ = ["REFERENCES", "error_bound", "randomize_", "run_compare", "compare", "format_table", "check_compare"]
 
 REFERENCES = {"gpt2_small": "hf", "bert_base": "hf", "vaswani_base": "torch"}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def check_compare(preset: str | None, reference: str | None, task) -> None:
+    """What `task=compare` needs, refused in one line (ConfigError) before anything is built: a preset with a
+    reference implementation, that reference, and memory for both models at task.*'s sizes in float32 and float64
+    (the zoo model and the reference in each: 24 bytes per parameter)."""
+    from zoo.config.errors import ConfigError
+    from zoo.config.sizing import ModelTooLarge, available_memory
+
+    if preset not in REFERENCES:
+        raise ConfigError(f"preset={preset}: task=compare needs a preset with a reference implementation "
+                          f"(allowed: {', '.join(REFERENCES)})")
+    if reference is not None and reference != REFERENCES[preset]:
+        raise ConfigError(f"reference={reference}: preset={preset} is compared with reference={REFERENCES[preset]}")
+    d, layers, vocab = task.d_model, task.layers, task.vocab_size
+    decoders = 2 if preset == "vaswani_base" else 1
+    parameters = decoders * layers * (4 * d * d + 8 * d * d) + vocab * d + task.max_len * d
+    free = available_memory("cpu")
+    if free is not None and 24 * parameters > free[0]:
+        raise ModelTooLarge(f"task.d_model={d}: the compared models need about {24 * parameters / 2**30:,.1f} GiB "
+                          f"(both in float32 and float64), and {free[0] / 2**30:,.1f} GiB is available ({free[1]})")
 
 
 def error_bound(dtype: torch.dtype, magnitude: float, depth: int, width: int) -> float:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from zoo.config.builder import check_fits, model_from_config
+from zoo.io.atomic import unwritable
 from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, latest_checkpoint, load_training_state,
                                read_state, save_training_checkpoint)
 from zoo.tasks.interrupts import Interrupted
@@ -32,8 +33,9 @@ from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
 from zoo.config.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
-__all__ = ["fit_config_to_data", "family_of", "recipe_values", "recipe_line", "learning_rate", "make_optimizer",
-           "forward_batch", "batch_metrics", "evaluate", "seeded_model", "train", "train_task"]
+__all__ = ["check_out_dir", "training_fits", "fit_config_to_data", "family_of", "recipe_values", "recipe_line",
+           "learning_rate", "make_optimizer", "forward_batch", "batch_metrics", "evaluate", "seeded_model", "train",
+           "train_task"]
 
 
 def family_of(cfg: DictConfig) -> str:
@@ -234,21 +236,17 @@ def train(cfg: DictConfig, *, quiet: bool = False, recipe: str | None = None) ->
     allow_plugins = bool(config.pop("allow_plugins", False))  # a command-line switch, never saved in a checkpoint
     device = torch.device(cfg.device)
 
+    check_out_dir(out_dir, resume=bool(opts.resume))
     resume_from, state = None, None
     if opts.resume:
         resume_from = latest_checkpoint(out_dir)
-        if resume_from is None:
-            raise ConfigError(f"task.resume=true: no checkpoint in {out_dir} (pass the earlier run's task.out_dir)")
         # Checked before the model is built; nothing the checkpoint names is imported (the model is built from
         # the command line's config, which must match the saved one).
         state = read_state(resume_from)
         state["config"] = check_config(state["config"], f"{resume_from}/state.json", allow_plugins=allow_plugins,
                                        asked=config)
-    elif checkpoints_in(out_dir):
-        raise ConfigError(f"task.out_dir={out_dir}: holds checkpoints of an earlier run; pass task.resume=true "
-                          f"to continue it or choose another task.out_dir (nothing was overwritten)")
     _check_writable(out_dir)
-    check_fits(cfg, training=True)
+    training_fits(cfg)
 
     model = seeded_model(cfg)
     model.train()
@@ -305,19 +303,37 @@ def seeded_model(cfg: DictConfig) -> nn.Module:
     return model_from_config(cfg, device="cpu").to(cfg.device)
 
 
-def _check_writable(out_dir: Path) -> None:
-    """task.out_dir must be a directory this process can create and write into: checked before training."""
-    import tempfile
+def check_out_dir(out_dir: Path, *, resume: bool) -> None:
+    """task.out_dir before anything is written: a resumed run needs a checkpoint there, a fresh one refuses one that
+    holds checkpoints (nothing is overwritten), and either needs a directory it can create and write into."""
+    if resume and latest_checkpoint(out_dir) is None:
+        raise ConfigError(f"task.resume=true: no checkpoint in {out_dir} (pass the earlier run's task.out_dir)")
+    if not resume and checkpoints_in(out_dir):
+        raise ConfigError(f"task.out_dir={out_dir}: holds checkpoints of an earlier run; pass task.resume=true "
+                          f"to continue it or choose another task.out_dir (nothing was overwritten)")
+    problem = unwritable(str(out_dir))
+    if problem:
+        raise ConfigError(f"task.out_dir={out_dir}: cannot be written: {problem}")
 
+
+def training_fits(cfg: DictConfig) -> None:
+    """The size check of a training run (cfg fitted to its data): weights, gradients, AdamW moments, and the
+    activations of a batch of the longest sequences; the held-out batches stay on the device too."""
+    opts = cfg.task
+    held_out = opts.eval_batches * opts.batch * cfg.max_len * 3  # tokens, targets and mask of each, kept all along
+    check_fits(cfg, training=True, batch=opts.batch, length=cfg.max_len, resident_tokens=held_out)
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Create task.out_dir; only trying says for sure that it can be written (check_out_dir tried a file in its
+    deepest existing ancestor)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"task.out_dir={out_dir}: cannot be created ({exc.strerror})") from None
-    try:  # only trying says so for sure (a read-only file system, root on a directory it may not write)
-        with tempfile.TemporaryFile(dir=out_dir):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"task.out_dir={out_dir}: cannot be written ({exc.strerror})") from None
+    problem = unwritable(str(out_dir))
+    if problem:
+        raise ConfigError(f"task.out_dir={out_dir}: cannot be written: {problem}")
 
 
 def _loop(model, optimizer, params, data, held_out, opts, out_dir, config, device, start, progress, started):

@@ -16,6 +16,7 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from zoo.io.bounded import read_json
 from zoo.io.atomic import write_text
 from zoo.tasks.plots import PLOTS_HINT, plots_available, write_figures
 
@@ -176,6 +177,9 @@ def _draw(model, d_model: int, where: Path) -> tuple[dict[str, Path], dict[str, 
         return {}, notes
 
 
+MAX_REPORT_BYTES = 64 << 20  # a report.json holds one record per clause: a few hundred KiB
+
+
 class SweepSummary(Callback):
     """Hydra callback: after a multirun, one matrix of configs × clause groups in the sweep directory."""
 
@@ -188,7 +192,7 @@ class SweepSummary(Callback):
         jobs, groups = [], OrderedDict()
         for path in reports:
             try:
-                report = json.loads(path.read_text(encoding="utf-8"))
+                report = read_json(path, max_bytes=MAX_REPORT_BYTES, what="report.json")
             except (OSError, ValueError) as exc:  # one unreadable report must not cost the summary of the others
                 print(f"zoo: sweep summary: {path} skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue

@@ -1,0 +1,357 @@
+"""What ``python -m zoo`` checks before Hydra starts: every bad input is one line and status 2, whatever the entry
+path, and nothing is written for it.
+
+The command line is parsed with Hydra's own parser (its errors said in one line), the flags are checked together
+(``--cfg``, ``--info``, ``-m``, ``--shell-completion``, ``--package``, ``--resolve``, ``--experimental-rerun``),
+and the config is composed as Hydra will compose it (``-cp``, ``-cn``, ``-cd`` included): once for a single run,
+once per job for a sweep (``-m``), each composition validated (zoo/config/composition.py) and checked as its task
+will check it (the size check, the training directory, the compare preset). The output directory (``hydra.run.dir``
+or ``hydra.sweep.dir``, interpolations resolved) must be writable. Only then does Hydra run, with the flags in a
+canonical order and, unless one is given, an output directory no other run shares.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from zoo.cli_dirs import output_dir
+from zoo.config.errors import ConfigError
+
+__all__ = ["Plan", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks"]
+
+MAX_JOBS = 1024            # jobs in one sweep; each is composed and checked before the first one starts
+MAX_RERUN_BYTES = 16 << 20  # an --experimental-rerun pickle (Hydra's config.pickle is a few KiB)
+_SHELLS = ("bash", "zsh", "fish")
+_TASK_MODULE = "zoo.cli"   # where the @hydra.main function lives: Hydra's search path and job name follow from it
+
+
+@dataclass
+class Plan:
+    """What to hand Hydra, and what to remove if the run refuses its config after all."""
+    mode: str                      # run, multirun, cfg, info, help, shell, rerun
+    argv: list[str] = field(default_factory=list)
+    rerun: str | None = None
+    # (output directory, its deepest ancestor that existed before): a refusal inside the run removes what it made
+    output: tuple[Path, Path] | None = None
+
+
+def plan(argv: list[str]) -> Plan:
+    """Check the whole command line; ConfigError (one line) for the first problem."""
+    from zoo.config.schema import integral_overrides
+
+    args = _parse(integral_overrides(list(argv)))
+    overrides = list(args.overrides)
+    mode = _mode(args, overrides)
+    if mode == "rerun":
+        _check_rerun(args, overrides)
+        return Plan("rerun", rerun=args.experimental_rerun)
+    if mode == "shell":
+        _check_shell_completion(overrides)
+        return Plan("shell", argv=_hydra_argv(args, overrides))
+    with _hydra_for(args) as config_name:
+        if mode == "multirun":
+            jobs, whole = _sweep_jobs(overrides, config_name)
+            for job in jobs:
+                cfg, job_whole = _compose(job, config_name)
+                task_checks(cfg, job_whole)
+            directory, extra = output_dir(whole, "sweep", overrides)
+        else:
+            cfg, whole = _compose(overrides, config_name)
+            if mode == "cfg" and args.package:
+                _check_package(whole, args.package)
+            if mode != "run":  # --cfg, --info, --help print and write nothing
+                return Plan(mode, argv=_hydra_argv(args, overrides))
+            task_checks(cfg, whole)
+            directory, extra = output_dir(whole, "run", overrides)
+    return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory)
+
+
+# ------------------------------------------------------------------------------------------- the command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints its usage and the message on several lines
+        raise ConfigError(f"{message.replace('argument ', '', 1)} (python -m zoo --help lists the options)")
+
+
+def _parse(arguments: list[str]) -> argparse.Namespace:
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.__class__ = _Parser
+    try:
+        return parser.parse_intermixed_args(arguments)  # `heads=2 -m layers=1,2` as well as `-m heads=2 ...`
+    except TypeError:  # a parser parse_intermixed_args cannot handle (a future Hydra): as Hydra parses
+        return parser.parse_args(arguments)
+
+
+def _mode(args: argparse.Namespace, overrides: list[str]) -> str:
+    commands = [name for name, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                      ("--shell-completion", args.shell_completion), ("--info", args.info)) if on]
+    if len(commands) > 1:
+        raise ConfigError(f"{' '.join(commands)}: only one of --run, --multirun, --cfg, --info and "
+                          f"--shell-completion can be given")
+    if args.experimental_rerun is not None:
+        return "rerun"
+    if args.resolve and not (args.cfg or args.help):
+        raise ConfigError("--resolve: resolves the config that --cfg or --help prints, and neither is given")
+    if args.package is not None and not args.cfg:
+        raise ConfigError(f"--package={args.package}: selects the part of the config that --cfg prints, and --cfg "
+                          f"is not given")
+    if args.help or args.hydra_help:
+        return "help"
+    if args.shell_completion:
+        return "shell"
+    if args.cfg:
+        return "cfg"
+    if args.info is not None:
+        return "info"
+    if args.multirun or any(w.replace(" ", "") == "hydra.mode=MULTIRUN" for w in overrides):
+        return "multirun"
+    return "run"
+
+
+def _hydra_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The flags in `--flag=value` form, then the overrides: what Hydra's parser reads back exactly."""
+    flags = [flag for flag, on in (("--help", args.help), ("--hydra-help", args.hydra_help), ("--run", args.run),
+                                   ("--multirun", args.multirun), ("--resolve", args.resolve),
+                                   ("--shell-completion", args.shell_completion)) if on]
+    for flag, value in (("--cfg", args.cfg), ("--package", args.package), ("--config-path", args.config_path),
+                        ("--config-name", args.config_name), ("--config-dir", args.config_dir),
+                        ("--info", args.info)):
+        if value is not None:
+            flags.append(f"{flag}={value}")
+    return flags + overrides
+
+
+def _check_rerun(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Hydra ignores every other argument of a rerun (with a warning): refused instead."""
+    others = [flag for flag, on in (("--multirun", args.multirun), ("--cfg", args.cfg), ("--info", args.info),
+                                    ("--config-name", args.config_name), ("--config-path", args.config_path),
+                                    ("--config-dir", args.config_dir), ("--shell-completion", args.shell_completion),
+                                    ("--help", args.help)) if on]
+    if overrides or others:
+        raise ConfigError(f"--experimental-rerun: reruns a job exactly as it ran, and cannot take "
+                          f"{' '.join([*others, *overrides][:3])} as well")
+    path = Path(args.experimental_rerun)
+    problem = _readable_file(path, MAX_RERUN_BYTES)
+    if problem:
+        raise ConfigError(f"--experimental-rerun={args.experimental_rerun}: {problem} (a config.pickle that Hydra's "
+                          f"PickleJobInfoCallback wrote)")
+
+
+def _readable_file(path: Path, limit: int) -> str | None:
+    try:
+        if not path.exists():
+            return "no such file"
+        if not path.is_file():
+            return "not a regular file"
+        size = path.stat().st_size
+    except (OSError, ValueError) as exc:
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    if size > limit:
+        return f"{size:,} bytes, more than the {limit:,} such a file may have"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return None
+
+
+def _check_shell_completion(overrides: list[str]) -> None:
+    words = [w.partition("=") for w in overrides]
+    commands = [(key, value) for key, _, value in words if key in ("install", "uninstall", "query")]
+    others = [key for key, _, _ in words if key not in ("install", "uninstall", "query")]
+    if len(commands) != 1 or others:
+        raise ConfigError(f"--shell-completion {' '.join(overrides)}: takes one of install=SHELL, uninstall=SHELL or "
+                          f"query=SHELL (allowed shells: {', '.join(_SHELLS)})")
+    command, shell = commands[0]
+    if shell not in _SHELLS:
+        raise ConfigError(f"--shell-completion {command}={shell}: no such shell (allowed: {', '.join(_SHELLS)})")
+    if command == "query" and "COMP_LINE" not in os.environ:
+        raise ConfigError(f"--shell-completion query={shell}: the shell runs this while completing, with COMP_LINE "
+                          f"set; to set completion up: --shell-completion install={shell}")
+
+
+def _check_package(whole: DictConfig, package: str) -> None:
+    node = OmegaConf.select(whole, package, default=None) if package not in ("_global_", "") else whole
+    if node is None:
+        top = ", ".join(k for k in whole if k != "hydra")
+        raise ConfigError(f"--package={package}: no such package in the config (allowed: _global_, hydra, {top})")
+
+
+# ------------------------------------------------------------------------------------------ composing as Hydra
+
+@contextmanager
+def _hydra_for(args: argparse.Namespace) -> Iterator[str]:
+    """GlobalHydra initialized with the search path Hydra's run will use (-cp, -cd), cleared after; yields the
+    primary config's name (-cn)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path, detect_task_name
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+
+    config_path = args.config_path if args.config_path is not None else "pkg://zoo.conf"
+    if args.config_path is not None:
+        _check_config_path(config_path)
+        if not config_path.startswith("pkg://"):
+            _check_config_files(config_path if os.path.isabs(config_path)
+                                else os.path.join(os.path.dirname(__file__), config_path), "--config-path")
+    search_path = create_automatic_config_search_path(None, _TASK_MODULE, config_path)
+    if args.config_dir is not None:
+        directory = os.path.abspath(args.config_dir)
+        if not os.path.isdir(directory):
+            raise ConfigError(f"--config-dir={args.config_dir}: no such directory")
+        _check_config_files(directory, "--config-dir")
+        search_path.prepend(provider="command-line", path=f"file://{directory}",
+                            anchor=SearchPathQuery(provider="schema"))
+    config_name = args.config_name if args.config_name is not None else "config"
+    previous = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()
+    try:
+        Hydra.create_main_hydra2(task_name=detect_task_name(None, _TASK_MODULE), config_search_path=search_path)
+        loader = GlobalHydra.instance().config_loader()
+        if not loader.repository.config_exists(f"{config_name}.yaml") and \
+                not loader.repository.config_exists(config_name):
+            raise ConfigError(f"--config-name={config_name}: no such primary config in the search path (allowed: "
+                              f"config, or a config in the directory -cp or -cd names)")
+        yield config_name
+    finally:
+        GlobalHydra.instance().clear()
+        if previous is not None:
+            GlobalHydra.instance().initialize(previous)
+
+
+def _check_config_path(config_path: str) -> None:
+    import importlib.util
+
+    if config_path.endswith((".yaml", ".yml")):
+        raise ConfigError(f"--config-path={config_path}: a directory, not a file (name the config with -cn)")
+    if config_path.startswith("pkg://"):
+        module = config_path.removeprefix("pkg://").replace("/", ".")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"--config-path={config_path}: no such package")
+        return
+    directory = config_path if os.path.isabs(config_path) else os.path.join(os.path.dirname(__file__), config_path)
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--config-path={config_path}: no such directory (relative paths start at "
+                          f"{os.path.dirname(__file__)}; give an absolute one)")
+
+
+MAX_CONFIG_BYTES = 1 << 20  # one YAML file of a config directory (the zoo's are under 2 KiB)
+MAX_CONFIG_FILES = 10_000
+
+
+def _check_config_files(directory: str, flag: str) -> None:
+    """The YAML files of a config directory a user names, bounded before Hydra parses any: at most
+    MAX_CONFIG_FILES files looked at, each at most MAX_CONFIG_BYTES."""
+    seen = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            seen += 1
+            if seen > MAX_CONFIG_FILES:
+                raise ConfigError(f"{flag}={directory}: more than {MAX_CONFIG_FILES:,} files (a config directory "
+                                  f"holds YAML files, not a data set)")
+            path = os.path.join(root, name)
+            try:
+                size = os.path.getsize(path) if name.endswith((".yaml", ".yml")) else 0
+            except OSError:
+                continue
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{flag}={directory}: {path} has {size:,} bytes, more than the "
+                                  f"{MAX_CONFIG_BYTES:,} a config file may have")
+
+
+def _compose(overrides: list[str], config_name: str) -> tuple[DictConfig, DictConfig]:
+    from zoo.config.composition import compose_checked
+    return compose_checked(overrides, config_name=config_name, command_line=True)
+
+
+def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]], DictConfig]:
+    """The jobs of a sweep as Hydra's basic sweeper forms them (the product of the comma lists, range() and
+    choice() of each key, the last override of a key winning), at most MAX_JOBS; and the sweep's own config."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    from zoo.config.composition import check_override_words, explain_composition_error
+
+    check_override_words(overrides)
+    hydra = GlobalHydra.instance().hydra
+    try:
+        whole = hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN)
+        parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(overrides)
+    except HydraException as exc:
+        raise ConfigError(explain_composition_error(exc, overrides)) from None
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, RecursionError, OSError) as exc:
+        from zoo.config.composition import explain_config_error
+        raise ConfigError(explain_config_error(exc, overrides)) from None
+    batch = whole.hydra.get("sweeper", {}).get("max_batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError(f"hydra.sweeper.max_batch_size={batch}: must be a positive integer or null (all at once)")
+    lists: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            lists[key] = [f"{key}={override.get_value_element_as_str()}"]
+            continue
+        if not override.is_discrete_sweep():
+            raise ConfigError(f"{override.input_line}: Hydra's basic sweeper takes comma lists, range() and "
+                              f"choice() (an interval needs a sweeper plug-in such as Optuna)")
+        try:
+            values = list(itertools.islice(override.sweep_string_iterator(), MAX_JOBS + 1))
+        except HydraException as exc:
+            raise ConfigError(f"{override.input_line}: {explain_composition_error(exc, overrides)}") from None
+        if not values:
+            raise ConfigError(f"{override.input_line}: matches no value, so the sweep has no jobs")
+        if len(values) > MAX_JOBS:
+            raise ConfigError(f"{override.input_line}: more than {MAX_JOBS:,} values (allowed: at most {MAX_JOBS:,} "
+                              f"jobs in one sweep)")
+        lists[key] = [f"{key}={value}" for value in values]
+    count = 1
+    for values in lists.values():
+        count *= len(values)
+    if count > MAX_JOBS:
+        raise ConfigError(f"-m {' '.join(o for o in overrides if ',' in o or '(' in o)[:200]}: {count:,} jobs "
+                          f"(allowed: at most {MAX_JOBS:,} jobs in one sweep)")
+    return [list(job) for job in itertools.product(*lists.values())], whole
+
+
+# ---------------------------------------------------------------------------------------- each task's checks
+
+def task_checks(cfg: DictConfig, whole: DictConfig) -> None:
+    """What each task would refuse once it ran, checked now (the task checks it again when it runs)."""
+    from zoo.config.sizing import check_fits
+
+    name = cfg.task.name
+    if name == "run":
+        check_fits(cfg, batch=cfg.task.batch, length=cfg.task.seq_len)
+    elif name == "verify":
+        check_fits(cfg)
+    elif name == "train":
+        from zoo.tasks.train import check_out_dir, fit_config_to_data, training_fits
+
+        fitted, _ = fit_config_to_data(cfg)
+        training_fits(fitted)
+        if not OmegaConf.is_interpolation(cfg.task, "out_dir"):
+            check_out_dir(Path(cfg.task.out_dir), resume=bool(cfg.task.resume))
+    elif name == "compare":
+        from zoo.tasks.compare import check_compare
+
+        check_compare(whole.hydra.runtime.choices.get("preset"), cfg.reference, cfg.task)
+    elif name == "generate":
+        from zoo.io.checkpoint import resolve_checkpoint
+
+        if not cfg.task.checkpoint:
+            raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
+        resolve_checkpoint(cfg.task.checkpoint)  # a directory that holds one (read and verified when the task runs)
