@@ -1,11 +1,19 @@
 """Fixtures shared by tests/."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from training import train_config
 
 from zoo.tasks.train import train
+
+# Many tests start Python processes (python -m zoo, the catalog's pytest sessions). Where the environment forbids
+# bytecode caching (PYTHONDONTWRITEBYTECODE, set on some CI machines), each of them compiles every module of the
+# project again and rewrites the asserts of the whole suite: about 2 s a process, several minutes a run. They
+# cache it as Python does by default (__pycache__/, ignored by git); nothing they check depends on it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture

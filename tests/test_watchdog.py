@@ -143,6 +143,25 @@ def test_a_call_past_the_limit_fails_once_and_is_not_retried(level, hang):
     assert time.monotonic() - start < 5
 
 
+def _catch_everything():
+    try:
+        time.sleep(10**6)
+    except BaseException:  # noqa: BLE001  as the zoo's size check does around a user's constructor
+        pass
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_code_that_catches_the_interrupt_is_interrupted_again_and_still_fails(level):
+    """A BaseException handler that holds CallTimeout and goes on (here: into a second hang) is interrupted again a
+    second later, and the call fails when it returns: neither a hang until the supervisor kills it, nor a pass."""
+    watchdog.set_limit(0.3, alarm=True)
+    call = LEVELS[level](lambda: [_catch_everything() for _ in range(2)])
+    start = time.monotonic()
+    with pytest.raises(CallTimeout, match=r"did not return within 0\.3 s \(--call-timeout\) in .*was caught inside the call"):
+        call()
+    assert time.monotonic() - start < 5 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_a_correct_call_is_untouched_and_the_timer_is_off_after_it():
     kernel = GuardedKernel("torch", torch.nn.functional.scaled_dot_product_attention)
     q = torch.randn(1, 2, 3, 4)

@@ -8,7 +8,7 @@ reported failure (status 1), a one-line error (pytest's usage-error status 4), p
 KeyboardInterrupt, or the supervisor's one line naming the plug-in (status never 0); it prints no INTERNALERROR
 and no Python traceback outside pytest's reports of the failed tests, and a run that broke writes no
 --report-json. Each run costs a pytest start-up
-(~5 CPU-s): three pinned cases, two drawn.
+(~5 CPU-s): four pinned cases, two drawn.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ MISDEEDS = {   # name -> (statement in the plug-in, what the run must end with)
     "print garbage": ("print('garbage \\x1b[31m' * 40); print('ERROR: not ours', file=sys.stderr)", "benign"),
 }
 WHEN = ("import", "build", "call")
+HANGS = ("sleep", "a Python loop")   # hangs in Python: the interrupt ends them
 
 HEADER = "import ctypes, os, signal, sys, time\nimport torch\nimport torch.nn.functional as F\n\n\ndef misdeed():\n    {}\n"
 PLUGINS = {
@@ -142,6 +143,7 @@ LEVEL_WHEN = st.sampled_from(sorted(PLUGINS)).flatmap(
 @example(level_when=("kernel", "call"), misdeed="os._exit(0)")
 @example(level_when=("model", "call"), misdeed="segfault")
 @example(level_when=("module", "call"), misdeed="hang in C")
+@example(level_when=("module", "build"), misdeed="a Python loop")   # the zoo's size check catches the interrupt
 def test_a_misbehaving_plugin_never_reads_as_a_pass(level_when, misdeed):
     level, when = level_when
     expected = MISDEEDS[misdeed][1]
@@ -176,6 +178,9 @@ def check_run(level: str, misdeed: str, when: str, expected: str, folder: str) -
             assert proc.returncode == 1 and re.search(r"stuck at .*plug\.py:\d+ in misdeed", errors[0]), where
     elif expected == "interrupted":
         assert proc.returncode == 2, where
+    elif when == "call" and level == "kernel" and misdeed in HANGS:   # its first call is the start-up probe of its
+        lines = [line for line in output.splitlines() if line.strip()]   # limits: one line before any test runs
+        assert proc.returncode == 4 and len(lines) == 1 and "a probe of its limits" in lines[0], where
     elif when == "call":   # a failure of the clauses that called it, in the report too
         assert proc.returncode == 1 and re.search(r"^FAILED|^ERROR properties/", proc.stdout, re.M), where
         statuses = {row["status"] for row in json.loads(report.read_text())}

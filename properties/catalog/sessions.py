@@ -32,11 +32,16 @@ from pathlib import Path
 
 __all__ = ["Session", "run_pytest", "SessionPool", "PRELOAD"]
 
-# Third-party modules only (see the docstring); each is imported when present. Not Hydra: pytest rewrites the
-# asserts of its pytest plug-in, and warns when the module was imported before it could.
-PRELOAD = ("torch", "numpy", "hypothesis", "hypothesis.extra.pytestplugin", "pytest", "_pytest.python",
-           "_pytest.fixtures", "_pytest.assertion.rewrite", "_pytest.terminal", "pluggy", "einops", "omegaconf",
-           "safetensors.torch", "yaml")
+# Third-party modules only (see the docstring); each is imported when present. torch._dynamo is imported on
+# the first call of many torch functions (1.4 s), Hydra's compose by every level's collection (1 s).
+PRELOAD = ("torch", "torch._dynamo", "numpy", "hypothesis", "hypothesis.extra.pytestplugin", "pytest",
+           "_pytest.python", "_pytest.fixtures", "_pytest.assertion.rewrite", "_pytest.terminal", "pluggy", "einops",
+           "omegaconf", "hydra", "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
+           "hydra._internal.config_loader_impl", "safetensors.torch", "yaml")
+# pytest marks the packages of its plug-ins (Hypothesis', Hydra's) for assertion rewriting and warns that the
+# server imported them already; a new interpreter would have rewritten nothing in them either (they hold no
+# test code), so the warning is about the server, not the run, and the child does not print it.
+PRELOAD_WARNING = ("-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning")
 
 
 @dataclass
@@ -105,23 +110,38 @@ class _Server:
 
 class SessionPool:
     """Servers for callers that run sessions at the same time (threads); a server that breaks is replaced by
-    subprocess runs for the rest of the pool's life."""
+    subprocess runs for the rest of the pool's life.
+
+    A run whose environment differs from the pool's (beyond PYTHONPATH, which the child applies to its own path)
+    gets a server started with that environment: the server's imports read it once (TRITON_INTERPRET, for one, is
+    read when torch._dynamo imports Triton), and a child cannot change what they read."""
 
     def __init__(self, env: dict | None = None):
         self.env = dict(os.environ if env is None else env)
-        self.idle: queue.SimpleQueue[_Server] = queue.SimpleQueue()
+        self.idle: dict[tuple, queue.SimpleQueue[_Server]] = {}
         self.servers: list[_Server] = []
         self.lock = threading.Lock()
         self.broken = not hasattr(os, "fork")
 
+    def _server_env(self, env: dict | None) -> tuple[tuple, dict]:
+        if env is None:
+            return (), self.env
+        changes = tuple(sorted((k, v) for k, v in env.items() if k != "PYTHONPATH" and self.env.get(k) != v))
+        removed = tuple(sorted(k for k in self.env if k != "PYTHONPATH" and k not in env))
+        server_env = {k: v for k, v in {**self.env, **dict(changes)}.items() if k not in removed}
+        return (changes, removed), server_env
+
     def run(self, args, cwd, env=None, timeout: float = 900) -> Session:
         if self.broken:
             return _subprocess_run(args, cwd, env, timeout)
+        key, server_env = self._server_env(env)
+        with self.lock:
+            idle = self.idle.setdefault(key, queue.SimpleQueue())
         try:
-            server = self.idle.get_nowait()
+            server = idle.get_nowait()
         except queue.Empty:
             try:
-                server = _Server(self.env)
+                server = _Server(server_env)
             except OSError:
                 self.broken = True
                 return _subprocess_run(args, cwd, env, timeout)
@@ -132,7 +152,7 @@ class SessionPool:
         except (OSError, ValueError):  # the server died: this run and the later ones as subprocesses
             self.broken = True
             return _subprocess_run(args, cwd, env, timeout)
-        self.idle.put(server)
+        idle.put(server)
         return result
 
     def close(self) -> None:
@@ -184,7 +204,7 @@ def _child(request: dict) -> None:
         except ImportError:
             pass
         import pytest
-        code = int(pytest.main(list(request["args"])))
+        code = int(pytest.main([*request["args"], *PRELOAD_WARNING]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:   # noqa: BLE001 -- reported on the session's stderr, as a crashed interpreter would

@@ -8,7 +8,9 @@ call)``. There:
   the main thread by SIGALRM with ``CallTimeout``. It is a BaseException, so neither the code under test's own
   ``except Exception`` nor Hypothesis (which would retry and shrink it, a limit's worth of time per attempt) holds
   it: pytest reports the test as failed, naming the plug-in, the call and the limit. Later calls of that plug-in
-  fail at once with the same message, so a hang costs the limit once, not once per example;
+  fail at once with the same message, so a hang costs the limit once, not once per example. Code that catches
+  BaseException (the zoo's size check does, around a user's constructor) is interrupted again every second, and a
+  call that returns after catching the interrupt fails all the same;
 * SystemExit, GeneratorExit, pytest's skip, fail, xfail and exit, and any other BaseException the code raises
   become ``UserExit``, an ordinary exception the guards report as a failure of the clause (a plug-in cannot end
   the run, nor skip its own clauses). KeyboardInterrupt is left alone: Ctrl-C still stops the run;
@@ -211,8 +213,8 @@ class user_call:
                 self.call = self.call() if callable(self.call) else self.call
                 _Watch.record.write(True, (self.plugin, *_Watch.test, self.call), time.monotonic(), _Watch.limit)
             _Watch.active = _Watch.last = [self.plugin, self.call]
-            if _Watch.alarm:
-                signal.setitimer(signal.ITIMER_REAL, _Watch.limit)
+            if _Watch.alarm:   # then every second: code that swallows the interrupt is interrupted again
+                signal.setitimer(signal.ITIMER_REAL, _Watch.limit, min(1.0, _Watch.limit))
         return self
 
     def __exit__(self, kind, exc, tb):
@@ -222,6 +224,10 @@ class user_call:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if _Watch.record is not None:
                 _Watch.record.clear()
+        if exc is None and self.outer and self.plugin in _Watch.hung:   # it swallowed the interrupt, then returned
+            raise CallTimeout(f"{self.plugin} did not return within {_Watch.limit:g} s (--call-timeout) in "
+                              f"{self.call() if callable(self.call) else self.call}; the interrupt was caught inside the call, "
+                              f"which went on")
         if exc is None or isinstance(exc, (KeyboardInterrupt, CallTimeout)) or \
                 (isinstance(exc, Exception) and not isinstance(exc, pytest.exit.Exception)):
             return False
