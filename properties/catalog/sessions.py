@@ -253,6 +253,11 @@ def serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    # What the server imported stays out of the children's garbage collections: each collection would otherwise walk
+    # (and copy, page by page, out of the memory it shares with the server) torch's whole object graph.
+    import gc
+    gc.collect()
+    gc.freeze()
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
