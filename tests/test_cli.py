@@ -13,12 +13,15 @@ def zoo(*arguments: str, cwd, env=None) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
-def test_default_command_prints_card_and_forward(tmp_path):
+def test_default_command_prints_the_card_and_forward_then_a_quick_verification(tmp_path):
     # README's main command, after README's plain set-up: no package of an extra is importable
     result = zoo("model=decoder_only", "heads=8", cwd=tmp_path, env=plain_env(tmp_path / "plain"))
     assert result.returncode == 0, result.stderr
     assert "heads=8" in result.stdout and "total" in result.stdout
     assert "forward    (2, 32) -> (2, 32, 1000)" in result.stdout
+    card, _, verification = result.stdout.partition("verifying:")   # then the quick verification, in the same run
+    assert "total" in card and "forward" in card
+    assert "MODEL-CAUSAL" in verification and "0 failed" in verification
 
 
 @pytest.mark.parametrize("preset,total", [("gpt2_small", "124,439,808"), ("bert_base", "109,482,240"),
