@@ -1,7 +1,7 @@
 """Tiny Hugging Face decoders at a long max_len (hidden size 64, 2 layers, max_len 4096, random weights, built offline),
 each broken past a length the older draws never reached, with their correct twins: the models issue 25 names.
 
-    pytest properties/ --model tests/scale_models.py:rotary_angles_in_bf16      # must fail (MODEL-SHIFT)
+    pytest properties/ --model tests/scale_models.py:rotary_angles_in_bf16      # must fail (MODEL-SHIFT, -ROTARY-ANGLES)
     pytest properties/ --model tests/scale_models.py:llama_bf16                 # must pass
 
 - rotary_angles_in_bf16: Llama in bfloat16 whose rotary angles are computed in the model's dtype (transformers
@@ -55,6 +55,20 @@ def rotary_angles_in_bf16():
 
 def llama_bf16():
     return hf_subject(_build(t.LlamaForCausalLM, t.LlamaConfig(**POSITIONS_MATTER), torch.bfloat16))
+
+
+def rotary_angles_in_bf16_small_weights():
+    """The same bug at transformers' default initialisation: MODEL-ROTARY-ANGLES reads the table, MODEL-SHIFT's
+    outputs cannot show it."""
+    model = _build(t.LlamaForCausalLM, t.LlamaConfig(**COMMON), torch.bfloat16)
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRotaryEmbedding":
+            module.forward = _angles_in_model_dtype.__get__(module)
+    return hf_subject(model)
+
+
+def llama_bf16_small_weights():
+    return hf_subject(_build(t.LlamaForCausalLM, t.LlamaConfig(**COMMON), torch.bfloat16))
 
 
 def llama():

@@ -19,7 +19,7 @@ import torch
 
 from properties import Subject
 from properties.catalog import scale_bugs
-from properties.model import test_gradients, test_models, test_scale
+from properties.model import test_gradients, test_models, test_rotary, test_scale
 from properties.model.subjects import build_model_under_test
 from properties.model.test_models import PAIR, pinned
 from properties.model.twin import TwinDeparture, pop_notes
@@ -111,6 +111,61 @@ def test_held_out_like_bugs_caught_without_a_reference_twins_pass(bug, twin, cla
         assert caught, f"{bug}: {clause} passed on every pinned case"
         false_alarms = _run_pins(test, build_model_under_test(getattr(models, twin)), pins, **arguments)
     assert not false_alarms, f"{twin}: {false_alarms}"
+
+
+@pytest.mark.parametrize("factory,bug", [("rotary_angles_in_bf16", True), ("rotary_angles_in_bf16_small_weights", True),
+                                         ("llama_bf16", False), ("llama_bf16_small_weights", False)])
+def test_rotary_angles_in_bf16_are_caught_whatever_the_weights(factory, bug, one_thread):
+    """MODEL-ROTARY-ANGLES reads the rotary table itself: the bug is caught at std 0.02, where positions move the
+    logits less than bfloat16 rounds them, as at std 0.2; the correct Llamas pass."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mut = build_model_under_test(getattr(_scale_models(), factory))
+    if not bug:
+        test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
+        return
+    with pytest.raises(AssertionError, match=r"rotary_emb \(LlamaRotaryEmbedding\): (cos|sin) at position \d+.*the "
+                                             r"first position off is \d+: the angles are not computed at full precision"):
+        test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
+
+
+ROPE = {   # correct rotary tables of other forms: scalings that change θ (some by length), partial rotary, pairs
+    "llama-linear": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                        "original_max_position_embeddings": 1024}}),
+    "llama3": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024}}),
+    "llama-dynamic": ("LlamaForCausalLM", "LlamaConfig", {"max_position_embeddings": 1024,
+                                                          "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config", {"original_max_position_embeddings": 1024, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}),
+    "gptneox-partial": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {"rotary_pct": 0.25}),
+    "cohere-interleaved": ("CohereForCausalLM", "CohereConfig", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_correct_rotary_tables_of_other_forms_pass(name, dtype, one_thread):
+    transformers = pytest.importorskip("transformers")
+    model_class, config_class, options = ROPE[name]
+    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 max_position_embeddings=4096, pad_token_id=0)
+    config = getattr(transformers, config_class)(**{**sizes, **options})
+
+    def factory():
+        from properties.adapters import hf_subject
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = getattr(transformers, model_class)(config)
+        return hf_subject(model.to(dtype).eval())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mut = build_model_under_test(factory)
+    assert test_rotary.rotary_tables(mut.native.module), f"{name}: no rotary table found"
+    test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
 
 
 # ------------------------------------------------------------------------------ the float64 twin departs

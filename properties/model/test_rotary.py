@@ -1,0 +1,105 @@
+"""MODEL-ROTARY-ANGLES (SPEC.md, "Models"): the rotary tables inside a model hold cos(p·θ) and sin(p·θ) at every
+position it accepts, as a float32 computation of them rounds to the model's dtype.
+
+A rotary angle computed in bfloat16 (transformers #29285) rounds the position itself: past 256 to even numbers,
+past 512 to multiples of 4, so the angle is off by radians. Whether the model's outputs show it depends on its
+weights: at the small random weights of an untrained model (std 0.02) positions move the logits less than bfloat16
+rounds them, and MODEL-SHIFT cannot see the bug. The table can: this clause reads it directly, at every position
+up to max_len, whatever the weights.
+
+The tables found are Hugging Face's form (Llama, Mistral, Qwen, Gemma, GPT-NeoX and most decoders since 2024): a
+module with a tensor ``inv_freq`` of the frequencies θ and ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from properties import clause
+from properties.core.tolerance import unit_roundoff
+from properties.core.watchdog import user_call
+
+# Positions checked: every one below max_len up to DENSE, then DENSE more evenly spaced up to max_len - 1 (a table
+# of 16k positions and 128 columns is 16 MiB in float64; a rounded angle is wrong at most positions past 256).
+DENSE = 8192
+# The float32 computation's roundings, each at most u32 relative: the product p·θ (one rounding, |p·θ| u32 absolute
+# in the angle), cos or sin (libm and CUDA within 2 ulp: 2 u32 of the result's magnitude, at most 1), the product by
+# attention_scaling (u32); then the cast to the output dtype (u_out). Bounded with a factor of 2.
+SLACK = 2
+
+
+def rotary_tables(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every rotary table in Hugging Face's form inside ``module``."""
+    found = []
+    for name, m in module.named_modules():
+        frequencies = getattr(m, "inv_freq", None)
+        if not (isinstance(frequencies, torch.Tensor) and frequencies.dim() == 1 and frequencies.is_floating_point()):
+            continue
+        try:
+            parameters = inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if "position_ids" in parameters:
+            found.append((name or type(m).__name__, m))
+    return found
+
+
+def _expected(positions: torch.Tensor, frequencies: torch.Tensor, columns: int) -> dict[str, torch.Tensor]:
+    """cos and sin of p·θ in float64 for the two column layouts in use: θ repeated as two halves (Llama's
+    ``cat((freqs, freqs))``) or interleaved (GPT-J's ``repeat_interleave``); {layout: angles (P, columns)}."""
+    angles = positions.double()[:, None] * frequencies.double()[None, :]
+    layouts = {"halves": torch.cat((angles, angles), -1), "interleaved": angles.repeat_interleave(2, -1)}
+    return {name: a for name, a in layouts.items() if a.shape[-1] == columns}
+
+
+@clause("MODEL-ROTARY-ANGLES")
+def test_rotary_tables_hold_the_angles_at_every_position(mut):
+    s = mut.native
+    if s.module is None:
+        pytest.skip("Subject.module is None: the suite cannot look inside the model")
+    tables = rotary_tables(s.module)
+    if not tables:
+        pytest.skip("no rotary table in Hugging Face's form (a tensor inv_freq, forward(x, position_ids) -> (cos, sin))")
+    dtype = next((p.dtype for p in s.module.parameters() if p.is_floating_point()), torch.float32)
+    last = s.max_len - 1
+    positions = torch.cat([torch.arange(min(s.max_len, DENSE)),
+                           torch.linspace(min(last, DENSE), last, DENSE).round().long()]).unique()
+    for name, table in tables:
+        x = torch.zeros(1, 1, 1, dtype=dtype, device=mut.device)
+        ids = positions[None].to(mut.device)
+        with torch.no_grad(), user_call(f"model {name} ({type(table).__name__})", f"its rotary table at positions "
+                                                                                  f"0-{last}"):
+            cos, sin = table(x, ids)
+        # read after the call: dynamic scalings (NTK, YaRN, LongRoPE) choose θ from the length they were called with
+        frequencies = table.inv_freq.detach().to("cpu", torch.float64)
+        scaling = float(getattr(table, "attention_scaling", 1.0) or 1.0)
+        observed = {"cos": cos.detach().to("cpu", torch.float64).reshape(len(positions), -1),
+                    "sin": sin.detach().to("cpu", torch.float64).reshape(len(positions), -1)}
+        layouts = _expected(positions, frequencies, observed["cos"].shape[-1])
+        if not layouts:
+            pytest.skip(f"{name}: {observed['cos'].shape[-1]} columns for {len(frequencies)} frequencies: a layout "
+                        f"the suite does not know")
+        u32, u_out = unit_roundoff(torch.float32), unit_roundoff(cos.dtype)
+        worst = None
+        for layout, angles in layouts.items():
+            bound = SLACK * abs(scaling) * (angles.abs() * u32 + 4 * u32 + u_out)
+            errors = {f: (observed[f] - scaling * getattr(torch, f)(angles)).abs() for f in ("cos", "sin")}
+            excess = {f: float((e - bound).max()) for f, e in errors.items()}
+            if max(excess.values()) <= 0:
+                break
+            f = max(excess, key=excess.get)
+            row, col = divmod(int((errors[f] - bound).argmax()), angles.shape[-1])
+            off = ((errors["cos"] > bound) | (errors["sin"] > bound)).any(-1)
+            case = (float(errors[f][row, col]), float(bound[row, col]), int(positions[row]), col, f, layout,
+                    float(angles[row, col]), int(positions[off.nonzero()[0, 0]]))
+            worst = case if worst is None or case[0] - case[1] < worst[0] - worst[1] else worst
+        else:
+            error, bound, p, col, f, layout, angle, first = worst
+            raise AssertionError(
+                f"{name} ({type(table).__name__}): {f} at position {p}, column {col} is off by {error:.3e} (bound "
+                f"{bound:.1e}, what a float32 angle p·θ = {angle:.6g} and a cast to "
+                f"{str(cos.dtype).removeprefix('torch.')} may cost; layout '{layout}', the closer of the two); the "
+                f"first position off is {first}: the angles are not computed at full precision (positions or "
+                f"frequencies rounded to the model's dtype?)")
