@@ -91,7 +91,7 @@ class Part:
     def build(self, device, dtype, seed: int, **sizes) -> nn.Module:
         """The part with ``sizes`` (only the keys its node has), in eval mode, parameters from ``seed`` (an example
         whose dtype the device cannot compute in is discarded)."""
-        from zoo.config.builder import instantiate_part
+        from zoo.config.parts import instantiate_part
         require_dtype(str(device), dtype)
         given = {k: v for k, v in sizes.items() if k in self.node}
         with user_call(self.plugin, lambda: describe_args(f"building {self.node.get('_target_', '?')}", (), given)):

@@ -6,24 +6,16 @@ from typing import Sequence
 import torch
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from zoo.config.composition import compose_config, explain_composition_error  # noqa: F401 - their old home
-from zoo.config.schema import OFF_WHEN_NULL, PARTS, torch_dtype
+from zoo.config.parts import instantiate_part  # noqa: F401 - its old home
+from zoo.config.schema import PARTS, torch_dtype
 from zoo.config.sizing import ModelTooLarge, available_memory, check_fits, memory_needed, model_size  # noqa: F401
 
 __all__ = ["compose_config", "instantiate_part", "model_from_config", "build_model", "memory_needed", "available_memory", "check_fits",
            "ModelTooLarge", "model_size"]
-
-
-def instantiate_part(node: DictConfig):
-    """The part's factory: ``instantiate(node)`` without the OFF_WHEN_NULL keys that are null."""
-    unset = [key for key in OFF_WHEN_NULL if key in node and node[key] is None]
-    if not unset:
-        return instantiate(node)
-    values = OmegaConf.to_container(node, resolve=True)
-    return instantiate({key: value for key, value in values.items() if key not in unset})
 
 
 def model_from_config(cfg: DictConfig, *, device=None, dtype=None) -> nn.Module:

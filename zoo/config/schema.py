@@ -28,6 +28,7 @@ from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
 from zoo.config.options import DTYPES, MAX_LAYERS, PARTS, SEED_RANGE  # noqa: F401 - SEED_RANGE importable here
+from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
 from zoo.config.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
@@ -92,12 +93,6 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if hint is str:
         return isinstance(value, str)
     return True  # callables, modules and other rich types are the constructor's to check
-
-
-# Features of a part that are off while null (the attention's FlashAttention options). While null they are not
-# passed to the constructor (zoo.config.builder.instantiate_part), so a replacement class
-# (`attention._target_=...`) written without them still builds; set, they are checked and passed like any key.
-OFF_WHEN_NULL = ("window", "softcap")
 
 
 def _check_part(path: str, node: DictConfig) -> None:
@@ -310,7 +305,6 @@ def _check_zoo_parts_build(cfg: DictConfig) -> None:
     """Each of the zoo's own parts is built once on the meta device (no memory, about a millisecond): what its
     constructor refuses, e.g. an attention.kv_heads that does not divide attention.heads, is one line here rather
     than an error of the whole model's build. A plug-in part is left to its own constructor."""
-    from zoo.config.builder import instantiate_part
 
     for part in PARTS:
         node = cfg[part]

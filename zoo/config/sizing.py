@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zoo.config.device_memory import available_memory
 from zoo.config.errors import ConfigError
+from zoo.config.parts import instantiate_part
 from zoo.config.options import DTYPES, PARTS
 from zoo.config.plugins import PluginError, locate
 
@@ -169,7 +170,6 @@ def _part(cfg: DictConfig, role: str, dtype: torch.dtype, estimated: list) -> tu
             transient = arguments["max_len"] * arguments["d_model"] * 12
         return formulas[cls](arguments, card_part), transient
     try:  # a part of your own: one instance on the meta device, O(1) of the layer count
-        from zoo.config.builder import instantiate_part
         with torch.device("meta"):
             module = instantiate_part(node)(device="meta", dtype=dtype)
         tensors = [*module.parameters(), *module.buffers()]
