@@ -45,12 +45,16 @@ def _angles_in_model_dtype(self, x, position_ids):
 POSITIONS_MATTER = dict(COMMON, initializer_range=0.2)
 
 
-def rotary_angles_in_bf16():
-    model = _build(t.LlamaForCausalLM, t.LlamaConfig(**POSITIONS_MATTER), torch.bfloat16)
+def _angles_in_bf16(config):
+    model = _build(t.LlamaForCausalLM, t.LlamaConfig(**config), torch.bfloat16)
     for module in model.modules():
         if type(module).__name__ == "LlamaRotaryEmbedding":
             module.forward = _angles_in_model_dtype.__get__(module)
     return hf_subject(model)
+
+
+def rotary_angles_in_bf16():
+    return _angles_in_bf16(POSITIONS_MATTER)
 
 
 def llama_bf16():
@@ -60,11 +64,7 @@ def llama_bf16():
 def rotary_angles_in_bf16_small_weights():
     """The same bug at transformers' default initialisation: MODEL-ROTARY-ANGLES reads the table, MODEL-SHIFT's
     outputs cannot show it."""
-    model = _build(t.LlamaForCausalLM, t.LlamaConfig(**COMMON), torch.bfloat16)
-    for module in model.modules():
-        if type(module).__name__ == "LlamaRotaryEmbedding":
-            module.forward = _angles_in_model_dtype.__get__(module)
-    return hf_subject(model)
+    return _angles_in_bf16(COMMON)
 
 
 def llama_bf16_small_weights():
