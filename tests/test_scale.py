@@ -168,6 +168,27 @@ def test_correct_rotary_tables_of_other_forms_pass(name, dtype, one_thread):
     test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
 
 
+class _MultimodalRotary(torch.nn.Module):
+    """inv_freq and forward(x, position_ids), but position ids of shape (3, B, L), as Qwen2-VL's."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4))
+
+    def forward(self, x, position_ids):
+        if position_ids.dim() != 3:
+            raise ValueError("expected position_ids of shape (3, batch, length)")
+        return position_ids, position_ids
+
+
+def test_a_rotary_table_of_another_form_is_skipped_not_failed():
+    from types import SimpleNamespace
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _MultimodalRotary())
+    mut = SimpleNamespace(native=SimpleNamespace(module=model, max_len=16), device="cpu")
+    with pytest.raises(pytest.skip.Exception, match="not in Hugging Face's text form.*ValueError: expected position_ids"):
+        test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
+
+
 # ------------------------------------------------------------------------------ the float64 twin departs
 class _NanInFloat64(torch.nn.Module):
     """Correct in float32; in float64 (its twin) every output is NaN, as a float32 softmax of finfo(float64).min
