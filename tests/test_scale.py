@@ -70,12 +70,17 @@ def test_scale_bugs_shifted_positions_exact_below_their_threshold(one_thread):
 
 
 # --------------------------------------------------------------- held-out-like Hugging Face models at 4096
-def _scale_models():
+def _hf_file(path: str):
+    """The module at ROOT/path, which builds Hugging Face models (skipped without transformers)."""
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'transformer-zoo[hf]')")
-    spec = importlib.util.spec_from_file_location("_scale_models", ROOT / "tests" / "scale_models.py")
+    spec = importlib.util.spec_from_file_location(f"_{Path(path).stem}", ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _scale_models():
+    return _hf_file("tests/scale_models.py")
 
 
 def _run_pins(test, mut, pins, **arguments) -> list[str]:
@@ -129,43 +134,18 @@ def test_rotary_angles_in_bf16_are_caught_whatever_the_weights(factory, bug, one
         test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
 
 
-ROPE = {   # correct rotary tables of other forms: scalings that change θ (some by length), partial rotary, pairs
-    "llama-linear": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
-    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                                        "original_max_position_embeddings": 1024}}),
-    "llama3": ("LlamaForCausalLM", "LlamaConfig", {"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 1024}}),
-    "llama-dynamic": ("LlamaForCausalLM", "LlamaConfig", {"max_position_embeddings": 1024,
-                                                          "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
-    "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config", {"original_max_position_embeddings": 1024, "rope_scaling": {
-        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}),
-    "gptneox-partial": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {"rotary_pct": 0.25}),
-    "cohere-interleaved": ("CohereForCausalLM", "CohereConfig", {}),
-}
-
-
-@pytest.mark.parametrize("name", list(ROPE))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-def test_correct_rotary_tables_of_other_forms_pass(name, dtype, one_thread):
-    transformers = pytest.importorskip("transformers")
-    model_class, config_class, options = ROPE[name]
-    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                 max_position_embeddings=4096, pad_token_id=0)
-    config = getattr(transformers, config_class)(**{**sizes, **options})
-
-    def factory():
-        from properties.adapters import hf_subject
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = getattr(transformers, model_class)(config)
-        return hf_subject(model.to(dtype).eval())
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mut = build_model_under_test(factory)
-    assert test_rotary.rotary_tables(mut.native.module), f"{name}: no rotary table found"
-    test_rotary.test_rotary_tables_hold_the_angles_at_every_position(mut=mut)
+def test_correct_rotary_tables_of_many_forms_pass(one_thread, capsys):
+    """examples/rotary_tables.py, every case: rope scalings that change θ (some by length), partial rotary, interleaved
+    pairs, in float32, bfloat16 and float16; GPT-J's fixed table is skipped with the reason."""
+    example = _hf_file("examples/rotary_tables.py")
+    status = example.main([])
+    out = capsys.readouterr().out
+    assert status == 0 and out.rstrip().endswith("0 failure(s)"), out
+    verdicts = [line.split()[2] for line in out.splitlines()[:-1] if "not in this transformers" not in line]
+    assert verdicts.count("skip:") == 3 and verdicts.count("pass") == len(verdicts) - 3, out
+    assert example.main(["llama", "nosuch"]) == 2   # an unknown case: one line, nothing run
+    captured = capsys.readouterr()
+    assert not captured.out and captured.err.count("\n") == 1 and "unknown case(s) ['nosuch']" in captured.err
 
 
 class _MultimodalRotary(torch.nn.Module):
