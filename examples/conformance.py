@@ -95,6 +95,35 @@ def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a wind
                                                       attention_types=[[["global", "local"], 1]], **SPECIAL), dtype)
 
 
+# ------------------------------------------- per-layer windows (MODEL-WINDOW checks each windowed layer alone)
+def gemma3(dtype=F32):   # five sliding layers to one global, as Gemma 3 ships; a window of 4
+    return _build(t.Gemma3ForCausalLM, t.Gemma3TextConfig(**DECODER | dict(num_hidden_layers=3), num_key_value_heads=2,
+                                                          head_dim=8, sliding_window=4, sliding_window_pattern=2,
+                                                          attn_implementation="eager"), dtype)
+
+
+def qwen2_window(dtype=F32):   # max_window_layers=1: layer 0 attends everything, layer 1 a window of 4
+    return _build(t.Qwen2ForCausalLM, t.Qwen2Config(**DECODER, num_key_value_heads=2, use_sliding_window=True,
+                                                    sliding_window=4, max_window_layers=1), dtype)
+
+
+# --------------------------------------------------------- mixture of experts (MODEL-ROUTING; float64 twin eager)
+MOE = dict(DECODER, num_key_value_heads=2, num_experts_per_tok=2)
+
+
+def mixtral(dtype=F32):  # 4 experts, top 2, weights renormalised over the chosen ones (Mixtral's router)
+    return _build(t.MixtralForCausalLM, t.MixtralConfig(**MOE, num_local_experts=4), dtype)
+
+
+def qwen3_moe(dtype=F32):  # norm_topk_prob=False: the chosen experts' softmax probabilities as they are
+    return _build(t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**MOE, num_experts=4, moe_intermediate_size=16, head_dim=8,
+                                                          norm_topk_prob=False), dtype)
+
+
+def olmoe(dtype=F32):
+    return _build(t.OlmoeForCausalLM, t.OlmoeConfig(**MOE, num_experts=4), dtype)
+
+
 # ------------------------------------------------------------------------------------------ encoders
 def bert(dtype=F32):
     return _build(t.BertModel, t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
