@@ -123,6 +123,15 @@ def _scale_bug(name):
     return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
 
 
+_MOE = "properties.catalog.moe_bugs"
+
+
+def _moe_bug(name):
+    """A transformers MoE model whose router gets one line wrong (moe_bugs.py)."""
+    from properties.catalog.moe_bugs import BUGS
+    return Entry(name, "model", BUGS[name], ("MODEL-ROUTING",), "--model", f"{_MOE}:{name}")
+
+
 def _fast(name, *expected):
     """A "fast" model that differs from its reference (differential.reference: the same weights, the zoo's math)."""
     from properties.catalog.differential import BUGS
@@ -272,6 +281,10 @@ CATALOG: list[Entry] = [
     # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
     *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
                                     "alibi_positions_clamped", "position_table_clamped")),
+    # -------------------------------- models whose layers differ, and mixture-of-experts routing (MODEL-WINDOW, ...)
+    _model("local_window_one_more", "a window of 4 that admits 5 keys, in the windowed layers of a model whose "
+           "windowed and global layers alternate (the global ones hide it from the outputs)", "MODEL-WINDOW"),
+    *(_moe_bug(name) for name in ("router_softmax_over_tokens", "renormalized_against_config")),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
@@ -310,6 +323,10 @@ CORRECT: list[Entry] = [
     Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
     Entry("HF-style decoder", "model", "decode_bugs.TinyLM, the model the decode-path bugs vary", (), "--model",
           f"{_DB}:tiny_lm"),
+    Entry("alternating windows", "model", "the tiny zoo decoder, a window of 4 in its even layers and none in its odd "
+          "ones (the model local_window_one_more varies)", (), "--model", f"{_Z}:alternating_windows"),
+    Entry("HF Mixtral", "model", "transformers' Mixtral, 4 experts, top 2 (the model the routing bugs vary)", (),
+          "--model", f"{_MOE}:mixtral"),
     Entry("HF-style decoder at scale", "model", "scale_bugs.ScaleLM in bfloat16, rotary, a window of 16, max_len "
           "1280: the model the at-scale bugs vary", (), "--model", f"{_SB}:scale_lm"),
     Entry("memory_efficient vs math", "model", "the zoo's memory-efficient kernel (16-key blocks) against the math "
