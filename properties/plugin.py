@@ -56,7 +56,7 @@ from zoo.config.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
 from properties.plugin_report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
                                       pytest_sessionfinish)
-from properties.plugin_report import write_coverage
+from properties.plugin_report import write_coverage, write_model_basis
 from properties.plugin_session import pytest_report_header, pytest_unconfigure  # noqa: F401
 from properties.plugin_session import pytest_terminal_summary as _seed_summary
 
@@ -200,6 +200,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write_coverage(terminalreporter)
+    write_model_basis(terminalreporter)
     _seed_summary(terminalreporter, exitstatus, config)
 
 

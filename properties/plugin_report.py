@@ -13,7 +13,7 @@ import pytest
 from properties.core import coverage
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
-from properties.model.twin import pop_notes
+from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -73,6 +73,8 @@ def pytest_runtest_makereport(item, call):
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
+    # Where its comparisons ran: the float64 twin, or the model's own precision and why (model/twin.py).
+    report.precision = pop_precision() if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
     if report.failed and ids:
         clauses = load_clauses()
@@ -117,9 +119,11 @@ def pytest_runtest_logreport(report):
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", ""), "note": ""})
+                                                "resolution": getattr(report, "resolution", ""), "note": "",
+                                                "precision": ""})
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
+    record["precision"] = record["precision"] or getattr(report, "precision", "")
     if getattr(report, "coverage", None):
         record["coverage"] = report.coverage
     if report.failed:
@@ -143,6 +147,54 @@ def write_coverage(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+LACKS = "Subject."   # a model clause skipped because the subject leaves an optional field None ("Subject.X is None")
+
+
+def _reason(why: str) -> str:
+    """A fallback's reason in a few words: the twin gives NaN or inf, raises, or is refused."""
+    if why.startswith("the twin departs"):
+        if "raises " in why:
+            return "the twin raises " + why.split("raises ", 1)[1].split(":")[0]
+        return "the twin gives " + ("NaN" if "NaN" in why else "inf")
+    return why
+
+
+def model_basis(records) -> list[str]:
+    """Per model clause: tests run on the float64 twin, tests in the model's own precision (why), tests skipped
+    because the model lacks a feature. ``records``: the report's records (clauses, level, status, message,
+    precision)."""
+    by_clause: dict[str, dict] = {}
+    for r in records:
+        if r["level"] != "model":
+            continue
+        for cid in r["clauses"]:
+            row = by_clause.setdefault(cid, {"twin": 0, "own": {}, "lacks": set()})
+            if r["status"] == "skipped" and r["message"].startswith(LACKS):
+                row["lacks"].add(r["message"].split(":")[0])
+            elif r["status"] != "skipped" and r.get("precision") == ON_TWIN:
+                row["twin"] += 1
+            elif r["status"] != "skipped" and r.get("precision"):
+                why = _reason(r["precision"].split(": ", 1)[-1])
+                row["own"][why] = row["own"].get(why, 0) + 1
+    lines = []
+    for cid, row in sorted(by_clause.items()):
+        parts = [f"{row['twin']} on the float64 twin"] if row["twin"] or row["own"] else []
+        parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
+        parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        if parts:
+            lines.append(f"{cid}: " + "; ".join(parts))
+    return lines
+
+
+def write_model_basis(terminalreporter) -> None:
+    """What the model clauses' passes rest on (model_basis), at the end of the run."""
+    lines = model_basis(list(_records.values()))
+    if lines:
+        terminalreporter.write_sep("=", "model clauses: float64 twin or own precision; features the model lacks")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_sessionfinish(session):
     path = session.config.getoption("--report-json")
     if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
@@ -151,7 +203,7 @@ def pytest_sessionfinish(session):
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage")}
+             "precision": r["precision"], "coverage": r.get("coverage")}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))
