@@ -124,6 +124,67 @@ def olmoe(dtype=F32):
     return _build(t.OlmoeForCausalLM, t.OlmoeConfig(**MOE, num_experts=4), dtype)
 
 
+def qwen2_moe(dtype=F32):   # a shared expert beside the routed ones, gated by a sigmoid
+    return _build(t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(**MOE, num_experts=4, moe_intermediate_size=16,
+                                                          shared_expert_intermediate_size=16), dtype)
+
+
+# ------------------------------ more decoders as a user builds them: a plain hf_subject(model), no keyword
+LLAMA_LIKE = dict(DECODER, num_key_value_heads=2)
+
+
+def qwen3(dtype=F32):       # q/k norms, layer_types all full attention
+    return _build(t.Qwen3ForCausalLM, t.Qwen3Config(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def olmo2(dtype=F32):       # norms after attention and MLP, q/k norms
+    return _build(t.Olmo2ForCausalLM, t.Olmo2Config(**LLAMA_LIKE), dtype)
+
+
+def stablelm(dtype=F32):    # partial rotary (25% of each head), LayerNorm
+    return _build(t.StableLmForCausalLM, t.StableLmConfig(**LLAMA_LIKE), dtype)
+
+
+def granite(dtype=F32):     # embedding, residual, attention and logit multipliers
+    return _build(t.GraniteForCausalLM, t.GraniteConfig(**LLAMA_LIKE), dtype)
+
+
+def cohere(dtype=F32):      # parallel attention and MLP, interleaved rotary, logit scale
+    return _build(t.CohereForCausalLM, t.CohereConfig(**LLAMA_LIKE), dtype)
+
+
+def starcoder2(dtype=F32):  # biases, LayerNorm, GELU MLP
+    return _build(t.Starcoder2ForCausalLM, t.Starcoder2Config(**LLAMA_LIKE), dtype)
+
+
+def phi3(dtype=F32):        # fused qkv and gate_up projections
+    return _build(t.Phi3ForCausalLM, t.Phi3Config(**LLAMA_LIKE), dtype)
+
+
+def gemma(dtype=F32):       # embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, GeGLU
+    return _build(t.GemmaForCausalLM, t.GemmaConfig(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def glm(dtype=F32):         # partial interleaved rotary
+    return _build(t.GlmForCausalLM, t.GlmConfig(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def cohere2(dtype=F32):     # sliding layers and a global one every 4th (layer_types), a window of 4
+    return _build(t.Cohere2ForCausalLM, t.Cohere2Config(**LLAMA_LIKE | dict(num_hidden_layers=4), sliding_window=4),
+                  dtype)
+
+
+def olmo3(dtype=F32):       # sliding and full layers (layer_types), a window of 4
+    return _build(t.Olmo3ForCausalLM, t.Olmo3Config(**LLAMA_LIKE | dict(num_hidden_layers=4), sliding_window=4),
+                  dtype)
+
+
+def xglm(dtype=F32):        # fairseq's sinusoidal positions, a table that regrows past max_len
+    return _build(t.XGLMForCausalLM, t.XGLMConfig(vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2,
+                                                  attention_heads=4, max_position_embeddings=DECODER_LEN, **SPECIAL),
+                  dtype)
+
+
 # ------------------------------------------------------------------------------------------ encoders
 def bert(dtype=F32):
     return _build(t.BertModel, t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -59,6 +59,13 @@ def _rotary(model) -> tuple[bool, bool]:
     return bool(rotary), any(isinstance(getattr(m, "embed_positions", None), torch.Tensor) for m in rotary)
 
 
+def _regrows(model) -> bool:
+    """A position table that grows to whatever length forward reaches (fairseq's sinusoidal tables, kept by XGLM,
+    M2M100, FSMT: ``make_weights`` called again past the table's end): positions without a length limit."""
+    return any(callable(getattr(m, "make_weights", None)) and torch.is_tensor(getattr(m, "weights", None))
+               for m in model.modules())
+
+
 def _rope_type(config) -> str:
     """The rotary scaling type (transformers 5: rope_parameters; 4.x: rope_scaling), "default" when none."""
     for name in ("rope_parameters", "rope_scaling"):
@@ -195,7 +202,7 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                            f"{', '.join(LENGTH_NAMES)}); pass max_len=")
     pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
-        extrapolates = (relative and not tabulated) or (False if positional else None)
+        extrapolates = (relative and not tabulated) or _regrows(model) or (False if positional else None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
