@@ -168,17 +168,20 @@ def model_basis(records) -> list[str]:
         if r["level"] != "model":
             continue
         for cid in r["clauses"]:
-            row = by_clause.setdefault(cid, {"twin": 0, "own": {}, "lacks": set()})
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
             if r["status"] == "skipped" and r["message"].startswith(LACKS):
                 row["lacks"].add(r["message"].split(":")[0])
-            elif r["status"] != "skipped" and r.get("precision") == ON_TWIN:
+            elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
                 row["twin"] += 1
+                row["inside"].add(r["precision"].removeprefix(ON_TWIN).strip())
             elif r["status"] != "skipped" and r.get("precision"):
                 why = _reason(r["precision"].split(": ", 1)[-1])
                 row["own"][why] = row["own"].get(why, 0) + 1
     lines = []
     for cid, row in sorted(by_clause.items()):
-        parts = [f"{row['twin']} on the float64 twin"] if row["twin"] or row["own"] else []
+        inside = " ".join(sorted(filter(None, row["inside"])))
+        parts = [f"{row['twin']} on the float64 twin" + (f" {inside}" if inside else "")] if row["twin"] or row["own"] \
+            else []
         parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
         parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
         if parts:

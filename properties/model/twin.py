@@ -49,12 +49,13 @@ def observe(subject, value, what: str) -> None:
 
 
 def pop_precision() -> str:
-    """Where the test just run compared (cleared): ON_TWIN, "own precision: REASON" when an example fell back or
-    the model has no twin, "" for a clause that does not compare on the twin."""
+    """Where the test just run compared (cleared): ON_TWIN (with "(float32 inside)" when the twin computes in
+    float32 somewhere, and is held to float32's tolerance), "own precision: REASON" when an example fell back or the
+    model has no twin, "" for a clause that does not compare on the twin."""
     ran = list(dict.fromkeys(_RAN))
     _RAN.clear()
-    own = [r for r in ran if r != ON_TWIN]
-    return own[0] if own else ON_TWIN if ran else ""
+    own = [r for r in ran if not r.startswith(ON_TWIN)]
+    return own[0] if own else ran[0] if ran else ""
 
 
 def pop_notes() -> list[str]:
@@ -107,7 +108,9 @@ def twin_fallback(test):
         token = _WATCHED.set((mut.precise, departures))
         try:
             result = test(mut, *args, **kwargs)
-            _RAN.append(ON_TWIN)
+            inside = precision_of(mut.precise)   # a twin that computes in float32 inside is held to float32's bound
+            _RAN.append(ON_TWIN + (f" ({str(inside.compute_dtype).removeprefix('torch.')} inside)"
+                                   if inside is not None and inside.own else ""))
             return result
         except (UnsatisfiedAssumption, KeyError):   # rejected examples and bad pins are not verdicts
             raise
