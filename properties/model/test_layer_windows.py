@@ -18,7 +18,7 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
-from properties.model.checks import Batch, model_property, real_tokens, subject_args
+from properties.model.checks import Batch, assert_window_gradient, model_property, real_tokens, subject_args
 from properties.model.scale import SLACK
 from properties.model.test_models import pinned
 from properties.model.twin import observe, twin_fallback
@@ -107,16 +107,12 @@ def test_window_in_each_layer(mut, data):
             (grad,) = torch.autograd.grad((seen["out"] * weights.to(seen["out"]))[:, positions].sum(),
                                           seen["delta"], retain_graph=not attended)
             observe(s, grad, f"gradient through layer {layer}'s attention")
-            g = grad[:, k]
-            assert torch.isfinite(g).all(), f"{what}: the gradient with respect to position {k} is NaN or infinite"
-            if attended:
-                dead = (g == 0).all(-1).nonzero().flatten().tolist()
-                assert not dead, (f"{what}: its outputs at position {k + w - 1} have a gradient of exactly 0 with "
-                                  f"respect to its input at position {k} ({w - 1} back) in sample(s) {dead}: the "
-                                  f"layer does not attend the key W - 1 positions back")
-            else:
-                far = positions.nonzero().flatten().tolist()
-                assert not (g != 0).any(), (f"{what}: its outputs at positions {far[:4]}{'…' if len(far) > 4 else ''} "
-                                            f"(W or more after {k}) have a non-zero gradient with respect to its "
-                                            f"input at position {k} (largest {float(g.abs().max()):.1e}): the layer "
-                                            f"attends a key W or more positions back")
+            far = positions.nonzero().flatten().tolist()
+            assert_window_gradient(
+                grad[:, k], attended, k,
+                lambda dead: (f"{what}: its outputs at position {k + w - 1} have a gradient of exactly 0 with respect "
+                              f"to its input at position {k} ({w - 1} back) in sample(s) {dead}: the layer does not "
+                              f"attend the key W - 1 positions back"),
+                lambda largest: (f"{what}: its outputs at positions {far[:4]}{'…' if len(far) > 4 else ''} (W or "
+                                 f"more after {k}) have a non-zero gradient with respect to its input at position {k} "
+                                 f"(largest {largest:.1e}): the layer attends a key W or more positions back"))

@@ -9,7 +9,6 @@ so only the routing itself says that it is wrong.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from properties import clause
