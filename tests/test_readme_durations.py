@@ -110,3 +110,17 @@ def test_training_targets_table_is_the_report_of_the_recorded_runs():
     table = train_targets_markdown(json.loads(RESULTS.read_text()))
     assert table, "bench/results.json records no training targets (python -m bench.train_targets)"
     assert "\n".join(table).strip() in TRAINING.read_text()
+
+
+def test_benchmark_tables_are_the_report_of_the_recorded_runs():
+    """docs/benchmarks.md's CPU tables and training step table, and docs/training.md's seeds table, are what
+    `python -m bench.report` prints from the JSON (the training step's own introduction is the page's prose)."""
+    from bench.report import markdown
+
+    results = json.loads(RESULTS.read_text())
+    main = markdown(results).split("One attention training step")[0].strip()
+    training = [line for line in markdown(results, "training").splitlines() if line.startswith("|")]
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert main and main in page, "docs/benchmarks.md: run python -m bench.report bench/results.json again"
+    assert training and "\n".join(training) in page
+    assert markdown(results, "seeds").strip() in TRAINING.read_text()
