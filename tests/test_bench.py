@@ -169,7 +169,7 @@ def test_train_targets_records_every_seed_and_device_and_states_only_the_default
     assert targets.main(["reverse", "--seed", "0,2", "--threads", "1", "--out", str(out)]) == 0
     assert targets.main(["reverse", "--seed", "1", "--device", "cuda", "--out", str(out)]) == 0
     assert targets.main(["sort", "--set", "task.steps=2", "--out", str(out)]) == 0
-    assert ran[:2] == [("reverse", None, None, ()), ("reverse", 2, None, ())]  # seed 0: the README's command
+    assert ran[:2] == [("reverse", None, None, ()), ("reverse", 2, None, ())]  # seed 0: the documented command
     results = json.loads(out.read_text())
     assert set(results["train_targets"]) == {"reverse"}  # not seed 2, not cuda, not a run with --set
     assert set(results["train_targets_seeds"]["cpu"]["reverse"]) == {"0", "2"}

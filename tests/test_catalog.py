@@ -108,7 +108,7 @@ def test_correct_implementation_passes(runs, entry):
                                   "properties.catalog.correct:stepwise_attention",
                                   "properties.catalog.correct:flash_attention"])
 def test_example_based_baseline_passes_correct_kernels(spec):
-    # the forward half: its gradient half has documented false alarms (example_based's docstring, README)
+    # the forward half: its gradient half has documented false alarms (example_based's docstring, docs/catalog.md)
     result = example_based.run(spec, gradients=False)
     assert result.cases == len(example_based.GRID) and not result.failures, result.failures[:3]
 
