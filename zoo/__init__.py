@@ -1,7 +1,8 @@
 """transformer-zoo: Transformer parts written with einops, assembled by Hydra configs.
 
-    zoo.nn        the parts and the three model families (kernel, attention, ffn, norm, positional, ...)
-    zoo.config    option lists, schema and checks, the builder from config to model, plug-in loading
+    zoo.plugins   loading user plug-ins by import path (used by zoo.nn, zoo.config and the suite)
+    zoo.nn        the parts and the three model families (kernel, attention, caches, ffn, norm, positional, ...)
+    zoo.config    option lists, schema and checks, the builder from config to model
     zoo.tasks     what `python -m zoo task=NAME` runs (summary, train, generate, verify, compare)
     zoo.io        atomic writes, weight files, training checkpoints
     zoo.interop   weights from and to Hugging Face GPT-2 / BERT and torch.nn.Transformer

@@ -73,7 +73,8 @@ def targets_suite(config) -> bool:
     an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
     and profiles."""
     from pathlib import Path
-    suite = Path(__file__).resolve().parent
+
+    from properties.core.levels import SUITE_DIR as suite
     for arg in config.args:
         name = arg.split("::")[0]
         if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):

@@ -27,15 +27,13 @@ from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
-from zoo.config.options import DTYPES, MAX_LAYERS, PARTS, SEED_RANGE  # noqa: F401 - SEED_RANGE importable here
+from zoo.config.options import DTYPES, MAX_LAYERS, PARTS
 from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
 from zoo.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
-from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
-                                     TrainTask, VerifyTask)
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
-           "integral_overrides", "MAX_LAYERS", "SEED_RANGE", "check_seed"]
+           "integral_overrides", "MAX_LAYERS", "check_seed"]
 
 
 @dataclass
