@@ -1,6 +1,6 @@
-"""Which dtypes a run checks (``--dtype``), which a device computes in, and whether a device is usable here: read by the
-strategies, which draw them, by the kernel limits (kernel/limits.py), which probe and steer into them, and by the plug-in
-and the model subjects, which skip a --device this machine lacks."""
+"""Which dtypes a run checks (``--dtype``), which a device computes in, and whether a device is usable here: read
+by the strategies, which draw them, by the kernel limits (kernel/limits.py), which probe and steer into them, and
+by the plug-in and the model subjects, which skip a --device this machine lacks."""
 from __future__ import annotations
 
 import functools

@@ -6,8 +6,8 @@ from importlib.resources import files
 
 import torch
 
-__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS", "MAX_LAYERS", "SEED_RANGE", "SEQUENCE_TASKS", "LABEL_TASKS",
-           "DATA_TASKS"]
+__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS", "MAX_LAYERS", "SEED_RANGE", "SEQUENCE_TASKS",
+           "LABEL_TASKS", "DATA_TASKS"]
 
 PARTS = ("attention", "ffn", "norm", "pos")  # the config groups a model is assembled from
 # The deepest stack a config may ask for. Each layer is a dozen torch modules built one at a time (a millisecond
