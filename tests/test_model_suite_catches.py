@@ -144,7 +144,7 @@ def test_bad_unused_parameters_are_one_clear_error(value, words):
 
 def test_summary_says_what_each_model_clause_rests_on():
     # Per clause: tests on the float64 twin, in the model's own precision and why, skipped for a missing feature.
-    from properties.plugin_report import model_basis
+    from properties.plugin.report import model_basis
     record = dict(level="model", message="", clauses=["MODEL-BATCH"])
     records = [record | dict(status="passed", precision="float64 twin"),
                record | dict(status="passed", precision="own precision: the twin departs (NaN in its forward)"),

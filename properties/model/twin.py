@@ -29,7 +29,7 @@ from properties.model.precision import precision_of
 __all__ = ["twin_fallback", "observe", "pop_notes", "pop_precision", "TwinDeparture", "ON_TWIN", "OWN"]
 
 _WATCHED: ContextVar[tuple | None] = ContextVar("twin_watched", default=None)   # (twin subject, departures list)
-_NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin_report.py)
+_NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin/report.py)
 _RAN: list[str] = []     # where each example of the test being run compared: ON_TWIN, or OWN + the reason
 ON_TWIN = "float64 twin"
 OWN = "own precision"
