@@ -290,3 +290,75 @@ def bart_bf16():
 
 def marian_bf16():
     return marian(BF16)
+
+
+def gemma3_bf16():
+    return gemma3(BF16)
+
+
+def qwen2_window_bf16():
+    return qwen2_window(BF16)
+
+
+def mixtral_bf16():
+    return mixtral(BF16)
+
+
+def qwen3_moe_bf16():
+    return qwen3_moe(BF16)
+
+
+def olmoe_bf16():
+    return olmoe(BF16)
+
+
+def qwen2_moe_bf16():
+    return qwen2_moe(BF16)
+
+
+def qwen3_bf16():
+    return qwen3(BF16)
+
+
+def olmo2_bf16():
+    return olmo2(BF16)
+
+
+def stablelm_bf16():
+    return stablelm(BF16)
+
+
+def granite_bf16():
+    return granite(BF16)
+
+
+def cohere_bf16():
+    return cohere(BF16)
+
+
+def starcoder2_bf16():
+    return starcoder2(BF16)
+
+
+def phi3_bf16():
+    return phi3(BF16)
+
+
+def gemma_bf16():
+    return gemma(BF16)
+
+
+def glm_bf16():
+    return glm(BF16)
+
+
+def cohere2_bf16():
+    return cohere2(BF16)
+
+
+def olmo3_bf16():
+    return olmo3(BF16)
+
+
+def xglm_bf16():
+    return xglm(BF16)
