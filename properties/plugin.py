@@ -20,6 +20,9 @@ Options (``pytest properties/ --help``, group "spec properties"):
                           the limits of an SDPA kernel (with --dtype): the draws stay inside them
                           (properties/core/limits.py; a kernel may also decline problems as it meets them)
   --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
+  --deterministic, --batch-invariant
+                          declared contracts: bitwise-equal repeats; a sequence's result independent of its batch
+                          (properties/core/contracts.py; their clauses are skipped without the option)
   --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
                           exits, crashes or hangs is reported in one line (properties/plugin_watchdog.py)
 
@@ -36,7 +39,7 @@ import sys
 import pytest
 import torch
 
-from properties.core import coverage, limits, watchdog
+from properties.core import contracts, coverage, limits, watchdog
 from properties.core.watchdog import CallTimeout, user_call
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
@@ -96,6 +99,7 @@ def pytest_addoption(parser):
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
     limits.add_options(group)
+    contracts.add_options(group)
     plugin_watchdog.add_options(group)
     subjects.add_options(parser)
     reference.add_options(parser)
@@ -264,6 +268,7 @@ def pytest_collection_modifyitems(config, items):
         if isinstance(kernel, GuardedKernel) and device is not None and kernel.limits(device).unusable:
             item.add_marker(pytest.mark.skip(reason=f"kernel {kernel.name} declines every problem on {device} "
                                                     f"(not covered): {kernel.limits(device).unusable}"))
+    contracts.skip_undeclared(config, mine, clause_ids)   # --deterministic, --batch-invariant
     levels = _levels_selected(config)
     deselected = [item for item in mine if level_of(item) not in levels]
     if deselected:
