@@ -1,0 +1,43 @@
+"""The declared contracts (--deterministic, --batch-invariant; SPEC.md "Declared contracts") on correct kernels, and
+the repeats rule (SPEC.md "Repeats") on a kernel whose sums vary in order. The broken kernels that fail the
+contracts are catalog entries (tests/test_catalog.py)."""
+from __future__ import annotations
+
+import pytest
+
+from properties.catalog import Entry
+from properties.catalog.run import run_entry
+
+CONTRACTS = ("KERNEL-DETERMINISTIC", "KERNEL-BATCH-INVARIANT")
+FLAGS = ("--deterministic", "--batch-invariant")
+
+
+def _passes(spec: str, clauses, extra=()) -> None:
+    run = run_entry(Entry(spec, "kernel", spec, (), "--kernel", spec, extra), clauses=clauses, seed=0)
+    failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
+    ran = {t["clause"] for t in run.rows if t["status"] == "passed"}
+    assert run.returncode == 0 and not failures, f"{spec}: {failures}\n{run.output[-3000:]}"
+    assert ran == set(clauses), f"{spec}: passed {sorted(ran)}, expected {clauses}\n{run.output[-3000:]}"
+    return run
+
+
+@pytest.mark.parametrize("spec", ["torch.nn.functional:scaled_dot_product_attention", "math",
+                                  "properties.catalog.contract_bugs:batch_invariant_attention"])
+def test_correct_kernels_keep_both_contracts(spec):
+    _passes(spec, CONTRACTS, FLAGS)
+
+
+def test_contracts_are_skipped_unless_declared():
+    run = run_entry(Entry("math", "kernel", "", (), "--kernel", "math"), clauses=CONTRACTS, seed=0)
+    assert run.returncode == 0 and run.rows and all(r["status"] == "skipped" for r in run.rows), run.output[-2000:]
+    messages = {r["message"] for r in run.rows if "cuda" not in r["nodeid"]}
+    assert messages == {f"a declared contract: run with {flag} to check it" for flag in FLAGS}, messages
+
+
+def test_varying_order_is_no_leak():
+    """An accurate kernel whose sums vary in order passes the clauses that compare two calls, within the bound where
+    its repeats differ, and the coverage says so."""
+    run = _passes("properties.catalog.contract_bugs:atomic_order_attention",
+                  ("MASK-NO-INFLUENCE", "CAUSAL-NO-FUTURE", "DROPOUT-OFF"))
+    compared = [r["coverage"].get("comparisons", {}) for r in run.rows if r["coverage"]]
+    assert any(any(how.startswith("within") for how in c) for c in compared), compared
