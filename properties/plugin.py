@@ -11,6 +11,7 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --fully-masked P        zeros (default), nan, mean or any: what a query with no admissible key must output
   --finfo-min-rows R      softmax (default) or masked: a float-mask row of finfo.min (MASK-LOW-PRECISION)
   --report-json PATH      write one record per (test, clause) for every test run
+  --repro-dir DIR         a standalone script per failing clause, DIR/<clause>-<n>.py (properties/core/repro.py)
   --kernel-api API        sdpa (default), flash, flash-varlen or flash-kvcache: the calling convention of
                           --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
                           API and no --kernel, the zoo's own kernels of that API (flash: all three)
@@ -51,7 +52,7 @@ from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
 from properties.core.flash import set_window_right_below_lk
 from properties.core.flash_guard import KERNEL_APIS, kernel_params
-from properties.plugin_report import clause_ids, configure_report
+from properties.plugin_report import clause_ids, configure_report, configure_reproducers, write_reproducers
 from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable, targets_suite
 from properties import plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
 from zoo.nn.kernel import KERNELS, resolve_kernel
@@ -92,6 +93,9 @@ def pytest_addoption(parser):
                          "PyTorch's memory-efficient CUDA kernel; MASK-LOW-PRECISION)")
     group.addoption("--report-json", metavar="PATH",
                     help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
+    group.addoption("--repro-dir", metavar="DIR",
+                    help="write DIR/<clause>-<n>.py for each failing clause: a script that needs only torch and the "
+                         "code under test, exits 1 while the failure is there and 0 once it is fixed")
     group.addoption("--kernel-api", choices=KERNEL_APIS, default="sdpa",
                     help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's "
                          "flash, flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")
@@ -141,6 +145,7 @@ def _loading(spec: str) -> str:
 def _configure(config):
     configure_session(config)
     configure_report(config)
+    configure_reproducers(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
         config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
@@ -204,6 +209,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write_coverage(terminalreporter)
+    write_reproducers(terminalreporter)
     _seed_summary(terminalreporter, exitstatus, config)
 
 

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from properties.core import coverage
+from properties.core import coverage, repro
+from properties.core.repro import flat_index
 from properties.core.assertions import assert_identical, assert_within
 
 __all__ = ["bitwise_equal", "assert_unchanged", "BITWISE", "WITHIN_BOUND"]
@@ -33,20 +34,29 @@ REPEATS = 8   # repeats of a call before it counts as bitwise repeatable (only a
 
 def assert_unchanged(actual: torch.Tensor, expected: torch.Tensor, again: Callable[[], torch.Tensor],
                      select: Callable[[torch.Tensor], torch.Tensor], bound: Callable[[], torch.Tensor], *,
-                     what: str, reference: str, note: str = "") -> None:
+                     what: str, reference: str, note: str = "", subject: str = "", calls: tuple = ()) -> None:
     """select(actual) equals select(expected) bitwise, unless the call that gave ``expected`` does not repeat
     bitwise: ``again()`` reruns it (up to REPEATS times, only once the two differ); if a rerun differs from
     ``expected``, the comparison is within ``bound()`` instead (each output within the oracle's bound of the same
     float64 value, so the two within twice that bound). The coverage records which comparison decided."""
     __tracebackhide__ = True
+    index = flat_index(actual.shape, select)
     if bitwise_equal(select(actual), select(expected)):
         coverage.compared(BITWISE)
         return
+    # calls: the inputs of the call that gave ``expected`` and of the one that gave ``actual`` (--repro-dir)
+    evidence = dict(subject=subject, device=str(actual.device), what=what, reference=reference, first=calls[0],
+                    second=calls[-1], index_first=index, index_second=index) if calls else None
     if all(bitwise_equal(again(), expected) for _ in range(REPEATS)):
         coverage.compared(BITWISE)
+        if evidence:
+            repro.record("two-calls", **evidence, bitwise=True)
         assert_identical(select(actual), select(expected), what=what, reference=reference,
                          note=f"{note} ({REPEATS} repeats of the first call agreed with it bitwise)")
         return
     coverage.compared(WITHIN_BOUND)
-    assert_within(select(actual), select(expected), bound(), what=what, reference=reference,
+    within = bound()
+    if evidence:
+        repro.record("two-calls", **evidence, bitwise=False, bound=within)
+    assert_within(select(actual), select(expected), within, what=what, reference=reference,
                   note=f"{note} (two identical calls differed, so the comparison is within the bound, not bitwise)")

@@ -57,7 +57,9 @@ def test_outputs_ignore_later_keys_and_values(kernel, device, case, adversarial,
                      lambda: 2 * output_bound(softmax_bounds(q, k, v, is_causal=True,
                                                              causal_alignment=causal_alignment), v)[..., blind, :],
                      what=f"out after changing keys/values at positions >= {cut}", reference="out before",
-                     note=f"; rows {torch.nonzero(blind).flatten().tolist()} admit only keys < {cut}")
+                     note=f"; rows {torch.nonzero(blind).flatten().tolist()} admit only keys < {cut}",
+                     subject=kernel.name, calls=(dict(query=q, key=k, value=v, is_causal=True),
+                                                 dict(query=q, key=k2, value=v2, is_causal=True)))
 
 
 @clause("CAUSAL-ZERO-ABOVE")

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from properties import clause
+from properties.core import repro
 from properties.core.assertions import assert_identical
 from properties.core.strategies import cases, gaussian, on, random_bool_mask, with_pinned_cases
 
@@ -53,6 +54,12 @@ def test_repeated_calls_are_bitwise_equal(kernel, device, case, flavor):
                                                       gaussian(case.generator(4), *case.lead, case.s + 2, case.ev)))
     kernel(oq, ok, ov, is_causal=flavor != "causal")
     second, second_grads = _forward_backward(kernel, q, k, v, upstream, contract)
+    every = torch.arange(first.numel())
+    repro.record("two-calls", subject=kernel.name, device=str(device), what=f"out of the second call ({flavor})",
+                 reference="the first call", first=dict(query=q, key=k, value=v, **contract),
+                 second=dict(query=q, key=k, value=v, **contract), index_first=every, index_second=every,
+                 bitwise=True, upstream=upstream if first_grads else None,
+                 between=[dict(query=oq, key=ok, value=ov, is_causal=flavor != "causal")])
     assert_identical(second, first, what=f"out of the second call ({flavor})", reference="out of the first call",
                      note="; a call on another problem ran between them")
     for name in first_grads:
@@ -80,6 +87,13 @@ def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case, batch, p
     batched = [torch.cat([o[:position], t, o[position + 1:]]) for o, t in zip(others, (q, k, v))]
     mine = {name: m[position:position + 1] for name, m in contract.items() if name == "attn_mask"}
     alone = kernel(q, k, v, **{**contract, **mine})
-    in_batch = kernel(*batched, **contract)[position:position + 1]
+    out = kernel(*batched, **contract)
+    in_batch = out[position:position + 1]
+    repro.record("two-calls", subject=kernel.name, device=str(device), what=f"rows of the sequence at position "
+                 f"{position} of a batch of {batch} ({flavor})", reference="its rows computed alone",
+                 first=dict(query=q, key=k, value=v, **contract, **mine),
+                 second=dict(zip(("query", "key", "value"), batched), **contract), bitwise=True,
+                 index_first=torch.arange(alone.numel()),
+                 index_second=repro.flat_index(out.shape, lambda t: t[position:position + 1]))
     assert_identical(in_batch, alone, what=f"rows of the sequence at position {position} of a batch of {batch} "
                      f"({flavor})", reference="its rows computed alone (batch of 1)")

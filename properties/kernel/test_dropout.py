@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from properties import clause
-from properties.core import coverage
+from properties.core import coverage, repro
 from properties.core.assertions import assert_within, fmt
 from properties.core.repeats import BITWISE, WITHIN_BOUND, bitwise_equal
 from properties.core.oracle import to_float64
@@ -64,6 +64,8 @@ def test_dropout_zeroes_weights_with_probability_p(kernel, device, case, p):
     bounds = softmax_bounds(q, k)
     positive = bounds.lower > 0  # weights that are nonzero without dropout (even after rounding)
     w = _on_copies(kernel.weights, COPIES_FOR_RATE, (q, k), p, device, case.seed)
+    repro.record("dropout-rate", subject=kernel.name, device=str(device), query=q, key=k, p=p,
+                 copies=COPIES_FOR_RATE, seed=case.seed, positive=positive)
     check_dropout_rate(w, positive, p)
 
 

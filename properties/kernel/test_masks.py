@@ -92,7 +92,9 @@ def test_masked_keys_and_values_have_no_influence(kernel, device, case, density,
     assert_unchanged(after, before, lambda: to_float64(kernel(q, k, v, attn_mask=attn_mask)), lambda t: t[blind],
                      lambda: 2 * output_bound(softmax_bounds(q, k, v, attn_mask=attn_mask), v)[blind],
                      what=f"out of queries that admit none of the replaced keys ({kind} mask)",
-                     reference="out before the masked keys/values were replaced by huge values")
+                     reference="out before the masked keys/values were replaced by huge values", subject=kernel.name,
+                     calls=(dict(query=q, key=k, value=v, attn_mask=attn_mask),
+                            dict(query=q, key=k2, value=v2, attn_mask=attn_mask)))
 
 
 @clause("MASK-FULLY-MASKED")
