@@ -62,7 +62,7 @@ def on_device(x):
 def oracle(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
            alignment="top-left"):
     """softmax(q k^T scale + mask) v in float64; a query without an admissible key gives 0. Returns (out, no_key)."""
-    q, k, v = (t.detach().double().cpu() for t in (query, key, value))
+    q, k, v = (t.double().cpu() for t in (query, key, value))   # no detach: the gradient reproducers
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
@@ -73,7 +73,7 @@ def oracle(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         allowed = allowed & attn_mask.cpu()
     elif attn_mask is not None:
-        scores = scores + attn_mask.detach().double().cpu()
+        scores = scores + attn_mask.double().cpu()
     scores = scores.masked_fill(~allowed, -math.inf)
     no_key = torch.isinf(scores).all(-1) & (scores < 0).all(-1)
     top = scores.amax(-1, keepdim=True).masked_fill(no_key[..., None], 0)

@@ -91,7 +91,7 @@ def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case, batch, p
     in_batch = out[position:position + 1]
     repro.record("two-calls", subject=kernel.name, device=str(device), what=f"rows of the sequence at position "
                  f"{position} of a batch of {batch} ({flavor})", reference="its rows computed alone",
-                 first=dict(query=q, key=k, value=v, **contract, **mine),
+                 first=dict(query=q, key=k, value=v, **{**contract, **mine}),
                  second=dict(zip(("query", "key", "value"), batched), **contract), bitwise=True,
                  index_first=torch.arange(alone.numel()),
                  index_second=repro.flat_index(out.shape, lambda t: t[position:position + 1]))
