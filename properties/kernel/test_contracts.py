@@ -1,5 +1,5 @@
 """The declared contracts of a kernel (--deterministic, --batch-invariant; skipped unless the run declares them,
-properties/core/contracts.py): bitwise-equal repeats, forward and backward, and a sequence's rows independent of
+properties/plugin/contracts.py): bitwise-equal repeats, forward and backward, and a sequence's rows independent of
 its batch."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import given, strategies as st
 from properties import clause
 from properties.core import repro
 from properties.core.assertions import assert_identical
-from properties.core.strategies import cases, gaussian, on, random_bool_mask, with_pinned_cases
+from properties.core.strategies import gaussian, on, random_bool_mask
+from properties.kernel.cases import cases, with_pinned_cases
 
 FLAVORS = ("plain", "causal", "bool mask", "float mask")   # dropout is left out: its draws differ by design
 

@@ -1,5 +1,5 @@
 """The declared contracts of a model (--deterministic, --batch-invariant; skipped unless the run declares them,
-properties/core/contracts.py): bitwise-equal repeated forward and backward passes, and a prompt's outputs and greedy
+properties/plugin/contracts.py): bitwise-equal repeated forward and backward passes, and a prompt's outputs and greedy
 continuation independent of its batch."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The spec suite's reports (properties/plugin.py calls ``configure_report``): each failure opens with the text of
+"""The spec suite's reports (properties/plugin/__init__.py calls ``configure_report``): each failure opens with the text of
 the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
 message, Hypothesis' counterexample and, for a kernel clause, its coverage (problems run and declined with the reasons
-grouped, the largest L, S and E reached, the dtypes: properties/core/coverage.py), which the terminal summary also
+grouped, the largest L, S and E reached, the dtypes: properties/kernel/coverage.py), which the terminal summary also
 prints.
 """
 from __future__ import annotations
@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from properties.core import coverage, repro
+from properties.kernel import coverage
+from properties.core import repro
+from properties.plugin.repro import reset as reset_reproducers, write as write_reproducer
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.model.twin import pop_notes
@@ -82,7 +84,7 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
         if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
-            report.repro = repro.write(clauses[ids[0]], item.nodeid, _counterexample(report))
+            report.repro = write_reproducer(clauses[ids[0]], item.nodeid, _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
@@ -147,7 +149,7 @@ def pytest_runtest_logreport(report):
 
 
 def write_coverage(terminalreporter) -> None:
-    """The per-clause coverage of the kernel clauses (properties/core/coverage.py) at the end of the run."""
+    """The per-clause coverage of the kernel clauses (properties/kernel/coverage.py) at the end of the run."""
     rows = [{**r, "clauses": r["clauses"]} for r in _records.values() if r.get("coverage")]
     lines = coverage.summary_lines(rows, verbose=terminalreporter.config.getoption("verbose") > 0)
     lines += sorted({r["message"] for r in _records.values()   # kernels that decline every problem on a device
@@ -175,6 +177,7 @@ def configure_reproducers(config) -> None:
         if problem := unwritable(directory):
             raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
     repro.activate(directory, config.getoption("--model", None))
+    reset_reproducers()
 
 
 def pytest_sessionfinish(session):

@@ -5,7 +5,7 @@ must not change it. A kernel that sums in an order that varies from call to call
 to bitwise equality there without being reported as a leak; a kernel whose identical calls do agree bitwise is held
 to it, so that a leak of one ulp through a masked key is still a leak. The clause calls the kernel again on the same
 inputs when the outputs differ: ``assert_unchanged`` compares bitwise where those repeats agree bitwise and within
-the derived bound otherwise, recording which in the clause's coverage (properties/core/coverage.py).
+the derived bound otherwise, recording which in the clause's coverage (properties/kernel/coverage.py).
 """
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Callable
 
 import torch
 
-from properties.core import coverage, repro
+from properties.core import repro
+from properties.kernel import coverage
+from properties.kernel.coverage import BITWISE, WITHIN_BOUND
 from properties.core.repro import flat_index
 from properties.core.assertions import assert_identical, assert_within
 
 __all__ = ["bitwise_equal", "assert_unchanged", "BITWISE", "WITHIN_BOUND"]
 
-BITWISE = "bitwise"
-WITHIN_BOUND = "within the derived bound (repeated calls differed)"
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,13 +1,26 @@
-'''The text of a reproducer (properties/core/repro.py): a header that loads the subject as the run did and holds
+'''The text of a reproducer (properties/core/repro.py writes it through properties/plugin/report.py): a header that loads the subject as the run did and holds
 the float64 oracle in plain torch, then one body per kind of comparison: ``oracle`` (a call against the oracle and
 the clause's bound), ``two-calls`` (two calls compared bitwise or within a bound; forward and, when recorded,
 backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule), ``dropout-rate`` (the statistical test over
 the same number of draws) and ``model`` (two forward passes of a model compared within the clause's tolerance).'''
 from __future__ import annotations
 
+import os
 import textwrap
+from pathlib import Path
 
-__all__ = ["render"]
+import torch
+
+from properties.core import repro
+from zoo.io.atomic import replacing, write_text
+
+__all__ = ["render", "write", "reset"]
+
+_counts: dict[str, int] = {}   # clause -> reproducers written this run
+
+
+def reset() -> None:
+    _counts.clear()
 
 _HEADER = '''\
 #!/usr/bin/env python3
@@ -201,7 +214,7 @@ verdict((diff > DATA["tolerance"]).any(), f"{{WHAT}}: differs by {{float(diff.ma
 
 
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
-    from properties.core.statistics import FALSE_ALARM
+    from properties.kernel.statistics import FALSE_ALARM
     stem = data_file.removesuffix(".pt")
     statement = textwrap.fill(clause.statement, 110, subsequent_indent="    ")
     what, reference = evidence.get("what", "out"), evidence.get("reference", "the first call")
@@ -210,3 +223,40 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
                             data_file=data_file, subject=evidence["subject"], device=evidence.get("device", "cpu"))
     body = _BODIES[evidence["kind"]].format(false_alarm=FALSE_ALARM)
     return header + body
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def _cpu(value):
+    if torch.is_tensor(value):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cpu(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def write(clause, nodeid: str, counterexample: str) -> str | None:
+    """Write the reproducer of the failing test's evidence for ``clause`` (a properties.core.spec.Clause); its path,
+    or None when the test recorded none (a failure outside the comparisons: an exception of the subject, a shape)."""
+    evidence = repro.take()
+    if repro.directory() is None or evidence is None:
+        return None
+    evidence = dict(evidence)
+    if evidence["kind"] == "model":
+        evidence["subject"] = repro.model_spec()
+        if evidence["subject"] is None:   # a zoo family or --zoo: no factory for the script to import
+            return None
+    n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
+    directory = Path(repro.directory())
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"{clause.id}-{n}"
+    data = {k: _cpu(v) for k, v in evidence.items() if k not in ("kind", "subject", "device", "what")}
+    with replacing(directory / f"{stem}.pt") as temporary:
+        torch.save(data, temporary)
+    script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)
+    write_text(directory / f"{stem}.py", script)
+    os.chmod(directory / f"{stem}.py", 0o755)
+    return str(directory / f"{stem}.py")
