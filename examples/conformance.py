@@ -204,11 +204,54 @@ def roberta(dtype=F32):  # positions padding_idx + 1 ... over the real tokens: 1
                   add_pooling_layer=False)
 
 
+# ------------------ encoders whose guesses hf_subject checks against the model itself (properties/adapters/probe.py)
+ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def mpnet(dtype=F32):       # a learned absolute table (counted over real tokens, as RoBERTa's) and relative buckets
+    return _build(t.MPNetForMaskedLM, t.MPNetConfig(**ENCODER, max_position_embeddings=MAX_LEN + 2,
+                                                    pad_token_id=1), dtype)
+
+
+def deberta_v2(dtype=F32):  # absolute positions added to the input and relative attention (c2p, p2c) together
+    return _build(t.DebertaV2ForMaskedLM, t.DebertaV2Config(**ENCODER, max_position_embeddings=MAX_LEN,
+                                                            relative_attention=True, position_biased_input=True,
+                                                            pos_att_type=["p2c", "c2p"], position_buckets=8,
+                                                            type_vocab_size=0, pad_token_id=0), dtype)
+
+
+def longformer(dtype=F32):  # a local window of 2 keys on either side; the global projections unused without globals
+    return _build(t.LongformerForMaskedLM, t.LongformerConfig(**ENCODER, max_position_embeddings=MAX_LEN + 2,
+                                                              attention_window=4, pad_token_id=1), dtype,
+                  subject=dict(unused_parameters="unreached"))
+
+
+def bigbird(dtype=F32):     # full attention; the pooler under the masked-LM head is never called
+    return _build(t.BigBirdForMaskedLM, t.BigBirdConfig(**ENCODER, max_position_embeddings=MAX_LEN,
+                                                        attention_type="original_full", pad_token_id=0), dtype)
+
+
+def squeezebert(dtype=F32):  # grouped 1x1 convolutions for the projections; an unused pooler
+    return _build(t.SqueezeBertForMaskedLM, t.SqueezeBertConfig(**ENCODER, embedding_size=32,
+                                                                max_position_embeddings=MAX_LEN, pad_token_id=0),
+                  dtype)
+
+
+def modernbert(dtype=F32):   # local attention of 8 (4 keys on either side) every other layer, rotary
+    return _build(t.ModernBertForMaskedLM, t.ModernBertConfig(**ENCODER, max_position_embeddings=MAX_LEN,
+                                                              local_attention=8, global_attn_every_n_layers=2,
+                                                              cls_token_id=1, sep_token_id=2, **SPECIAL), dtype)
+
+
 # ---------------------------------------------------------------------------------- encoder-decoders
 def t5(dtype=F32):
     return _build(t.T5ForConditionalGeneration, t.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
         relative_attention_max_distance=MAX_LEN, decoder_start_token_id=0, **SPECIAL), dtype)
+
+
+def m2m100(dtype=F32):      # fairseq's sinusoidal positions that regrow past max_len, on both sides
+    return _build(t.M2M100ForConditionalGeneration, t.M2M100Config(**SEQ2SEQ), dtype)
 
 
 def bart(dtype=F32):
@@ -362,3 +405,31 @@ def olmo3_bf16():
 
 def xglm_bf16():
     return xglm(BF16)
+
+
+def mpnet_bf16():
+    return mpnet(BF16)
+
+
+def deberta_v2_bf16():
+    return deberta_v2(BF16)
+
+
+def longformer_bf16():
+    return longformer(BF16)
+
+
+def bigbird_bf16():
+    return bigbird(BF16)
+
+
+def squeezebert_bf16():
+    return squeezebert(BF16)
+
+
+def modernbert_bf16():
+    return modernbert(BF16)
+
+
+def m2m100_bf16():
+    return m2m100(BF16)

@@ -125,7 +125,8 @@ def test_hf_subject_guesses_what_the_config_says():
         ("encoder_only", True, True, True)
     absolute = _tiny(t.DebertaV2Model, t.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                           num_attention_heads=2, intermediate_size=64,
-                                                          max_position_embeddings=32, relative_attention=True))
+                                                          max_position_embeddings=32, relative_attention=True,
+                                                          pos_att_type=["p2c", "c2p"]))
     assert (absolute.relative_positions, absolute.left_padding) == (False, False)   # position_biased_input
     dynamic = _tiny(t.LlamaForCausalLM, t.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                       num_hidden_layers=1, num_attention_heads=2,

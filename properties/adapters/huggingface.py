@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from properties.adapters.moe import eager_experts_in_float64, routing as moe_routing
+from properties.adapters.probe import absolute_position_tables, reached_parameters
 from properties.core.subject import Subject, SubjectError
 
 __all__ = ["hf_subject", "require_transformers"]
@@ -98,9 +99,10 @@ LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx"
 
 
 def _max_len(config):
-    for name in LENGTH_NAMES:
-        if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
-            return getattr(config, name)
+    for name in LENGTH_NAMES:   # XLNet-style -1 ("no limit") is no length
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     # T5: no table; beyond max_distance all offsets share a bucket, so longer inputs add nothing new.
     return getattr(config, "relative_attention_max_distance", None)
 
@@ -141,9 +143,19 @@ def _attention_modules(model, layers: int | None) -> tuple | None:
     return None
 
 
-def _module_windows(modules) -> tuple[int | None, ...] | None:
+def _half_width(module) -> int | None:
+    """Longformer's local window, an inclusive half-width: its self-attention (``attention.self``) attends
+    ``one_sided_attn_window_size`` keys on either side of the query (config.attention_window // 2)."""
+    return next((m.one_sided_attn_window_size for m in module.modules()
+                 if isinstance(getattr(m, "one_sided_attn_window_size", None), int)), None)
+
+
+def _module_windows(modules, encoder: bool) -> tuple[int | None, ...] | None:
     """The windows the attention modules declare themselves (transformers 5 sets ``sliding_window`` on each layer's
-    attention: the config's window on sliding layers, None on the others), when every module declares one."""
+    attention: the config's window on sliding layers, None on the others), when every module declares one; for an
+    encoder, Longformer's half-width h, which is the window h + 1 (h keys on either side and the query itself)."""
+    if encoder and modules and all(_half_width(m) is not None for m in modules):
+        return tuple(_half_width(m) + 1 for m in modules)
     if not modules or not all(hasattr(m, "sliding_window") for m in modules):
         return None
     windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0 else None
@@ -151,11 +163,39 @@ def _module_windows(modules) -> tuple[int | None, ...] | None:
     return windows if any(w is not None for w in windows) else None
 
 
+def _probe_output(model, kind: str, tokens, mask):
+    """The output of forward as the Subject's forward gives it, for the probe: logits, else the hidden states."""
+    inputs = dict(input_ids=tokens, attention_mask=_long(mask))
+    if kind == "encoder_decoder":
+        inputs.update(decoder_input_ids=tokens, decoder_attention_mask=_long(mask))
+    out = model(**inputs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _unused(model, reached: set[str], declared) -> tuple[str, ...]:
+    """Subject.unused_parameters: the declared ones, and the trainable parameters forward did not reach when they
+    are a pooler's (pooler_output is not what forward returns); any other unreached one stops with one line."""
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    unreached = [name for name in trainable if name not in reached]
+    if declared == "unreached":
+        return tuple(unreached)
+    if isinstance(declared, str):
+        raise SubjectError(f"hf_subject: unused_parameters={declared!r}: expected a tuple of parameter names or "
+                           f"'unreached'")
+    pooler = tuple(n for n in unreached if "pooler" in n.split(".")[:-1] and n not in declared)
+    undeclared = [n for n in unreached if n not in declared and n not in pooler]
+    if undeclared:
+        raise SubjectError(f"hf_subject: forward does not reach {len(undeclared)} of {len(trainable)} parameters "
+                           f"({', '.join(undeclared[:3])}{', ...' if len(undeclared) > 3 else ''}); if it does not "
+                           f"use them by design, pass unused_parameters='unreached' (or their names)")
+    return tuple(declared) + pooler
+
+
 def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, left_padding: bool | None = None,
                max_len: int | None = None, decode: bool = True, positional: bool = True,
                extrapolates: bool | None = None, relative_positions: bool | None = None,
                window: tuple[int | None, ...] | None = None, edges: tuple[int, ...] = (),
-               unused_parameters: tuple[str, ...] = (), attention_modules: tuple | None = None,
+               unused_parameters: tuple[str, ...] | str = (), attention_modules: tuple | None = None,
                routing_top_k: bool | None = None, routing_normalized: bool | None = None) -> Subject:
     """The Subject of a transformers model (already built; put in eval mode here).
 
@@ -172,7 +212,11 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     from sliding_window / layer_types / GPT-Neo's window_size (MODEL-WINDOW). edges: more lengths for the long
     draws (a cache block). decode=False: no decode_step (MODEL-KV-CACHE is then skipped). Models whose forward
     takes position_ids get ``shifted`` (MODEL-SHIFT): the same position ids plus the offset.
-    unused_parameters: names of parameters forward does not use by design (MODEL-GRADIENT leaves them out).
+    unused_parameters: names of parameters forward does not use by design (MODEL-GRADIENT leaves them out), or
+    "unreached": every parameter that a probe forward pass does not reach. The probe (properties/adapters/probe.py)
+    declares an unreached pooler by itself (forward returns the hidden states or a head's logits, not
+    pooler_output) and stops with one line naming the others; a learned absolute position table that it reaches
+    makes the positions absolute, whatever relative bias the config names besides (MPNet).
     attention_modules: each layer's self-attention module (found as ``layers[i].self_attn`` and the like), which
     lets MODEL-WINDOW check each windowed layer alone; the windows the modules declare (``sliding_window``) take
     precedence over the config's. routing_top_k, routing_normalized: the rule of the mixture-of-experts routers
@@ -201,12 +245,19 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length (none of "
                            f"{', '.join(LENGTH_NAMES)}); pass max_len=")
     pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
+    reached = reached_parameters(model, lambda tokens, mask: _probe_output(model, kind, tokens, mask),
+                                 min(8, max_len))
+    if any(name in reached for name in absolute_position_tables(model)):
+        # Positions of two kinds (MPNet: an absolute table added to the input and relative buckets): the absolute
+        # table decides; shifted inputs differ and the table ends at max_len (unless it regrows).
+        relative, tabulated = False, not _regrows(model)
+    unused_parameters = _unused(model, reached, unused_parameters)
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
         extrapolates = (relative and not tabulated) or _regrows(model) or (False if positional else None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
-    window = window if window is not None else _module_windows(found) or _windows(config)
+    window = window if window is not None else _module_windows(found, kind == "encoder_only") or _windows(config)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
                   pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
                   relative_positions=relative if relative_positions is None else relative_positions,
@@ -234,13 +285,10 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
 
         def shifted(tokens, mask, offset):
             return forward(tokens, mask, shifted_positions(tokens, mask, offset))
-        # A base model (no head) gives last_hidden_state; its pooler (BERT's, RoBERTa's) makes pooler_output only.
-        pooled = model is getattr(model, "base_model", model) and getattr(model, "pooler", None) is not None
         return Subject("encoder_only", lambda tokens, mask: forward(tokens, mask), **common,
                        embedding=model.get_input_embeddings(), shifted=shifted if takes_positions else None,
                        left_padding=relative if left_padding is None else left_padding,
-                       unused_parameters=tuple(unused_parameters) + tuple(
-                           n for n, _ in model.named_parameters() if pooled and n.startswith("pooler.")))
+                       unused_parameters=unused_parameters)
 
     if kind == "decoder_only":
         def positions(mask, new):
@@ -258,7 +306,7 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                         **positions(mask, tokens.shape[1]))
             return out.logits, out.past_key_values
         return Subject("decoder_only", forward, **common, embedding=model.get_input_embeddings(),
-                       unused_parameters=tuple(unused_parameters),
+                       unused_parameters=unused_parameters,
                        decode_step=decode_step if decode else None, shifted=shifted if takes_positions else None,
                        left_padding=(takes_positions or relative) if left_padding is None else left_padding)
 
@@ -278,5 +326,5 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     embedding = getattr(model.get_decoder(), "embed_tokens", None)  # BART's, T5's: not the shared module
     return Subject("encoder_decoder", forward, **common,
                    embedding=model.get_input_embeddings() if embedding is None else embedding,
-                   decode_step=decode_step if decode else None, unused_parameters=tuple(unused_parameters),
+                   decode_step=decode_step if decode else None, unused_parameters=unused_parameters,
                    left_padding=relative if left_padding is None else left_padding)

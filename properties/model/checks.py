@@ -190,21 +190,25 @@ def _record_model_comparison(actual, expected, what: str, tol: float) -> None:
 
 @contextmanager
 def embedding_probe(module: torch.nn.Module, tokens: torch.Tensor):
-    """Add a zero leaf `delta` to the output of every call of `module` whose input equals `tokens`.
+    """Add a zero leaf `delta` to the output of every call of `module` whose input equals `tokens`, or starts with
+    them (Longformer pads its input on the right to a multiple of its window before embedding it): delta covers the
+    positions of `tokens` only.
 
     d(output)/d(delta) is then the gradient with respect to those token embeddings; the list
     yielded collects one delta per matching call.
     """
     deltas: list[torch.Tensor] = []
+    length = tokens.shape[-1]
 
     def hook(_module, args, kwargs, output):
         given = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
-        if given is not None and given.shape == tokens.shape and torch.equal(given, tokens) \
-                and torch.is_tensor(output) and output.is_floating_point():
-            delta = torch.zeros_like(output, requires_grad=True)
-            deltas.append(delta)
-            return output + delta
-        return None
+        if given is None or given.shape[:-1] != tokens.shape[:-1] or given.shape[-1] < length \
+                or not torch.equal(given[..., :length], tokens) \
+                or not (torch.is_tensor(output) and output.is_floating_point()):
+            return None
+        delta = torch.zeros_like(output[:, :length], requires_grad=True)
+        deltas.append(delta)
+        return output + torch.cat([delta, torch.zeros_like(output[:, length:])], 1)
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
