@@ -67,3 +67,16 @@ def test_a_length_of_minus_one_is_no_length():
     with pytest.raises(SubjectError, match=r"XLNetConfig names no maximum length .*; pass max_len=$"):
         hf_subject(_model(t.XLNetLMHeadModel, t.XLNetConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2,
                                                               d_inner=64)))
+
+
+def test_a_bidirectional_window_only_the_config_gives_asks_for_its_convention():
+    model = _model(t.ModernBertForMaskedLM, t.ModernBertConfig(**{**ENCODER, "num_hidden_layers": 2},
+                                                                max_position_embeddings=16, local_attention=4,
+                                                                global_attn_every_n_layers=2, cls_token_id=1,
+                                                                sep_token_id=2, pad_token_id=0))
+    assert hf_subject(model).window == (None, 3)   # half-width 2, as the modules declare it: 2 + 1
+    for layer in model.model.layers:   # modules that declare no window: only the config's half-width is left
+        layer.attn.sliding_window = None
+    with pytest.raises(SubjectError, match=r"^hf_subject: ModernBertConfig gives a sliding window for a "
+                                           r"bidirectional stack .*; pass window= \(per layer: .*\)$"):
+        hf_subject(model)

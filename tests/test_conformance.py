@@ -120,7 +120,8 @@ def test_hf_subject_guesses_what_the_config_says():
     deberta = _tiny(t.DebertaV2Model, t.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                          num_attention_heads=2, intermediate_size=64,
                                                          max_position_embeddings=32, relative_attention=True,
-                                                         position_biased_input=False, position_buckets=8))
+                                                         position_biased_input=False, position_buckets=8,
+                                                         pos_att_type=["p2c", "c2p"]))
     assert (deberta.kind, deberta.relative_positions, deberta.left_padding, deberta.extrapolates) == \
         ("encoder_only", True, True, True)
     absolute = _tiny(t.DebertaV2Model, t.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1,

@@ -257,7 +257,14 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
-    window = window if window is not None else _module_windows(found, kind == "encoder_only") or _windows(config)
+    declared = _module_windows(found, kind == "encoder_only")
+    if window is None and declared is None and kind == "encoder_only" and _windows(config) is not None:
+        # transformers' sliding_window counts the W most recent keys of a causal stack; a bidirectional stack's
+        # config may give a half-width instead (ModernBERT's is local_attention // 2; its modules say h + 1).
+        raise SubjectError(f"hf_subject: {type(config).__name__} gives a sliding window for a bidirectional stack "
+                           f"and its attention modules declare none, so whether it counts keys on either side "
+                           f"is unknown; pass window= (per layer: W - 1 keys on either side, or None)")
+    window = window if window is not None else declared or _windows(config)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
                   pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
                   relative_positions=relative if relative_positions is None else relative_positions,
