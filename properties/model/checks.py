@@ -198,6 +198,7 @@ def embedding_probe(module: torch.nn.Module, tokens: torch.Tensor):
     yielded collects one delta per matching call.
     """
     deltas: list[torch.Tensor] = []
+    padded: list[torch.Tensor] = []    # calls on the tokens padded on the right: count only when no exact call
     length = tokens.shape[-1]
 
     def hook(_module, args, kwargs, output):
@@ -206,15 +207,19 @@ def embedding_probe(module: torch.nn.Module, tokens: torch.Tensor):
                 or not torch.equal(given[..., :length], tokens) \
                 or not (torch.is_tensor(output) and output.is_floating_point()):
             return None
-        delta = torch.zeros_like(output[:, :length], requires_grad=True)
-        deltas.append(delta)
-        return output + torch.cat([delta, torch.zeros_like(output[:, length:])], 1)
+        if given.shape == tokens.shape:
+            deltas.append(torch.zeros_like(output, requires_grad=True))
+            return output + deltas[-1]
+        padded.append(torch.zeros_like(output[:, :length], requires_grad=True))
+        return output + torch.cat([padded[-1], torch.zeros_like(output[:, length:])], 1)
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
         yield deltas
     finally:
         handle.remove()
+        # An encoder-decoder's longer source may start with the target tokens (1/64 for one token of 64).
+        deltas.extend([] if deltas else padded)
 
 
 # Half the profile's examples, at least 6: each model example runs whole forward passes and the
