@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["activate", "active", "directory", "model_spec", "record", "clear", "take", "flat_index", "view_index",
-           "observe_call"]
+__all__ = ["activate", "active", "directory", "model_spec", "record", "record_call", "clear", "take", "flat_index",
+           "view_index", "observe_call"]
 
 _state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None}
 
@@ -36,6 +36,15 @@ def record(kind: str, **evidence) -> None:
     """The evidence of the comparison about to be made (kept by reference; only with --repro-dir)."""
     if _state["dir"] is not None:
         _state["evidence"] = {"kind": kind, **evidence}
+
+
+def record_call(subject: str, args: tuple, kwargs: dict, *, shape, nan_rows, first_of_tuple: bool = False) -> None:
+    """A kernel call that broke the calling contract (it raised; its output's shape, dtype or device was wrong; it
+    was not finite outside ``nan_rows``): the reproducer makes the same call and checks the same contract."""
+    if _state["dir"] is not None:
+        _state["evidence"] = {"kind": "call", "subject": subject, "device": str(args[0].device), "args": list(args),
+                              "kwargs": dict(kwargs), "shape": tuple(shape), "nan_rows": nan_rows,
+                              "first_of_tuple": first_of_tuple}
 
 
 def clear() -> None:

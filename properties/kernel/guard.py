@@ -119,14 +119,19 @@ class GuardedKernel:
         if outside:
             self._reject(f"outside the declared limits: {outside}", query, key, value, kwargs)
         try:
-            with user_call(self.plugin, call):
-                out = self.fn(query, key, value, **kwargs)
-        except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
-            reason = decline_reason(exc)
-            if reason is None:
-                raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
-            self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
-        out = check_output(self.name, out, query, value, call, nan_rows)
+            try:
+                with user_call(self.plugin, call):
+                    out = self.fn(query, key, value, **kwargs)
+            except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
+                reason = decline_reason(exc)
+                if reason is None:
+                    raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
+                self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
+            out = check_output(self.name, out, query, value, call, nan_rows)
+        except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
+            repro.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
+                              nan_rows=nan_rows)
+            raise
         coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype)
         return out
 

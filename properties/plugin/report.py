@@ -77,6 +77,7 @@ def pytest_runtest_makereport(item, call):
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
     report.repro = None
+    report.repro_missing = ""
     if call.when == "setup":
         repro.clear()
     if report.failed and ids:
@@ -84,7 +85,8 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
         if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
-            report.repro = write_reproducer(clauses[ids[0]], item.nodeid, _counterexample(report))
+            report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
+                                                                  _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
@@ -93,6 +95,8 @@ def pytest_runtest_makereport(item, call):
             item.user_properties.append(("coverage", json.dumps(report.coverage)))
         if report.repro:
             item.user_properties.append(("repro", report.repro))
+        elif report.repro_missing:
+            item.user_properties.append(("repro_missing", report.repro_missing))
     return report
 
 
@@ -139,6 +143,8 @@ def pytest_runtest_logreport(report):
         record["coverage"] = report.coverage
     if getattr(report, "repro", None):
         record["repro"] = report.repro
+    if getattr(report, "repro_missing", ""):
+        record["repro_missing"] = report.repro_missing
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -163,10 +169,13 @@ def write_coverage(terminalreporter) -> None:
 def write_reproducers(terminalreporter) -> None:
     """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
-    if written:
+    missing = [(nodeid, r["repro_missing"]) for nodeid, r in _records.items() if r.get("repro_missing")]
+    if written or missing:
         terminalreporter.write_sep("=", f"reproducers ({len(written)}; each exits 1 while its failure is there)")
         for ids, path in written:
             terminalreporter.write_line(f"{', '.join(ids)}: python {path}")
+        for nodeid, why in missing:   # never silently missing
+            terminalreporter.write_line(f"no reproducer for {nodeid}: {why}")
 
 
 def configure_reproducers(config) -> None:
@@ -188,7 +197,8 @@ def pytest_sessionfinish(session):
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage"), "repro": r.get("repro")}
+             "coverage": r.get("coverage"), "repro": r.get("repro"),
+             "repro_missing": r.get("repro_missing", "")}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))

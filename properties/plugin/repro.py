@@ -2,7 +2,8 @@
 the float64 oracle in plain torch, then one body per kind of comparison: ``oracle`` (a call against the oracle and
 the clause's bound), ``two-calls`` (two calls compared bitwise or within a bound; forward and, when recorded,
 backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule), ``dropout-rate`` (the statistical test over
-the same number of draws) and ``model`` (two forward passes of a model compared within the clause's tolerance).'''
+the same number of draws), ``model`` (two forward passes of a model compared within the clause's tolerance) and
+``call`` (a call that broke the calling contract: it raised, or its output's shape, dtype, device or finiteness).'''
 from __future__ import annotations
 
 import os
@@ -210,6 +211,29 @@ diff = torch.nan_to_num((second - first).abs(), nan=math.inf)
 verdict((diff > DATA["tolerance"]).any(), f"{{WHAT}}: differs by {{float(diff.max()):.3e}} from {{REFERENCE}} at "
         f"{{int((diff > DATA['tolerance']).sum())}} of {{diff.numel()}} entries (tolerance {{DATA['tolerance']:.3e}})")
 ''',
+    "call": '''
+args = [on_device(x) for x in DATA["args"]]
+kwargs = {{name: on_device(x) for name, x in DATA["kwargs"].items()}}
+try:
+    out = subject(*args, **kwargs)
+except Exception as exc:   # the calling contract: a call inside the kernel's limits returns
+    verdict(True, f"the kernel raised {{type(exc).__name__}}: {{exc}}")
+if DATA["first_of_tuple"] and isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+    out = out[0]   # FlashAttention's API: (out, softmax_lse, ...)
+query, expected = args[0], tuple(DATA["shape"])
+if not torch.is_tensor(out):
+    verdict(True, f"the kernel returned {{type(out).__name__}}, not a tensor")
+if tuple(out.shape) != expected:
+    verdict(True, f"output shape {{tuple(out.shape)}} != expected {{expected}} (query's leading dims, value's last dim)")
+if out.dtype != query.dtype or out.device != query.device:
+    verdict(True, f"output {{out.dtype}} on {{out.device}} != the query's {{query.dtype}} on {{query.device}}")
+finite = torch.isfinite(out).cpu()
+if DATA["nan_rows"] is not None:   # queries the clause allows to come out NaN
+    finite = finite | DATA["nan_rows"][..., None]
+first = tuple(int(i) for i in (~finite).nonzero()[0]) if not finite.all() else None
+verdict(first is not None, f"output is not finite at {{int((~finite).sum())}} of {{finite.numel()}} entries; "
+        f"first at index {{first}}: {{float(out[first]) if first else 0.0}}")
+''',
 }
 
 
@@ -238,17 +262,19 @@ def _cpu(value):
     return value
 
 
-def write(clause, nodeid: str, counterexample: str) -> str | None:
-    """Write the reproducer of the failing test's evidence for ``clause`` (a properties.core.spec.Clause); its path,
-    or None when the test recorded none (a failure outside the comparisons: an exception of the subject, a shape)."""
+def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
+    """Write the reproducer of the failing test's evidence for ``clause`` (a properties.core.spec.Clause) and run it
+    once here: (its path, '') when it exits 1 on the subject that failed, else (None, why no script is left)."""
     evidence = repro.take()
-    if repro.directory() is None or evidence is None:
-        return None
+    if repro.directory() is None:
+        return None, ""
+    if evidence is None:
+        return None, "the failing check records no comparison this writer can rebuild"
     evidence = dict(evidence)
     if evidence["kind"] == "model":
         evidence["subject"] = repro.model_spec()
-        if evidence["subject"] is None:   # a zoo family or --zoo: no factory for the script to import
-            return None
+        if evidence["subject"] is None:
+            return None, "a zoo family or --zoo model: no --model factory for the script to import"
     n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)
@@ -259,4 +285,34 @@ def write(clause, nodeid: str, counterexample: str) -> str | None:
     script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)
     write_text(directory / f"{stem}.py", script)
     os.chmod(directory / f"{stem}.py", 0o755)
-    return str(directory / f"{stem}.py")
+    status, printed = _rehearse(directory / f"{stem}.py")
+    if status == 1:
+        return str(directory / f"{stem}.py"), ""
+    for path in (directory / f"{stem}.py", directory / f"{stem}.pt"):   # a script that does not fail is no reproducer
+        path.unlink(missing_ok=True)
+    _counts[clause.id] -= 1
+    last = printed.strip().splitlines()[-1] if printed.strip() else ""
+    return None, (f"the recorded comparison does not reproduce the failure (its script exited {status}: {last})"
+                  if status == 0 else f"its script could not run here (exit {status}: {last})")
+
+
+def _rehearse(path: Path) -> tuple[object, str]:
+    """Run the script in this process, as `python path` would, leaving the random state as it was: its exit status
+    and what it printed (an exception of the script: its one-line description, status 'error')."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+    printed, argv = io.StringIO(), sys.argv
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), contextlib.redirect_stdout(printed):
+            sys.argv = [str(path)]
+            runpy.run_path(str(path), run_name="__main__")
+        return 0, printed.getvalue()   # a script that ends without verdict(): no departure found
+    except SystemExit as exit_:
+        return exit_.code, printed.getvalue()
+    except Exception as exc:   # noqa: BLE001 -- the script's own failure is reported, not raised into the suite
+        return "error", f"{printed.getvalue()}\n{type(exc).__name__}: {exc}"
+    finally:
+        sys.argv = argv
