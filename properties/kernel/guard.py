@@ -132,6 +132,7 @@ class GuardedKernel:
             repro.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
                               nan_rows=nan_rows)
             raise
+        repro.observe_kernel_call(self.name, query, key, value, kwargs)
         coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype)
         return out
 

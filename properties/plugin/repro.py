@@ -263,14 +263,42 @@ def _cpu(value):
 
 
 def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
-    """Write the reproducer of the failing test's evidence for ``clause`` (a properties.core.spec.Clause) and run it
-    once here: (its path, '') when it exits 1 on the subject that failed, else (None, why no script is left)."""
+    """Write the reproducer of the failing test for ``clause`` (a properties.core.spec.Clause) and run it once here:
+    (its path, '') when it exits 1 on the subject that failed, else (None, why no script is left).  The evidence
+    its comparison recorded comes first; then the test's last kernel call against the float64 oracle."""
     evidence = repro.take()
+    last_call, alignment = repro.take_kernel_call()
     if repro.directory() is None:
         return None, ""
-    if evidence is None:
-        return None, "the failing check records no comparison this writer can rebuild"
-    evidence = dict(evidence)
+    reasons = []
+    for candidate in (evidence, last_call_evidence(last_call, alignment)):
+        if candidate is not None:
+            path, why = _write_one(clause, dict(candidate), nodeid, counterexample)
+            if path:
+                return path, ""
+            reasons += [why] if why not in reasons else []
+    return None, "; ".join(reasons) or "the failing check records no comparison this writer can rebuild"
+
+
+def last_call_evidence(call, alignment: str) -> dict | None:
+    """The oracle check of a test's last kernel call (SDPA API) with ATTN-ORACLE's bound: the reproducer of a clause
+    whose own comparison (two calls related, a rule on the weights) records nothing, kept only where that call
+    departs from the oracle too.  Queries without an admissible key are not compared (their convention varies)."""
+    if call is None:
+        return None
+    subject, query, key, value, kwargs = call
+    if kwargs.get("dropout_p", 0.0):   # a random output has no oracle
+        return None
+    from properties.core.tolerance import output_bound, softmax_bounds
+    query, key, value = (t.detach() for t in (query, key, value))
+    kwargs = {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items() if k != "dropout_p"}
+    bound = output_bound(softmax_bounds(query, key, value, causal_alignment=alignment, **kwargs), value)
+    return {"kind": "oracle", "subject": subject, "device": str(query.device), "bound": bound,
+            "what": "out of the failing test's last kernel call (ATTN-ORACLE's bound)", "alignment": alignment,
+            "inputs": dict(query=query, key=key, value=value, **kwargs), "fully_masked": "any"}
+
+
+def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tuple[str | None, str]:
     if evidence["kind"] == "model":
         evidence["subject"] = repro.model_spec()
         if evidence["subject"] is None:
@@ -292,8 +320,8 @@ def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
         path.unlink(missing_ok=True)
     _counts[clause.id] -= 1
     last = printed.strip().splitlines()[-1] if printed.strip() else ""
-    return None, (f"the recorded comparison does not reproduce the failure (its script exited {status}: {last})"
-                  if status == 0 else f"its script could not run here (exit {status}: {last})")
+    return None, (f"the {evidence['kind']} comparison recorded does not reproduce the failure (its script exited "
+                  f"{status}: {last})" if status == 0 else f"its script could not run here (exit {status}: {last})")
 
 
 def _rehearse(path: Path) -> tuple[object, str]:
