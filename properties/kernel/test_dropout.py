@@ -86,6 +86,8 @@ def test_dropout_leaves_the_expected_output_unchanged(kernel, device, case, p):
     value_range = bounds.reference.output / (1 - p)
     statistical = value_range * hoeffding_halfwidth(COPIES_FOR_MEAN, 1.0, FALSE_ALARM / mean.numel())
     rounding = output_bound(bounds, v, extra_roundings=1, weight_factor=1 / (1 - p))
+    repro.record("dropout-mean", subject=kernel.name, device=str(device), query=q, key=k, value=v, p=p,
+                 copies=COPIES_FOR_MEAN, seed=case.seed, bound=statistical + rounding)
     assert_within(mean, bounds.reference.output, statistical + rounding,
                   what=f"mean over {COPIES_FOR_MEAN} dropout draws (p = {fmt(p)}) of out",
                   reference="oracle without dropout",

@@ -196,6 +196,21 @@ halfwidth = math.sqrt(math.log(2 / {false_alarm!r}) / (2 * count))
 verdict(abs(dropped - p) > halfwidth, f"fraction of dropped weights = {{dropped:.6g}}, dropout_p = {{p:.6g}}: "
         f"|difference| > {{halfwidth:.6g}} (Hoeffding, n = {{count}} weights, false-alarm probability <= {false_alarm:g})")
 ''',
+    "dropout-mean": '''
+# Statistical: the mean over n independent dropout draws is compared with the oracle without dropout; the bound is
+# Hoeffding's at false-alarm probability {false_alarm:g} shared over the coordinates, plus rounding.
+n, p, seed = DATA["copies"], DATA["p"], DATA["seed"]
+query, key, value = (on_device(DATA[name]) for name in ("query", "key", "value"))
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(seed)
+    out = subject(*(t.expand(n, *t.shape).contiguous() for t in (query, key, value)), dropout_p=p)
+mean = out.double().cpu().mean(dim=0)
+expected, _ = oracle(query, key, value)
+excess = torch.nan_to_num((mean - expected).abs() - DATA["bound"], nan=math.inf)
+verdict((excess > 0).any(), f"mean over {{n}} dropout draws (p = {{p:.6g}}) of out departs from the oracle without "
+        f"dropout at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
+        worst(excess, ("mean", mean), ("oracle", expected), ("bound", DATA["bound"].expand_as(mean))))
+''',
     "model": '''
 built = subject()   # the factory, as --model called it
 if isinstance(built, torch.nn.Module):   # a zoo model: its forward is the model, in eval mode
