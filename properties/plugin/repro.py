@@ -211,6 +211,31 @@ verdict((excess > 0).any(), f"mean over {{n}} dropout draws (p = {{p:.6g}}) of o
         f"dropout at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
         worst(excess, ("mean", mean), ("oracle", expected), ("bound", DATA["bound"].expand_as(mean))))
 ''',
+    "dropout-gradient": '''
+# V = I: the output is the realised weight matrix (dropped and rescaled), so the dropout mask the forward drew is
+# read from it, and dQ, dK, dV are compared with the float64 chain rule through that same mask.
+p, contract = DATA["p"], {{name: on_device(x) for name, x in DATA["contract"].items()}}
+query, key = on_device(DATA["query"]), on_device(DATA["key"])
+eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
+leaves = [t.detach().clone().requires_grad_() for t in (query, key, eye.contiguous())]
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(DATA["seed"])
+    out = subject(*leaves, dropout_p=p, **contract)
+grads = torch.autograd.grad(out, leaves, on_device(DATA["upstream"]))
+keep = out.detach().double().cpu() != 0
+leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
+weights, _ = oracle(leaves64[0], leaves64[1], leaves64[2].detach(), **contract)
+expected = (weights * keep / (1 - p)) @ leaves64[2]
+grads64 = torch.autograd.grad(expected, leaves64, DATA["upstream"].double())
+for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):
+    bound = DATA["bound"][name]
+    excess = torch.nan_to_num((grad.double().cpu() - grad64).abs() - bound, nan=math.inf)
+    if (excess > 0).any():
+        verdict(True, f"d{{name}} with dropout departs from the chain rule with the forward's realised mask "
+                f"(p={{p:.3g}}) at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
+                worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64), ("bound", bound.expand_as(grad64))))
+verdict(False, "")
+''',
     "model": '''
 built = subject()   # the factory, as --model called it
 if isinstance(built, torch.nn.Module):   # a zoo model: its forward is the model, in eval mode
