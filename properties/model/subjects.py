@@ -22,7 +22,7 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.plugin_session import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core.subject import Subject, SubjectError, as_subject, load_subject, watched, zoo_subject
+from properties.core.subject import Subject, SubjectError, as_subject, load_subject, moved, watched, zoo_subject
 
 __all__ = ["add_options", "configure", "subject_ids", "model_under_test", "build_model_under_test", "ModelUnderTest",
            "ZOO_TINY"]
@@ -167,7 +167,7 @@ def build_model_under_test(make: Callable[[], Subject], name: str = "model", con
     """The subject ``make()`` returns, its float64 twin (a second call, cast) and what the suite measures of both."""
     native = make()
     device = _device_of(native, config)
-    precise, note = _float64_twin(make, device)
+    precise, note = _float64_twin(make, device, name if config is None else _source_plugin(config, name))
     precise = precise or native
     for subject in {id(native): native, id(precise): precise}.values():
         register_precision(subject, measure_precision(subject, device))
@@ -231,12 +231,18 @@ def _device_of(subject: Subject, config) -> torch.device:
     return _device_dtype(config)[0] if config is not None else torch.device("cpu")
 
 
-def _float64_twin(make: Callable[[], Subject], device: torch.device) -> tuple[Subject | None, str]:
+def _source_plugin(config, key: str) -> str:
+    source = config.stash.get(_KEY, {}).get(key)
+    return source.plugin if source is not None else f"model {key}"
+
+
+def _float64_twin(make: Callable[[], Subject], device: torch.device, plugin: str = "model"
+                  ) -> tuple[Subject | None, str]:
     """A second subject with its module in float64, checked on a tiny input; None if impossible."""
     subject = make()
     if subject.module is None:
         return None, "Subject.module is None: comparisons run in the model's own dtype"
-    subject.module.to(torch.float64)  # floating parameters and buffers only
+    moved(subject.module, plugin, torch.float64)  # floating parameters and buffers only
     tokens = torch.full((1, 2), (subject.pad_id + 1) % subject.vocab_size, dtype=torch.long, device=device)
     mask = torch.ones(1, 2, dtype=torch.bool, device=device)
     try:
