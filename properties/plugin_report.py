@@ -69,6 +69,7 @@ def pytest_runtest_makereport(item, call):
     ids = clause_ids(item) if in_suite(item) else []
     report.level = level_of(item)
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
+    report.subject = _subject(item, report.level) if ids else ""
     mut = getattr(item, "funcargs", {}).get("mut")
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
@@ -79,6 +80,18 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
     return report
+
+
+def _subject(item, level: str | None) -> str:
+    """What a clause test verifies, as the verdict names it: 'kernel NAME', 'model KEY', 'modules' ('' for a test
+    of no subject, such as an SDPA clause's placeholder under a flash API)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if level == "kernel":
+        kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
+        return f"kernel {kernel.name}" if kernel is not None else ""
+    if level == "model":
+        return f"model {params['mut']}" if isinstance(params.get("mut"), str) else ""
+    return "the zoo's modules" if level == "module" else ""
 
 
 _HYPOTHESIS_MARKERS = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # its wordings
@@ -117,7 +130,8 @@ def pytest_runtest_logreport(report):
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", ""), "note": ""})
+                                                "resolution": getattr(report, "resolution", ""), "note": "",
+                                                "subject": getattr(report, "subject", "")})
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
     if getattr(report, "coverage", None):
@@ -143,9 +157,43 @@ def write_coverage(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+def unverified() -> str:
+    """'' when a test of some subject of the run ran (passed or failed); when every one was skipped (each problem
+    declined, each clause skipped, the device absent), one line naming each subject and its most frequent reason.
+    A run that verified one subject and not another passes: its coverage report names what was not covered."""
+    from collections import Counter, defaultdict
+    statuses, reasons = defaultdict(Counter), defaultdict(Counter)
+    for record in _records.values():
+        if record.get("subject"):
+            statuses[record["subject"]][record["status"]] += 1
+            if record["status"] == "skipped":
+                reasons[record["subject"]][record["message"]] += 1
+    if not statuses or any(set(count) != {"skipped"} for count in statuses.values()):
+        return ""
+    parts = []
+    for name, count in statuses.items():
+        reason, _ = reasons[name].most_common(1)[0]
+        reason = reason if len(reason) <= 240 else reason[:237] + "..."
+        parts.append(f"{name}: all {count['skipped']} of its tests skipped ({reason})")
+    return "; ".join(parts)
+
+
+def _nothing_verified(session) -> None:
+    """A run that verified nothing never passes: one line, exit status 5 (pytest's "no tests ran"), unless the run
+    already failed."""
+    line = unverified()
+    if line and session.exitstatus == pytest.ExitCode.OK:
+        import sys
+        sys.stderr.write(f"ERROR: nothing verified for {line}\n")
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller judges and writes
+        return
+    _nothing_verified(session)
     path = session.config.getoption("--report-json")
-    if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
+    if not path:
         return
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,

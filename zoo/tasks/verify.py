@@ -69,7 +69,7 @@ runpy.run_module("pytest", run_name="__main__", alter_sys=True)
 """
 
 PYTEST_STATUS = {0: "all tests passed", 1: "tests failed", 2: "interrupted", 3: "pytest internal error",
-                 4: "pytest usage error", 5: "no tests collected"}
+                 4: "pytest usage error", 5: "no tests collected, or every test skipped: nothing verified"}
 
 
 def _stop(process: subprocess.Popen) -> None:
