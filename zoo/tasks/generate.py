@@ -180,7 +180,7 @@ def generate_task(cfg: DictConfig) -> None:
     saved = saved_config(state, checkpoint, allow_plugins=bool(cfg.get("allow_plugins", False)), device=cfg.device)
     check_fits(saved, device=cfg.device)
     model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, state)
     model.eval()
     data = task_from_config(saved.data)
     if model.kind == "encoder_only":
