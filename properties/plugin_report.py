@@ -23,32 +23,9 @@ _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --repor
 
 
 def _report_path_problem(path: str) -> str | None:
-    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None. The
-    report is written beside PATH and renamed onto it (zoo.io.atomic), so a file is created and removed there now."""
-    import os
-    import tempfile
-    from pathlib import Path
-    if not path.strip():
-        return "the path is empty"
-    try:
-        target = Path(path).absolute()
-        if target.is_dir():
-            return "is a directory"
-        if target.exists() and not target.is_file():   # renaming a report over it would replace a FIFO or device
-            return "is not a regular file (a FIFO, device or socket)"
-        ancestor = next((p for p in target.parents if p.exists()), None)
-        if ancestor is not None and not ancestor.is_dir():
-            return f"{ancestor} is not a directory"
-        if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
-            return f"{ancestor} is not writable"
-        if target.exists() and not os.access(target, os.W_OK):
-            return "is not writable"
-        if ancestor == target.parent:
-            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=f".{target.name[:64]}.", suffix=".probe"):
-                pass
-    except OSError as exc:   # a name too long, a file system that refuses new files (/sys, /proc), ...
-        return exc.strerror or str(exc)
-    return None
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    from zoo.io.atomic import unwritable_file
+    return unwritable_file(path)
 
 
 def configure_report(config) -> None:
