@@ -134,7 +134,26 @@ def _loading(spec: str) -> str:
     return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
 
 
+# Options that shape the kernel clauses only, and their defaults: given where no kernel clause runs, they would be
+# accepted and ignored.
+_KERNEL_ONLY = {"--causal-alignment": "top-left", "--fully-masked": "zeros", "--finfo-min-rows": "softmax",
+                "--window-right-below-lk": False, "--reference-kernel": None,
+                **{name: None for name in limits.LIMIT_OPTIONS}}
+
+
+def _refuse_kernel_options_without_kernels(config) -> None:
+    """A kernel option where no kernel clause runs (--model alone) is a UsageError, not an option ignored."""
+    if "kernel" in _levels_selected(config):
+        return
+    given = [name for name, default in _KERNEL_ONLY.items() if config.getoption(name, default) not in (default, False)]
+    if given:
+        raise pytest.UsageError(f"{', '.join(given)}: {'a kernel option' if len(given) == 1 else 'kernel options'}, "
+                                f"but no kernel clause runs (--model alone checks the model clauses); add --kernel "
+                                f"SPEC to check a kernel, or leave {'it' if len(given) == 1 else 'them'} out")
+
+
 def _configure(config):
+    _refuse_kernel_options_without_kernels(config)
     configure_session(config)
     configure_report(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")

@@ -37,7 +37,7 @@ import time
 import pytest
 
 from properties.core import watchdog
-from properties.core.watchdog import DEFAULT_TIMEOUT, Record
+from properties.core.watchdog import DEFAULT_TIMEOUT, MIN_TIMEOUT, Record
 
 __all__ = ["add_options", "configure"]
 
@@ -55,7 +55,8 @@ def add_options(group) -> None:
     group.addoption("--call-timeout", "--kernel-timeout", dest="call_timeout", default=None, metavar="SECONDS",
                     help=f"time limit for one call of the code under test (a kernel call or its backward pass, a "
                          f"module's or model's forward or decode step, importing a plug-in, a factory); a call past it "
-                         f"fails its test and that code is not called again; 0: no limit; default {DEFAULT_TIMEOUT:g}")
+                         f"fails its test and that code is not called again; 0: no limit, else at least "
+                         f"{MIN_TIMEOUT:g}; default {DEFAULT_TIMEOUT:g}")
 
 
 def _timeout(config) -> float:
@@ -68,6 +69,11 @@ def _timeout(config) -> float:
         seconds = float("nan")
     if not math.isfinite(seconds) or not 0 <= seconds <= 1e6:
         raise pytest.UsageError(f"--call-timeout {text!r}: expected a number of seconds in [0, 1e6] (0: no limit)")
+    if 0 < seconds < MIN_TIMEOUT:   # a limit that stops correct code (importing torch) verifies nothing
+        given = getattr(getattr(config, "invocation_params", None), "args", ())
+        name = "--kernel-timeout" if any(str(a).startswith("--kernel-timeout") for a in given) else "--call-timeout"
+        raise pytest.UsageError(f"{name} {text!r}: expected 0 (no limit) or at least {MIN_TIMEOUT:g} s: "
+                                f"importing a plug-in or a first kernel call takes that long when nothing is wrong")
     return seconds
 
 

@@ -143,4 +143,23 @@ def resolve_kernel(kernel: str | Callable) -> Callable:
     obj = load_object(kernel)
     if not callable(obj):
         raise PluginError(f"kernel {kernel!r} is not callable")
+    problem = _signature_problem(obj)
+    if problem:
+        raise PluginError(f"kernel {kernel!r} {problem}")
     return obj
+
+
+def _signature_problem(fn: Callable) -> str:
+    """Why ``fn`` cannot be called as fn(query, key, value) ('' when it can, or when Python cannot tell: a C function
+    without a signature is left to its first call)."""
+    import inspect
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        signature.bind(0, 0, 0)
+    except TypeError:
+        return (f"cannot be called with the SDPA signature (query, key, value, attn_mask=None, dropout_p=0.0, "
+                f"is_causal=False, scale=None): its signature is {signature}")
+    return ""
