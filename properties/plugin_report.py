@@ -13,6 +13,7 @@ import pytest
 from properties.core import coverage
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
+from properties.core.subject import called_dtypes
 from properties.model.twin import pop_notes
 from zoo.io.atomic import write_text
 
@@ -52,6 +53,8 @@ def pytest_runtest_makereport(item, call):
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
+    # The dtypes the model was called in during this test (its float64 twin's and its own), for the report.
+    report.model_dtypes = called_dtypes() if call.when == "call" and mut is not None else []
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
@@ -108,7 +111,8 @@ def pytest_runtest_logreport(report):
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
                                                 "resolution": getattr(report, "resolution", ""), "note": "",
-                                                "subject": getattr(report, "subject", "")})
+                                                "subject": getattr(report, "subject", ""), "model_dtypes": []})
+    record["model_dtypes"] = sorted(set(record["model_dtypes"]) | set(getattr(report, "model_dtypes", None) or ()))
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
     if getattr(report, "coverage", None):
@@ -176,7 +180,7 @@ def pytest_sessionfinish(session):
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage")}
+             "coverage": r.get("coverage"), "model_dtypes": r["model_dtypes"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))

@@ -21,7 +21,7 @@ from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
 __all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched", "same_draws",
-           "moved", "FACTORY_SEED"]
+           "moved", "FACTORY_SEED", "called_dtypes"]
 
 # Every factory (--model, --reference) is called with torch's generator seeded with this, so that one factory called
 # twice builds the same weights: the float64 twin is the model under test cast, and `--model F:f --reference F:f`
@@ -251,6 +251,23 @@ def load_subject(spec: str) -> Subject:
     return as_subject(obj, origin=f"--model {spec!r}")
 
 
+_CALLED: set[str] = set()   # the floating dtypes of the model's outputs since the last called_dtypes()
+
+
+def _note_dtype(out) -> None:
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if torch.is_tensor(first) and first.is_floating_point():
+        _CALLED.add(str(first.dtype).removeprefix("torch."))
+
+
+def called_dtypes() -> list[str]:
+    """The dtypes of the outputs of every watched call since the last call of this (then forgotten): what the
+    report names as the precisions the model was run in."""
+    found = sorted(_CALLED)
+    _CALLED.clear()
+    return found
+
+
 def watched(subject: Subject, plugin: str) -> Subject:
     """The same subject, its forward and decode_step each run as one call of the code under test (a time limit,
     and a record of the call: properties/core/watchdog.py)."""
@@ -258,14 +275,20 @@ def watched(subject: Subject, plugin: str) -> Subject:
 
     def watched_forward(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} forward", args, {})):
-            return forward(*args)
+            out = forward(*args)
+        _note_dtype(out)
+        return out
 
     def watched_decode_step(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} decode_step", args[:-1], {})):
-            return decode_step(*args)
+            out = decode_step(*args)
+        _note_dtype(out)
+        return out
     def watched_shifted(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} shifted", args, {})):
-            return shifted(*args)
+            out = shifted(*args)
+        _note_dtype(out)
+        return out
     return replace(subject, forward=watched_forward,
                    decode_step=None if decode_step is None else watched_decode_step,
                    shifted=None if shifted is None else watched_shifted)

@@ -120,7 +120,9 @@ def configure(config) -> None:
             sources["model"] = _Source(lambda: next(made, None) or load_subject(spec), f"model {spec}")
         run = zoo_run(config)   # the zoo's size check included: a model that cannot fit is one line here
         if run is not None:
-            first = zoo_subject(run.cfg, device=device, dtype=dtype, origin=run.origin)
+            # The config's own dtype (dtype=bfloat16 in --zoo or the saved config) unless --dtype says otherwise.
+            first = zoo_subject(run.cfg, device=device, dtype=dtype if config.getoption("--dtype", None) else None,
+                                origin=run.origin)
             sources["zoo"] = _Source(_zoo_maker(first.module), f"model built by {run.origin}")
     except SubjectError as exc:
         raise pytest.UsageError(str(exc)) from None

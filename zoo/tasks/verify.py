@@ -198,6 +198,8 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
     where = out_dir if not suffix else f"{out_dir} ({_suffixed('report.md', suffix)}: the directory already held a report)"
     print(f"\n{totals['passed']} clauses passed, {totals['failed'] + totals['error']} failed, "
           f"{totals['skipped']} skipped in {seconds:.1f} s; reports in {where}")
+    if report.get("model_dtypes"):
+        print(f"the model clauses ran the model in {', '.join(report['model_dtypes'])}")
     for title, note in notes.items():
         print(f"(picture not drawn: {title}: {note})")
     if not figures and not notes:
