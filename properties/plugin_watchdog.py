@@ -106,6 +106,11 @@ def _may_fork(config) -> bool:
         return False
     if config.getoption("help", False) or config.getoption("version", False):
         return False
+    return _command_line()
+
+
+def _command_line() -> bool:
+    """Whether pytest runs as the command line's program (not pytest.main() inside another program)."""
     frame = sys._getframe()
     while frame is not None:   # pytest's command line entry point, not pytest.main() inside another program
         if frame.f_code.co_name in ("_console_main", "console_main") and \
@@ -223,9 +228,13 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
     if _BEFORE in config.stash:
         watchdog.restore(config.stash[_BEFORE])
+    status = getattr(_session, "exitstatus", None)
     if _shared is not None:
-        status = getattr(_session, "exitstatus", None)
         _HEADER.pack_into(_shared, 0, _MAGIC, 1, -1 if status is None else int(status))
+    if _BEFORE in config.stash and (_shared is not None or _command_line()):
+        # the report is written: processes and threads the code under test left running do not keep the run alive
+        from zoo.leftovers import end_leftovers
+        end_leftovers(1 if status is None else int(status))
 
 
 # ------------------------------------------------------------------------------------------------ the parent
