@@ -6,7 +6,7 @@
 Each row is one suite run as a user runs it (examples/torch_cuda_backends.py for the forced backends), with
 --device cuda, every dtype the device computes in, forward and backward clauses, and --report-json: the row gives
 the tests passed, failed and skipped, the clauses that failed, what the kernel declined (grouped, from the
-coverage records: properties/core/coverage.py) and the wall time. On a machine without CUDA it exits with status 2
+coverage records: properties/kernel/coverage.py) and the wall time. On a machine without CUDA it exits with status 2
 and one line, leaving the table as it is.
 """
 from __future__ import annotations

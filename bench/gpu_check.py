@@ -42,7 +42,7 @@ TINY_RECIPE = ["--set", "task.steps=6", "--set", "task.eval_every=6", "--set", "
 def streams_check(device: str) -> dict:
     """Whether the reverse and sort presets start from the same initial weights on the CPU and on ``device``, and
     draw the same first batch whatever the global generators' state."""
-    from zoo.config.builder import compose_config
+    from zoo.config.composition import compose_config
     from zoo.tasks.train import family_of, fit_config_to_data, seeded_model
 
     out = {}

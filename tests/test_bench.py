@@ -17,7 +17,8 @@ import bench.suite
 import bench.training
 from bench.common import FAMILIES, TOY, forward_flops, interleaved
 from bench.report import markdown
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -49,7 +49,7 @@ def test_a_kernel_that_declines_every_problem_after_its_first_call_is_not_a_pass
 
 
 def test_unverified_names_each_subject_only_when_nothing_ran():
-    from properties import plugin_report
+    from properties.plugin import report as plugin_report
     saved = dict(plugin_report._records)
     try:
         plugin_report._records.clear()
@@ -116,8 +116,8 @@ def test_a_kernel_option_without_a_kernel_clause_is_refused(option, value):
 
 
 def test_a_kernel_that_cannot_take_query_key_value_and_a_limit_that_cannot_bind_are_refused():
-    from properties.plugin_watchdog import _timeout
-    from zoo.config.plugins import PluginError
+    from properties.plugin.watchdog import _timeout
+    from zoo.plugins import PluginError
     from zoo.nn.kernel import resolve_kernel
     with pytest.raises(PluginError, match="cannot be called with the SDPA signature"):
         resolve_kernel("os:getcwd")

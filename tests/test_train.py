@@ -15,10 +15,13 @@ from omegaconf import OmegaConf
 import zoo.conf
 import zoo.io.checkpoint
 import zoo.tasks.train
-from zoo.config.builder import compose_config, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.composition import compose_config
 from zoo.io.checkpoint import CheckpointError, checkpoints_in, load_weights, read_state
-from zoo.tasks.data import BOS, DATA_TASKS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
-from zoo.config.schema import ConfigError, DataOptions, GenerateTask, TrainTask
+from zoo.config.options import DATA_TASKS
+from zoo.tasks.data import BOS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
+from zoo.config.schema import ConfigError
+from zoo.config.task_schemas import DataOptions, GenerateTask, TrainTask
 from zoo.tasks.train import evaluate, fit_config_to_data, forward_batch, learning_rate, train
 
 from training import DATA_FOR, TINY, flip_byte, train_config, tree_digest

@@ -1,5 +1,5 @@
 """examples/triton_attention.py, the FlashAttention-2-style Triton kernel: checked against the suite's float64
-oracle and its derived bounds (properties/core/tolerance.py, properties/core/gradients.py) on problems that cross
+oracle and its derived bounds (properties/core/tolerance.py, properties/kernel/gradients.py) on problems that cross
 its 64 x 64 tiles, forward and backward, and on its declines.
 
 Its kernels run compiled on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1: the same kernels
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: pip inst
 
 from properties.catalog.sessions import run_pytest  # noqa: E402
 from properties.core.assertions import assert_within  # noqa: E402
-from properties.core.gradients import gradient_oracle  # noqa: E402
+from properties.kernel.gradients import gradient_oracle  # noqa: E402
 from properties.core.oracle import default_scale, to_float64  # noqa: E402
 from properties.kernel.guard import GuardedKernel, check_against_oracle  # noqa: E402
 

@@ -20,9 +20,11 @@ from einops import rearrange
 
 from properties.core.tolerance import evaluation_error
 from properties.model.checks import assert_same_output
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 from zoo.config.schema import ConfigError
-from zoo.nn.attention import KVCache, MultiHeadAttention, PagedKVCache
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.cache import KVCache, PagedKVCache
 from zoo.nn.flash import flash_attn_reference
 from zoo.nn.kernel import math_attention
 from zoo.tasks.generate import generate, generate_task

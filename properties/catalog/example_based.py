@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", action="append", required=True, help="kernel spec (repeatable)")
     parser.add_argument("-x", "--stop-first", action="store_true", help="stop a kernel at its first failing case")
     args = parser.parse_args(argv)
-    from zoo.config.plugins import PluginError
+    from zoo.plugins import PluginError
     from zoo.nn.kernel import resolve_kernel
     kernels = {}
     for spec in args.kernel:   # every kernel resolved before the first is run

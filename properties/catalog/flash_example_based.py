@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zoo.config.plugins import load_object
+from zoo.plugins import load_object
 
 __all__ = ["Result", "attention_ref", "run", "main"]
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     problem = device_problem(args.device)   # else every case fails, blamed on the kernel
     if problem:
         parser.error(f"--device {args.device}: {problem}")
-    from zoo.config.plugins import PluginError
+    from zoo.plugins import PluginError
     from zoo.nn.flash import resolve_flash_kernel
     try:
         kernel = resolve_flash_kernel(args.kernel, args.kernel_api)
