@@ -226,7 +226,8 @@ def same_draws():
 def moved(module: nn.Module, plugin: str, *args, **kwargs) -> nn.Module:
     """``module.to(*args, **kwargs)`` as one call of the code under test: a user's ``_apply`` or ``to`` may hang or
     exit (properties/core/watchdog.py)."""
-    with user_call(plugin, lambda: describe_args("module.to", args, kwargs)):
+    words = [str(a).removeprefix("torch.") for a in args] + [f"{k}={str(v).removeprefix('torch.')}" for k, v in kwargs.items()]
+    with user_call(plugin, f"module.to({', '.join(words)})"):
         return module.to(*args, **kwargs)
 
 

@@ -187,7 +187,8 @@ def _configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    for kernel in kernels:   # a kernel that declines the plainest problem: its limits now (properties/kernel/limits.py)
+    probed = kernels if "kernel" in _levels_selected(config) else []   # no kernel clause runs: no probe
+    for kernel in probed:   # a kernel that declines the plainest problem: its limits now (properties/kernel/limits.py)
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
             if kernel.plainest_declined(device):
                 try:
