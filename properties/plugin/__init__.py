@@ -143,9 +143,17 @@ _KERNEL_ONLY = {"--causal-alignment": "top-left", "--fully-masked": "zeros", "--
                 **{name: None for name in limits.LIMIT_OPTIONS}}
 
 
+def _kernel_clauses_run(config) -> bool:
+    """Whether the kernel level is selected (``_levels_selected``), read from the options alone: before --zoo is
+    parsed, which may be refused."""
+    kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+    whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
+    return bool(kernel or whole or not config.getoption("--model", None))
+
+
 def _refuse_kernel_options_without_kernels(config) -> None:
     """A kernel option where no kernel clause runs (--model alone) is a UsageError, not an option ignored."""
-    if "kernel" in _levels_selected(config):
+    if _kernel_clauses_run(config):
         return
     given = [name for name, default in _KERNEL_ONLY.items() if config.getoption(name, default) not in (default, False)]
     if given:
@@ -187,7 +195,7 @@ def _configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    probed = kernels if "kernel" in _levels_selected(config) else []   # no kernel clause runs: no probe
+    probed = kernels if _kernel_clauses_run(config) else []   # no kernel clause runs: no probe
     for kernel in probed:   # a kernel that declines the plainest problem: its limits now (properties/kernel/limits.py)
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
             if kernel.plainest_declined(device):
