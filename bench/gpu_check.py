@@ -1,7 +1,8 @@
-"""Issue 26's checks on a GPU, in one command that fits in 8 minutes on an H100, and the README filled from them.
+"""Issue 26's checks on a GPU, in one command that fits in 8 minutes on an H100, and docs/benchmarks.md filled
+from them.
 
-    python -m bench.gpu_check                    # on a CUDA machine: bench/results_gpu.json and README's GPU section
-    python -m bench.gpu_check --tiny --device cpu --readme /tmp/README.md    # the same steps at tiny sizes
+    python -m bench.gpu_check                  # on CUDA: bench/results_gpu.json, docs/benchmarks.md's GPU section
+    python -m bench.gpu_check --tiny --device cpu --doc /tmp/benchmarks.md    # the same steps at tiny sizes
 
 Steps, in this order, each recorded in the JSON as soon as it ends (a run stopped halfway keeps what it measured):
     streams   the recipes' first data batch and initial weights, drawn with the same seed for the CPU and for the
@@ -13,7 +14,8 @@ Steps, in this order, each recorded in the JSON as soon as it ends (a run stoppe
               keeps it from beginning a cell late.
     recipes   ``python -m bench.train_targets reverse sort --seed 0,1,2 --device cuda``: the two presets' held-out
               exact match over three seeds on the device
-Then the tables go into README.md between ``<!-- gpu-check:begin -->`` and ``<!-- gpu-check:end -->``.
+Then the tables go into docs/benchmarks.md (``--doc``; ``--readme`` is the same option, its name from when the
+section lived in README.md) between ``<!-- gpu-check:begin -->`` and ``<!-- gpu-check:end -->``.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def _run(command: list[str], timeout: float) -> dict:
 
 
 def gpu_section(results: dict) -> str:
-    """README's GPU section, from a gpu_check JSON."""
+    """The GPU section of docs/benchmarks.md, from a gpu_check JSON."""
     m = results["machine"]
     lines = [f"Measured by `python -m bench.gpu_check` on {results['measured_on']}: {m['device_name']}, torch "
              f"{m['torch']}, transformers {m.get('transformers')}, {m['usable_cores']} CPU cores; the whole check "
@@ -100,7 +102,8 @@ def gpu_section(results: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def fill_readme(path: Path, section: str) -> None:
+def fill_section(path: Path, section: str) -> None:
+    """Replace what lies between the gpu-check markers of the Markdown file at `path` with `section`."""
     text = path.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{path}: no {BEGIN} ... {END} block to fill")
@@ -113,17 +116,17 @@ def fill_readme(path: Path, section: str) -> None:
 MIN_LIMIT_S = 150.0 + 100.0 + 60.0
 
 
-def _check_readme(p, path: str) -> None:
-    """--readme: a file with the BEGIN ... END block, writable: refused now, not after the whole check."""
+def _check_doc(p, path: str) -> None:
+    """--doc (--readme): a file with the BEGIN ... END block, writable: refused now, not after the whole check."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        p.error(f"--readme {path}: cannot be read ({getattr(exc, 'strerror', None) or type(exc).__name__})")
+        p.error(f"--doc {path}: cannot be read ({getattr(exc, 'strerror', None) or type(exc).__name__})")
     if BEGIN not in text or END not in text:
-        p.error(f"--readme {path}: no {BEGIN} ... {END} block to fill ('' to skip the README)")
+        p.error(f"--doc {path}: no {BEGIN} ... {END} block to fill ('' to skip it)")
     problem = output_problem(path)
     if problem:
-        p.error(f"--readme {path}: cannot be written ({problem})")
+        p.error(f"--doc {path}: cannot be written ({problem})")
 
 
 def main(argv=None) -> int:
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and a few training steps: a trial of the script")
     p.add_argument("--out", default="bench/results_gpu.json")
-    p.add_argument("--readme", default="README.md", help="the README whose GPU section is filled ('' to skip)")
+    p.add_argument("--doc", "--readme", dest="doc", default="docs/benchmarks.md",
+                   help="the page whose GPU section is filled ('' to skip); --readme is the same option")
     p.add_argument("--limit", type=seconds(MIN_LIMIT_S, inclusive=True), default=450.0,
                    help=f"seconds for the whole check (default 450, at least {MIN_LIMIT_S:g}: the recipes' 150 s and "
                         f"the bench's 100 s after its last cell)")
@@ -140,8 +144,8 @@ def main(argv=None) -> int:
     if problem:
         p.error(f"--device {args.device}: {problem}")
     check_outputs(p, out=args.out)
-    if args.readme:
-        _check_readme(p, args.readme)
+    if args.doc:
+        _check_doc(p, args.doc)
     started = time.perf_counter()
     deadline = started + args.limit
     device = torch.device(args.device)
@@ -184,9 +188,9 @@ def main(argv=None) -> int:
 
     section = gpu_section(results)
     print("\n" + section)
-    if args.readme:
-        fill_readme(Path(args.readme), section)
-        print(f"filled the GPU section of {args.readme}")
+    if args.doc:
+        fill_section(Path(args.doc), section)
+        print(f"filled the GPU section of {args.doc}")
     print(f"gpu_check: {results['seconds']:.0f} s; wrote {args.out}")
     return 0 if all(step["status"] == 0 for step in results["steps"].values()) else 1
 

@@ -12,7 +12,7 @@ accepts, and the coverage report says what was declined. flash, efficient and cu
 other device (so on a machine without CUDA their clauses are skipped with that reason); math runs everywhere.
 The memory-efficient kernel treats a float-mask row of finfo.min as fully masked (float32, bfloat16:
 examples/repro_mem_efficient_finfo_min.py), which ``--finfo-min-rows masked`` declares. ``python -m bench.cuda_backends``
-runs the suite on each of them and on the zoo and writes README's CUDA table.
+runs the suite on each of them and on the zoo and writes docs/kernels.md's CUDA table.
 """
 import torch
 import torch.nn.functional as F

@@ -175,7 +175,7 @@ BAD_ARGUMENTS = {   # command -> option -> values it must refuse
                         "--matmul-n": ["-5", "0"], "--layers": ["0"], "--new-tokens": ["-3"],
                         "--out": ["/proc/x.json", f"/tmp/{LONG}.json", "FILE/x.json"], "--lengths": ["0", "a"],
                         "--dtypes": ["float99"], "--parts": ["nosuch"]},
-    "python -m bench.gpu_check": {"--readme": ["/nonexistent/README.md", "FILE"], "--limit": ["200", "nan", "-1"],
+    "python -m bench.gpu_check": {"--doc": ["/nonexistent/README.md", "FILE"], "--limit": ["200", "nan", "-1"],
                                   "--device": ["nosuch"], "--out": ["/proc/x.json"]},
     "python -m properties.catalog.flakiness": {"--seeds": ["0", "-1"], "-n": ["0", "-1"], "--json": ["/proc/x.json"],
                                                "--only": ["nosuch"]},

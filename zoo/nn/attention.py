@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
     # The steps of forward, each overridable alone (the bug catalog gets exactly one of them wrong).
     # split and merge are the einops patterns in their docstrings, written as the view and transpose einops makes
     # of them: on a GPU a small model's forward pass is bound by the host's time per operation, and einops' own
-    # Python per call was 8% of it (README, Benchmarks: the encoder-decoder against nn.Transformer).
+    # Python per call was 8% of it (docs/benchmarks.md, "Host overhead").
     def split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         """rearrange(t, "b l (h e) -> b h l e", h=heads)"""
         return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(1, 2)
