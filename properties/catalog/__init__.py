@@ -123,6 +123,19 @@ def _scale_bug(name):
     return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
 
 
+_IB = "properties.catalog.integrity_bugs"
+
+
+def _integrity() -> list[Entry]:
+    """Integrity, history and layout bugs (integrity_bugs.py): exact on every problem called first on fresh
+    contiguous inputs."""
+    from properties.catalog.integrity_bugs import KERNEL_BUGS, MODEL_BUGS
+    return ([Entry(name, "kernel", mechanism, expected, "--kernel", f"{_IB}:{name}")
+             for name, (mechanism, expected) in KERNEL_BUGS.items()]
+            + [Entry(name, "model", mechanism, expected, "--model", f"{_IB}:{name}")
+               for name, (mechanism, expected) in MODEL_BUGS.items()])
+
+
 def _fast(name, *expected):
     """A "fast" model that differs from its reference (differential.reference: the same weights, the zoo's math)."""
     from properties.catalog.differential import BUGS
@@ -272,6 +285,8 @@ CATALOG: list[Entry] = [
     # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
     *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
                                     "alibi_positions_clamped", "position_table_clamped")),
+    # ------------------------------------ integrity, history and layouts (inputs, outputs, earlier calls, strides)
+    *_integrity(),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
