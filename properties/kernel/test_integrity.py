@@ -17,14 +17,14 @@ from properties.core.flash import FlashCase, flash_bounds, flash_cases
 from properties.core.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import (Case, cases, kernel_limits, on, random_bool_mask, require_dtype,
-                                        selected_dtypes, with_pinned_cases)
+                                        selected_dtypes)
 from properties.kernel.guard import backward_gradients, check_against_oracle
 from properties.kernel.integrity import assert_no_alias, assert_unchanged, bitwise_equal, snapshot
 from properties.kernel.test_gradients import GradCase, grad_cases
 
-# A quarter of the profile's draws (3 by default), after the pins: these clauses fail on the first call that
-# breaks them, whatever its shape.
-FEW = settings(max_examples=max(2, settings().max_examples // 4))
+# A sixth of the profile's draws (2 by default), after the pins: these clauses fail on the first call that breaks
+# them, whatever its shape, so a few draws cover them; the thorough profile scales them up with the rest.
+FEW = settings(max_examples=max(2, settings().max_examples // 6))
 F32 = selected_dtypes()[0]
 ATTENDS = ("none", "causal", "bool", "float")
 
@@ -56,7 +56,7 @@ def _inputs(q, k, v, kw) -> dict:
 
 # ------------------------------------------------------------------------------------ ATTN-INPUTS-UNCHANGED
 @clause("ATTN-INPUTS-UNCHANGED")
-@with_pinned_cases(tiles=False, attend="none")
+@example(case=Case(lead=(3, 2), l=3, s=4, e=4, ev=4, dtype=F32, seed=0), attend="none")   # B == L
 @example(case=Case(lead=(2, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="float")
 @example(case=Case(lead=(2, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="causal")
 @FEW
@@ -94,7 +94,7 @@ def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
 
 # ---------------------------------------------------------------------------------------- ATTN-OUTPUT-FRESH
 @clause("ATTN-OUTPUT-FRESH")
-@with_pinned_cases(tiles=False, attend="none")
+@example(case=Case(lead=(1, 1), l=4, s=1, e=5, ev=3, dtype=F32, seed=0), attend="none")   # one key: out = v
 @example(case=Case(lead=(1, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="bool")
 @FEW
 @given(case=cases(), attend=attends())

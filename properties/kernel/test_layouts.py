@@ -49,9 +49,9 @@ def _pin(s: int, layout: str, attend: str = "none"):
 
 @clause("ATTN-LAYOUT")
 @_pin(33, "expanded")            # S ≡ 1 (mod 32): pytorch/pytorch#191937's class
-@_pin(65, "expanded", "bool")    # S ≡ 1 (mod 64), a mask expanded too
-@_pin(9, "blhe", "causal")       # S ≡ 1 (mod 8)
-@_pin(33, "sliced", "float")
+@_pin(65, "blhe", "causal")      # S ≡ 1 (mod 64)
+@_pin(9, "sliced", "float")      # S ≡ 1 (mod 8)
+@_pin(17, "expanded", "bool")    # a mask expanded too
 @FEW
 @given(case=cases(lead=2), layout=st.sampled_from(LAYOUTS), attend=attends())
 def test_strides_do_not_change_the_output(kernel, device, causal_alignment, fully_masked, case, layout, attend):
