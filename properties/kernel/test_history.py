@@ -13,8 +13,7 @@ from properties import clause
 from properties.core.strategies import Case, cases, dtypes, kernel_limits, require_dtype, selected_dtypes
 from properties.core.tolerance import output_bound
 from properties.kernel.guard import check_against_oracle
-from properties.kernel.integrity import assert_same_result, bitwise_equal
-from properties.kernel.test_integrity import FEW, attends, contract
+from properties.kernel.integrity import FEW, assert_same_result, attends, bitwise_equal, contract
 
 F32 = selected_dtypes()[0]
 

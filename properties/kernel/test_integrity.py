@@ -9,45 +9,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given
 
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
 from properties.core.flash import FlashCase, flash_bounds, flash_cases
 from properties.core.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.strategies import (Case, cases, kernel_limits, on, random_bool_mask, require_dtype,
-                                        selected_dtypes)
+from properties.core.strategies import Case, cases, require_dtype, selected_dtypes
 from properties.kernel.guard import backward_gradients, check_against_oracle
-from properties.kernel.integrity import assert_no_alias, assert_unchanged, bitwise_equal, snapshot
+from properties.kernel.integrity import (FEW, assert_no_alias, assert_unchanged, attends, bitwise_equal, contract,
+                                         snapshot)
 from properties.kernel.test_gradients import GradCase, grad_cases
 
-# A sixth of the profile's draws (2 by default), after the pins: these clauses fail on the first call that breaks
-# them, whatever its shape, so a few draws cover them; the thorough profile scales them up with the rest.
-FEW = settings(max_examples=max(2, settings().max_examples // 6))
 F32 = selected_dtypes()[0]
-ATTENDS = ("none", "causal", "bool", "float")
-
-
-def attends():
-    """How queries are restricted, inside the kernel's limits: nothing, is_causal, a bool or a float mask."""
-    limits = kernel_limits()
-    return st.sampled_from([a for a in ATTENDS if a == "none" or (a == "causal" and limits.causal)
-                            or a in limits.masks])
-
-
-def contract(case: Case, attend: str, device) -> dict:
-    """The keyword arguments of ``attend`` for the case: a mask over every leading dim (one key kept per query)."""
-    if attend == "causal":
-        return {"is_causal": True}
-    if attend == "none":
-        return {}
-    mask = random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5)
-    if attend == "float":
-        mask = torch.where(mask, 0.0, float("-inf")) + torch.randn(mask.shape, generator=case.generator(2),
-                                                                  dtype=torch.float64)
-        return {"attn_mask": on(mask, case.dtype, device)}
-    return {"attn_mask": mask.to(device)}
 
 
 def _inputs(q, k, v, kw) -> dict:

@@ -13,8 +13,7 @@ from properties.core.oracle import to_float64
 from properties.core.strategies import Case, cases, kernel_limits, on, require_dtype, selected_dtypes
 from properties.core.tolerance import output_bound
 from properties.kernel.guard import check_against_oracle
-from properties.kernel.integrity import assert_unchanged, snapshot
-from properties.kernel.test_integrity import FEW, attends, contract
+from properties.kernel.integrity import FEW, assert_unchanged, attends, contract, snapshot
 
 LAYOUTS = ("expanded", "blhe", "sliced")
 F32 = selected_dtypes()[0]

@@ -24,8 +24,8 @@ from properties.plugin_session import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, watched, zoo_subject
 
-__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test", "ModelUnderTest",
-           "ZOO_TINY"]
+__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
+           "ModelUnderTest", "ZOO_TINY"]
 
 # Small enough that all twelve zoo models run every clause in seconds (task=verify: the suite checks models,
 # not a task, and verify has no sequence length of its own to contradict max_len); two layers so that a
