@@ -137,3 +137,8 @@ def test_flash_outputs_are_the_callers_own(flash_kernel, device, case):
     bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
     assert_within(to_float64(second), bounds.output, bounds.output_bound(), reference="float64 flash oracle",
                   what="out of a second call, on the inputs written in place with new values")
+    kept = second.detach().clone()
+    with torch.no_grad():
+        first.detach().fill_(float("nan"))
+    assert_identical(second, kept, what="the second call's output after writing NaN into the first's",
+                     reference="its value before")
