@@ -12,7 +12,9 @@ import torch
 from hypothesis import settings, strategies as st
 
 from properties.core.assertions import assert_identical, assert_within
-from properties.core.strategies import Case, kernel_limits, on, random_bool_mask
+from properties.core.strategies import on, random_bool_mask
+from properties.kernel.cases import Case
+from properties.kernel.tiles import kernel_limits
 
 __all__ = ["FEW", "ATTENDS", "attends", "contract", "StorageSnapshot", "snapshot", "assert_unchanged",
            "storage_span", "overlaps", "assert_no_alias", "assert_same_result", "as_integers", "bitwise_equal"]

@@ -10,7 +10,9 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core.strategies import Case, cases, dtypes, kernel_limits, require_dtype, selected_dtypes
+from properties.core.strategies import require_dtype, selected_dtypes
+from properties.kernel.cases import Case, cases, dtypes
+from properties.kernel.tiles import kernel_limits
 from properties.core.tolerance import output_bound
 from properties.kernel.guard import check_against_oracle
 from properties.kernel.integrity import FEW, assert_same_result, attends, bitwise_equal, contract

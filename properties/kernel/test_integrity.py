@@ -13,10 +13,11 @@ from hypothesis import example, given
 
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
-from properties.core.flash import FlashCase, flash_bounds, flash_cases
-from properties.core.flash_guard import skip_unsupported
+from properties.kernel.flash import FlashCase, flash_bounds, flash_cases
+from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.strategies import Case, cases, require_dtype, selected_dtypes
+from properties.core.strategies import require_dtype, selected_dtypes
+from properties.kernel.cases import Case, cases
 from properties.kernel.guard import backward_gradients, check_against_oracle
 from properties.kernel.integrity import (FEW, assert_no_alias, assert_unchanged, attends, bitwise_equal, contract,
                                          snapshot)

@@ -10,7 +10,9 @@ from hypothesis import assume, example, given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_within
 from properties.core.oracle import to_float64
-from properties.core.strategies import Case, cases, kernel_limits, on, require_dtype, selected_dtypes
+from properties.core.strategies import on, require_dtype, selected_dtypes
+from properties.kernel.cases import Case, cases
+from properties.kernel.tiles import kernel_limits
 from properties.core.tolerance import output_bound
 from properties.kernel.guard import check_against_oracle
 from properties.kernel.integrity import FEW, assert_unchanged, attends, contract, snapshot
