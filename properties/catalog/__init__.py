@@ -103,6 +103,8 @@ def _state(name):
     """An online-softmax state bug of state_bugs.py: caught by extreme scores, masked tiles or long rows."""
     from properties.catalog.state_bugs import BUGS
     mechanism, expected = BUGS[name]
+    if name.endswith("_flash"):
+        return Entry(name, "kernel", mechanism, expected, "--kernel-api=flash", f"--kernel={_SB_STATE}:{name}")
     return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_SB_STATE}:{name}")
 
 
@@ -213,7 +215,8 @@ CATALOG: list[Entry] = [
         "head_halves_one_unscaled", "query_remainder_unwritten", "mask_tile_local_columns", "lse_of_last_tile_saved",
         "dk_dv_last_partial_tile_dropped", "dq_overwritten_per_key_tile")),
     # ----------------------------- online-softmax state: very negative rows, masked 64-key tiles, precision at length
-    *(_state(name) for name in ("running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile")),
+    *(_state(name) for name in ("running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile",
+                                "running_max_sentinel_flash")),
     # ------------------------------------ kernels with FlashAttention's API (--kernel-api flash|flash-varlen|...)
     *(_flash(name) for name in (
         "window_left_off_by_one", "window_right_off_by_one", "window_sides_swapped", "window_top_left",

@@ -7,19 +7,24 @@
 - ``masked_tile_resets_max``: a key tile in which a row admits no key is skipped for that row, but its maximum
   (-inf) is stored as the running maximum: the next admissible tile then rescales the earlier tiles' sum and
   accumulator by exp(-inf) = 0. Exact unless a whole 64-key tile of a row is masked before an admissible one.
+- ``running_max_sentinel_flash``: the same sentinel in a ``flash_attn_func`` (FlashAttention's API; the window
+  clauses' extreme draws catch it).
 - ``state_rounded_per_tile``: the accumulator and the row sum are stored in the input dtype between key tiles (a
   kernel that keeps its running state in registers of the input type): exact in float32 and float64, in half
   precision one more rounding of the whole running state per key tile, an error that grows with S.
 
     pytest properties/ --kernel properties.catalog.state_bugs:running_max_sentinel
+    pytest properties/ --kernel-api flash --kernel properties.catalog.state_bugs:running_max_sentinel_flash
 """
 from __future__ import annotations
 
 import torch
 
+from properties.catalog.flash_func_bugs import FlashBase
 from properties.catalog.tiled import TiledAttention
 
-__all__ = ["BUGS", "running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile"]
+__all__ = ["BUGS", "running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile",
+           "running_max_sentinel_flash"]
 
 SENTINEL = -1e4
 
@@ -54,10 +59,18 @@ class _StateRoundedPerTile(TiledAttention):
         return stored(acc), row_max, stored(row_sum)
 
 
+class _RunningMaxSentinelFlash(FlashBase):
+    """``flash_attn_func`` whose row maximum is taken with the sentinel -1e4 as its starting value."""
+
+    def softmax(self, scores):
+        return super().softmax(torch.cat([scores, torch.full_like(scores[..., :1], SENTINEL)], -1))[..., :-1]
+
+
 _KERNELS = {
     "running_max_sentinel": _RunningMaxSentinel,
     "masked_tile_resets_max": _MaskedTileResetsMax,
     "state_rounded_per_tile": _StateRoundedPerTile,
+    "running_max_sentinel_flash": _RunningMaxSentinelFlash,
 }
 # name -> (mechanism, the clauses that catch it on the pinned problems)
 # (MASK-LOW-PRECISION's rows of finfo.min catch running_max_sentinel too; the entry lists the clauses whose drawn
@@ -70,6 +83,8 @@ BUGS = {
                                ("MASK-BOOL", "MASK-BOOL-FLOAT")),
     "state_rounded_per_tile": ("online softmax: accumulator and row sum stored in the input dtype between key "
                                "tiles (half precision loses accuracy with S)", ("ATTN-ORACLE",)),
+    "running_max_sentinel_flash": ("flash_attn_func whose row max starts at the sentinel -1e4: rows of very "
+                                   "negative scores inside a sliding window output zeros", ("WINDOW-BOUNDS",)),
 }
 
 for _name, _cls in _KERNELS.items():

@@ -39,13 +39,20 @@ class Scores:
         spans [−T, 0] and its top key stands far above the rest; ``negative``: offset 1, the whole row in [−2T, −T]."""
         if self.kind == "typical":
             return q, k
+        return scale_partial_sums(*self.directions(q, k, generator), scale, self.target(dtype))
+
+    def directions(self, q: torch.Tensor, k: torch.Tensor, generator: torch.Generator):
+        """(q, k) of this profile before the common rescaling (features on the last axis, any layout)."""
         u = torch.randn(q.shape[-1], generator=generator, dtype=torch.float64)
         u = u / u.norm()
         r = torch.rand(*k.shape[:-1], 1, generator=generator, dtype=torch.float64)
         offset = {"peaked": 0.0, "negative": 1.0}[self.kind]
-        q = u + _NOISE * q / math.sqrt(q.shape[-1])
-        k = -(offset + r) * u + _NOISE * k / math.sqrt(k.shape[-1])
-        return scale_partial_sums(q, k, scale, 2.0 ** round(self.magnitude * math.log2(score_limit(dtype))))
+        return (u + _NOISE * q / math.sqrt(q.shape[-1]),
+                -(offset + r) * u + _NOISE * k / math.sqrt(k.shape[-1]))
+
+    def target(self, dtype: torch.dtype) -> float:
+        """T: the largest scaled partial sum of this profile in ``dtype``."""
+        return 2.0 ** round(self.magnitude * math.log2(score_limit(dtype)))
 
 
 TYPICAL = Scores()
