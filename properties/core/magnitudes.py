@@ -35,8 +35,9 @@ class Scores:
     def apply(self, q: torch.Tensor, k: torch.Tensor, scale: float, dtype: torch.dtype,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) in float64 with this profile's scores: every query near a shared direction u, key j near
-        −(offset + r_j) u with r_j uniform on [0, 1): scores σ q·k ≈ −(offset + r_j) T. ``peaked``: offset 0, a row
-        spans [−T, 0] and its top key stands far above the rest; ``negative``: offset 1, the whole row in [−2T, −T]."""
+        −(offset + r_j) u with r_j uniform on [0, 1), rescaled so that the largest scaled partial sum is T: scores
+        σ q·k ≈ −(offset + r_j) T / max|offset + r|. ``peaked``: offset −1/2, a row spans about [−T, T] and its top
+        key stands far above the rest; ``negative``: offset 1, the whole row in about [−T, −T/2]."""
         if self.kind == "typical":
             return q, k
         return scale_partial_sums(*self.directions(q, k, generator), scale, self.target(dtype))
@@ -46,7 +47,7 @@ class Scores:
         u = torch.randn(q.shape[-1], generator=generator, dtype=torch.float64)
         u = u / u.norm()
         r = torch.rand(*k.shape[:-1], 1, generator=generator, dtype=torch.float64)
-        offset = {"peaked": 0.0, "negative": 1.0}[self.kind]
+        offset = {"peaked": -0.5, "negative": 1.0}[self.kind]
         return (u + _NOISE * q / math.sqrt(q.shape[-1]),
                 -(offset + r) * u + _NOISE * k / math.sqrt(k.shape[-1]))
 
