@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from properties.core.strategies import Case, on
+from properties.core.strategies import on
+from properties.kernel.cases import Case
 from properties.core.tolerance import output_bound, softmax_bounds
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import torch
 
 from properties.catalog import state_bugs
 from properties.catalog.tiled import tiled_attention
-from properties.core.magnitudes import Scores, covered_tiles
-from properties.core.strategies import Case
+from properties.kernel.magnitudes import Scores, covered_tiles
+from properties.kernel.cases import Case
 
 
 def _problem(l, s, dtype, scores=Scores(), cover=None, seed=0):

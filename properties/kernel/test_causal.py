@@ -12,8 +12,9 @@ from properties.core.assertions import assert_all, assert_identical
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import NON_FINITE_CONVENTIONS, check_against_oracle
 from properties.core.oracle import causal_allowed, to_float64
-from properties.core.strategies import Case, cases, huge_values, on, rescale_keys, selected_dtypes, with_pinned_cases
-from properties.core.magnitudes import TYPICAL, Scores, score_shapes, shaped_qkv, shaped_qkv64
+from properties.core.strategies import huge_values, on, rescale_keys, selected_dtypes
+from properties.kernel.cases import Case, cases, with_pinned_cases
+from properties.kernel.magnitudes import TYPICAL, Scores, score_shapes, shaped_qkv, shaped_qkv64
 
 
 def _offset(l: int, s: int, alignment: str) -> int:

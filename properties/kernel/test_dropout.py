@@ -13,10 +13,11 @@ from hypothesis import example, given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within, fmt
 from properties.core.oracle import to_float64
-from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
-from properties.core.strategies import Case, seeded_rng, selected_dtypes
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.core.strategies import seeded_rng, selected_dtypes
 from properties.kernel.guard import check_dropout_rate
-from properties.core.strategies import cases, on, with_pinned_cases
+from properties.core.strategies import on
+from properties.kernel.cases import Case, cases, with_pinned_cases
 from properties.core.tolerance import output_bound, softmax_bounds
 
 probabilities = st.floats(0.05, 0.95)
