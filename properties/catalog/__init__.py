@@ -23,6 +23,7 @@ _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "proper
 _B = "properties.catalog.backward"
 _FA = "properties.catalog.flash_bugs"
 _TB, _TILED = "properties.catalog.tile_bugs", "properties.catalog.tiled"
+_CB = "properties.catalog.contract_bugs"
 _FLASH_OPTIONS = ("--kernel-api=flash", "--kernel-api=flash-varlen", "--kernel-api=flash-kvcache")
 
 
@@ -197,6 +198,11 @@ CATALOG: list[Entry] = [
             "ATTN-ORACLE", "ATTN-ROWSUM"),
     _kernel("gqa_heads_tiled", "kv heads expanded with repeat (head i mod H_kv), not repeat_interleave",
             "GQA-HEADS"),
+    # ------------------------------------- declared contracts (--deterministic, --batch-invariant): accurate kernels
+    Entry("atomic_order_attention", "kernel", "key blocks' partial sums added in an order that changes with every call "
+          "(atomic adds)", ("KERNEL-DETERMINISTIC",), "--kernel", f"{_CB}:atomic_order_attention", ("--deterministic",)),
+    Entry("split_by_batch_attention", "kernel", "split-K over the keys with the split count chosen from B x H",
+          ("KERNEL-BATCH-INVARIANT",), "--kernel", f"{_CB}:split_by_batch_attention", ("--batch-invariant",)),
     _kernel("output_in_compute_dtype", "the float32 accumulator returned for half inputs (cast back forgotten)",
             "ATTN-SHAPE"),
     # ------------------------------------------------------- kernels with a correct forward and a wrong backward

@@ -13,6 +13,7 @@ import torch
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from properties.core import repro
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
 from properties.model.twin import observe
@@ -78,6 +79,8 @@ def _describe(out) -> str:
 def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
     """subject.forward (or fn, e.g. decode_step's logits) with its output checked against the contract."""
     out = (fn or subject.forward)(*args)
+    if fn is None:
+        repro.observe_call(args, out, subject)   # --repro-dir: a comparison of two outputs names these calls
     observe(subject, out, "forward" if fn is None else "shifted" if fn is subject.shifted else "decode_step")
     tokens = args[1] if subject.kind == "encoder_decoder" else args[0]
     b, l = tokens.shape
@@ -162,6 +165,7 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
         raise AssertionError(f"{what}: NaN in {where} at {int(nan.sum())} of {nan.numel()} entries, first at index "
                              f"{first}")
     tol = comparison_tolerance(expected, subject)
+    _record_model_comparison(actual, expected, what, tol)
     diff = (actual.double() - expected.double()).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)   # inf - inf
     if diff.numel() and diff.max().item() > tol:
@@ -170,6 +174,17 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
         how = precision.describe() if precision is not None and precision.own else f"2^21 u max|y| in {expected.dtype}"
         raise AssertionError(f"{what}: differs by {diff.max().item():.3e} at index {worst} "
                              f"(tolerance {tol:.3e}; {how})")
+
+
+def _record_model_comparison(actual, expected, what: str, tol: float) -> None:
+    """--repro-dir: the two forward passes whose outputs are compared, when both tensors view their outputs."""
+    if not repro.active():
+        return
+    first, second = repro.view_index(expected), repro.view_index(actual)
+    if first is not None and second is not None:
+        repro.record("model", device=str(actual.device), what=what, reference="the first forward pass",
+                     first=list(first[0]), second=list(second[0]), index_first=first[1], index_second=second[1],
+                     tolerance=float(tol), float64=expected.dtype == torch.float64)
 
 
 @contextmanager
