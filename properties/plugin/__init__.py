@@ -63,7 +63,7 @@ from zoo.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
 from properties.plugin.report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
                                       pytest_sessionfinish)
-from properties.plugin.report import write_coverage
+from properties.plugin.report import write_coverage, write_model_basis
 from properties.plugin.session import pytest_report_header, pytest_unconfigure  # noqa: F401
 from properties.plugin.session import pytest_terminal_summary as _seed_summary
 
@@ -240,6 +240,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write_coverage(terminalreporter)
+    write_model_basis(terminalreporter)
     write_reproducers(terminalreporter)
     _seed_summary(terminalreporter, exitstatus, config)
 

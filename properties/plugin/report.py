@@ -16,7 +16,7 @@ from properties.plugin.repro import reset as reset_reproducers, write as write_r
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.core.subject import called_dtypes
-from properties.model.twin import pop_notes
+from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -54,6 +54,8 @@ def pytest_runtest_makereport(item, call):
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
+    # Where its comparisons ran: the float64 twin, or the model's own precision and why (model/twin.py).
+    report.precision = pop_precision() if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
     # The dtypes the model was called in during this test (its float64 twin's and its own), for the report.
     report.model_dtypes = called_dtypes() if call.when == "call" and mut is not None else []
@@ -126,10 +128,12 @@ def pytest_runtest_logreport(report):
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
                                                 "resolution": getattr(report, "resolution", ""), "note": "",
-                                                "subject": getattr(report, "subject", ""), "model_dtypes": []})
+                                                "precision": "", "subject": getattr(report, "subject", ""),
+                                                "model_dtypes": []})
     record["model_dtypes"] = sorted(set(record["model_dtypes"]) | set(getattr(report, "model_dtypes", None) or ()))
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
+    record["precision"] = record["precision"] or getattr(report, "precision", "")
     if getattr(report, "coverage", None):
         record["coverage"] = report.coverage
     if getattr(report, "repro", None):
@@ -186,6 +190,57 @@ def _nothing_verified(session) -> None:
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 
 
+LACKS = "Subject."   # a model clause skipped because the subject leaves an optional field None ("Subject.X is None")
+
+
+def _reason(why: str) -> str:
+    """A fallback's reason in a few words: the twin gives NaN or inf, raises, or is refused."""
+    if why.startswith("the twin departs"):
+        if "raises " in why:
+            return "the twin raises " + why.split("raises ", 1)[1].split(":")[0]
+        return "the twin gives " + ("NaN" if "NaN" in why else "inf")
+    return why
+
+
+def model_basis(records) -> list[str]:
+    """Per model clause: tests run on the float64 twin, tests in the model's own precision (why), tests skipped
+    because the model lacks a feature. ``records``: the report's records (clauses, level, status, message,
+    precision)."""
+    by_clause: dict[str, dict] = {}
+    for r in records:
+        if r["level"] != "model":
+            continue
+        for cid in r["clauses"]:
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
+            if r["status"] == "skipped" and r["message"].startswith(LACKS):
+                row["lacks"].add(r["message"].split(":")[0])
+            elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
+                row["twin"] += 1
+                row["inside"].add(r["precision"].removeprefix(ON_TWIN).strip())
+            elif r["status"] != "skipped" and r.get("precision"):
+                why = _reason(r["precision"].split(": ", 1)[-1])
+                row["own"][why] = row["own"].get(why, 0) + 1
+    lines = []
+    for cid, row in sorted(by_clause.items()):
+        inside = " ".join(sorted(filter(None, row["inside"])))
+        parts = [f"{row['twin']} on the float64 twin" + (f" {inside}" if inside else "")] if row["twin"] or row["own"] \
+            else []
+        parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
+        parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        if parts:
+            lines.append(f"{cid}: " + "; ".join(parts))
+    return lines
+
+
+def write_model_basis(terminalreporter) -> None:
+    """What the model clauses' passes rest on (model_basis), at the end of the run."""
+    lines = model_basis(list(_records.values()))
+    if lines:
+        terminalreporter.write_sep("=", "model clauses: float64 twin or own precision; features the model lacks")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def write_reproducers(terminalreporter) -> None:
     """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
@@ -217,7 +272,8 @@ def pytest_sessionfinish(session):
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage"), "model_dtypes": r["model_dtypes"], "repro": r.get("repro")}
+             "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro"),
+             "model_dtypes": r["model_dtypes"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))
