@@ -17,12 +17,14 @@ from properties.core.tolerance import output_bound, softmax_bounds
 
 probabilities = st.floats(0.05, 0.95)
 # Hundreds of copies per example: the statistical clauses stay at small shapes (DROPOUT-OFF draws kernel scale).
-small_cases = cases(lead=0, max_l=4, max_s=8, max_e=8, max_ev=4, tiles=False)
+# The copies are stacked on a leading axis of their own (axes=1): the case's lead keeps the stack inside the ranks
+# the kernel accepts (none for a 3-D problem, one for a kernel that takes only 4-D inputs).
+small_cases = cases(lead=0, axes=1, max_l=4, max_s=8, max_e=8, max_ev=4, tiles=False)
 
 
 def rate_property(test):
     """The statistical dropout clauses draw a small case and a rate p (p = 0.5 on the pinned cases)."""
-    return with_pinned_cases(n_lead=0, tiles=False, p=0.5)(given(case=small_cases, p=probabilities)(test))
+    return with_pinned_cases(n_lead=0, axes=1, tiles=False, p=0.5)(given(case=small_cases, p=probabilities)(test))
 
 
 def _on_copies(fn, n: int, tensors, p: float, device, seed: int) -> torch.Tensor:
@@ -63,7 +65,8 @@ COPIES_FOR_MEAN = 2048
 def test_dropout_leaves_the_expected_output_unchanged(kernel, device, case, p):
     q, k, _ = case.qkv(device)
     # Non-negative values: a copy's output then lies in [0, R], with R = sum_j w_j v_j / (1 - p).
-    v = on(torch.rand(case.s, case.ev, generator=case.generator(1), dtype=torch.float64), case.dtype, device)
+    v = on(torch.rand(*case.lead, case.s, case.ev, generator=case.generator(1), dtype=torch.float64), case.dtype,
+           device)
     bounds = softmax_bounds(q, k, v)
     out = _on_copies(kernel, COPIES_FOR_MEAN, (q, k, v), p, device, case.seed)
     mean = out.mean(dim=0)
