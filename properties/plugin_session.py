@@ -53,6 +53,8 @@ def _fix_seed(config) -> None:
         seed = random.SystemRandom().randrange(2**31)
         config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
     config.stash[_SEED] = seed
+    from properties.core.tiles import set_run_seed
+    set_run_seed(seed)   # the run's head sizes (properties/core/tiles.py, run_choice)
 
 
 def pytest_report_header(config):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PROFILES", "CANNOT_RUN", "cudnn_bool_mask_rows", "zoo_torch_on_cudnn_rows", "flash_backend", "efficient_backend", "cudnn_backend", "grouped_heads_declined",
+__all__ = ["PROFILES", "CANNOT_RUN", "TAGS", "cannot_run", "cudnn_bool_mask_rows", "zoo_torch_on_cudnn_rows", "flash_backend", "efficient_backend", "cudnn_backend", "grouped_heads_declined",
            "masks_declined", "four_dims_only", "causal_only", "equal_lengths_only"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -167,17 +167,41 @@ PROFILES = {kernel.__name__: kernel for kernel in (flash_backend, efficient_back
                                                    grouped_heads_declined, masks_declined, four_dims_only,
                                                    causal_only, equal_lengths_only, zoo_torch_on_cudnn_rows)}
 
-# Clauses a profile cannot run a single problem of (each skip must name the profile's own limit).
+# Clauses a profile cannot run a single problem of: each must be skipped with the profile's own message (TAGS), and
+# every other clause the suite runs on an undeclining kernel must run and pass.
 _MASKS = ("MASK-BOOL", "MASK-FLOAT-ADDITIVE", "MASK-BOOL-FLOAT", "MASK-NO-INFLUENCE", "MASK-FULLY-MASKED",
-          "MASK-BROADCAST", "MASK-LOW-PRECISION", "ATTN-GRAD-MASKED")
+          "MASK-BROADCAST", "MASK-LOW-PRECISION", "ATTN-GRAD-MASKED", "ATTN-SHIFT-INVARIANT")
+_CAUSAL = ("CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT", "ATTN-GRAD", "ATTN-GRAD-CAUSAL", "ATTN-GRAD-GQA")
 CANNOT_RUN: dict[str, tuple[str, ...]] = {
     "flash_backend": _MASKS,
     "efficient_backend": (),
     "cudnn_backend": (),
-    "grouped_heads_declined": ("GQA-HEADS", "ATTN-GRAD-GQA"),
+    "grouped_heads_declined": ("ATTN-GRAD-GQA",),
     "masks_declined": _MASKS,
     "four_dims_only": (),
-    "causal_only": None,   # filled in below: every clause that poses no causal problem
+    "causal_only": ("not", *_CAUSAL),    # every clause but these: they pose causal problems (grad_cases: always)
     "equal_lengths_only": (),
     "zoo_torch_on_cudnn_rows": (),
 }
+# The words of each profile's own declines.
+TAGS = {name: f"({name.removesuffix('_backend')}:" if name.endswith("_backend") else f"({name})" for name in PROFILES}
+
+
+def cannot_run(name: str, clause: str) -> bool:
+    """Whether profile ``name`` runs no problem of ``clause``."""
+    listed = CANNOT_RUN[name]
+    return clause not in listed[1:] if listed[:1] == ("not",) else clause in listed
+
+
+def _triton_example(q, k, v, kw):
+    """examples/triton_attention.py's limits: float16/bfloat16, E = Ev in 16, 32, 64, 128, no attn_mask, no dropout."""
+    if kw["attn_mask"] is not None or kw["dropout_p"]:
+        return NotImplementedError("triton_limits: attn_mask and dropout are not supported")
+    if q.dtype not in _HALF or q.shape[-1] not in (16, 32, 64, 128) or v.shape[-1] != q.shape[-1]:
+        return NotImplementedError("triton_limits only supports float16/bfloat16, E = Ev in 16, 32, 64, 128")
+    return None
+
+
+# The Triton example's limits over F.scaled_dot_product_attention: the draws (and specialisations) the suite poses
+# that kernel, counted without interpreting it (docs/kernels.md).
+triton_limits = _declining("triton_limits", _triton_example)

@@ -68,6 +68,7 @@ class Limits:
     causal: bool = True
     causal_only: bool = False                         # is_causal=True only (no plainer problem is accepted)
     gqa: bool = True
+    dropout: bool = True                              # dropout_p > 0 (at the plain rate 0.5) on the plainest problem
     explicit_scale: bool = True
     strided: bool = True                              # non-contiguous (transposed) inputs
     learned: bool = False
@@ -96,7 +97,7 @@ class Limits:
             parts.append("leading dims " + ", ".join(map(str, self.ranks)))
         if self.causal_only:
             parts.append("is_causal only")
-        for flag, text in (("causal", "no is_causal"), ("gqa", "no enable_gqa"), ("explicit_scale", "no scale="),
+        for flag, text in (("causal", "no is_causal"), ("gqa", "no enable_gqa"), ("dropout", "no dropout"), ("explicit_scale", "no scale="),
                            ("strided", "contiguous inputs only")):
             if not getattr(self, flag):
                 parts.append(text)
@@ -212,6 +213,7 @@ class Probe:
     gqa: bool = False
     scale: float | None = None
     strided: bool = False
+    dropout: float = 0.0
 
     def call(self, fn, device) -> str | None:
         """The kernel's decline reason for this problem, or None (it ran, or failed otherwise: the clauses'
@@ -238,6 +240,8 @@ class Probe:
             kwargs["enable_gqa"] = True
         if self.scale is not None:
             kwargs["scale"] = self.scale
+        if self.dropout:
+            kwargs["dropout_p"] = self.dropout
         try:
             fn(q, k, v, **kwargs)
         except Exception as exc:  # only a decline counts here
@@ -318,6 +322,7 @@ def learn_limits(fn, device, declared: Limits, selected) -> Limits:
         reasons.setdefault("is_causal only", plainest)
     limits.gqa = declared.gqa and not (base.rank and declines("enable_gqa", gqa=True))
     limits.explicit_scale = declared.explicit_scale and not declines("scale", scale=0.5)
+    limits.dropout = not declines("dropout", dropout=0.5)
     limits.strided = declared.strided and not (base.rank == 2 and declines("strided", strided=True))
     return limits
 

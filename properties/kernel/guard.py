@@ -119,7 +119,8 @@ class GuardedKernel:
                 raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
             self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
         out = check_output(self.name, out, query, value, call, nan_rows)
-        coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype)
+        coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype, value.shape[-1],
+                     bool(kwargs.get("is_causal")))
         return out
 
     def _watched_fn(self, query, key, value, **kwargs):
@@ -152,10 +153,18 @@ class GuardedKernel:
         return True
 
     def _declined(self, reason: str, query, key, value, kwargs):
-        """A decline of dropout, or of inputs that require grad, skips the clause (that feature is optional); any
-        other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
+        """A decline of dropout by a kernel without dropout, or of inputs that require grad, skips the clause (those
+        features are optional); any other is a problem outside the kernel's limits: record, reject. (The limits are
+        learned at start-up; a kernel built outside the plugin learns them here, at its first decline.)"""
         import pytest
-        if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
+        try:
+            limits = self.learn(query.device)
+        except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
+            limits = self._limits[str(query.device)] = self.declared
+        p = kwargs.get("dropout_p", 0.0)
+        # a kernel with dropout that declines this rate or problem (cuDNN: rates in steps of 1/16, L > 1) has the
+        # example rejected; one without dropout (its probes say so) has the dropout clauses skipped
+        if p and not limits.dropout and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
             pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
         tensors = (query, key, value, kwargs.get("attn_mask"))
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -163,10 +172,6 @@ class GuardedKernel:
             if self._accepts(query.detach(), key.detach(), value.detach(), detached):
                 pytest.skip(f"kernel {self.name} declines a forward whose inputs require grad ({reason}): "
                             f"the gradient clauses do not apply")
-        try:
-            self.learn(query.device)
-        except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
-            self._limits[str(query.device)] = self.declared
         self._reject(reason, query, key, value, kwargs)
 
     def _reject(self, reason: str, query, key, value, kwargs):
