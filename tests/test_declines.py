@@ -92,3 +92,14 @@ def test_the_zoo_torch_kernel_keeps_its_promise_over_cudnn_rows():
     raw = [t.clone().requires_grad_() for t in (q, k, v)]
     cudnn_bool_mask_rows(*raw, attn_mask=mask).backward(torch.ones_like(out))
     assert bool((raw[2].grad[..., 3, :] != 0).any()), "the stand-in shows cuDNN's symptom: dV of a key no query sees"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the repro runs the backend itself")
+def test_the_cudnn_repro_says_it_needs_cuda_and_exits_0(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "repro_cudnn_bool_mask_rows.py"
+    spec = importlib.util.spec_from_file_location("repro_cudnn_bool_mask_rows", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main() == 0 and "needs CUDA" in capsys.readouterr().out
