@@ -7,9 +7,10 @@ use ("not supported", "does not support", "only supports", "unsupported", "No av
 ``TypeError`` for an optional keyword its signature lacks (``enable_gqa``, ``scale``, ``dropout_p``, as before
 PyTorch 2.5 / 2.1). Any other exception (an IndexError, a CUDA error, a wrong shape) is a failure, as before.
 
-A declined problem is discarded (a Hypothesis reject) and recorded (properties/core/coverage.py); the first decline
-on a device makes the suite **learn** the kernel's limits there, by probing one attribute at a time from the
-plainest problem it accepts, and every later draw (``cases``, ``grad_cases``) stays inside them. Limits may also
+A declined problem is discarded (a Hypothesis reject) and recorded (properties/core/coverage.py). The suite
+**learns** the kernel's limits on each device at start-up, before any test draws (so that no strategy changes what it
+draws in the middle of a test), by probing one attribute at a time from the plainest problem it accepts (a
+non-causal one, else a causal one), and every draw (``cases``, ``grad_cases``) stays inside them. Limits may also
 be **declared** up front (``--dtype``, ``--kernel-head-size``, ``--kernel-no-mask``, ``--kernel-equal-lengths``,
 ``--kernel-equal-head-sizes``): the draws then start inside them, and a kernel that declines the plainest problem
 inside its declared limits while it accepts another is a one-line usage error. A kernel that declines every
@@ -185,7 +186,7 @@ _active: list = [None, "cpu"]
 
 def set_active(limits, device: str = "cpu") -> None:
     """The limits of the kernel and device of the test now running (set by the plugin around each test): a
-    ``Limits``, a function returning the current ones (they are learned at the first decline), or None."""
+    ``Limits``, a function returning the current ones (learned at start-up), or None."""
     _active[:] = [limits, str(device)]
 
 

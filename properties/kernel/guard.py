@@ -74,7 +74,7 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
 class GuardedKernel:
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
-    (properties/core/limits.py); what the kernel accepts on each device is learned at its first decline there."""
+    (properties/core/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
 
     name: str
     fn: Callable
