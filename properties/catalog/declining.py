@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PROFILES", "CANNOT_RUN", "TAGS", "cannot_run", "cudnn_bool_mask_rows", "zoo_torch_on_cudnn_rows", "flash_backend", "efficient_backend", "cudnn_backend", "grouped_heads_declined",
+__all__ = ["PROFILES", "CANNOT_RUN", "TAGS", "cannot_run", "triton_limits", "cudnn_bool_mask_rows", "zoo_torch_on_cudnn_rows", "flash_backend", "efficient_backend", "cudnn_backend", "grouped_heads_declined",
            "masks_declined", "four_dims_only", "causal_only", "equal_lengths_only"]
 
 _HALF = (torch.float16, torch.bfloat16)
