@@ -1,4 +1,4 @@
-# The suite's options and hooks live in an importable plugin (properties/plugin.py) so that pytest can load
+# The suite's options and hooks live in an importable plugin (properties/plugin/__init__.py) so that pytest can load
 # them from anywhere; registering it by module name here means `-p properties.plugin` never adds it twice.
 import os
 

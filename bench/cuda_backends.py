@@ -1,12 +1,12 @@
-"""The spec suite on CUDA: the zoo's parts, and PyTorch's SDPA with each backend forced — README's CUDA table.
+"""The spec suite on CUDA: the zoo's parts, and PyTorch's SDPA with each backend forced: docs/kernels.md's CUDA table.
 
     python -m bench.cuda_backends                 # needs CUDA; prints the table, records bench/results.json "cuda"
-    python -m bench.cuda_backends --write-readme  # and replaces the table between README's cuda-table markers
+    python -m bench.cuda_backends --write-docs    # and replaces the table between docs/kernels.md's cuda-table markers
 
 Each row is one suite run as a user runs it (examples/torch_cuda_backends.py for the forced backends), with
 --device cuda, every dtype the device computes in, forward and backward clauses, and --report-json: the row gives
 the tests passed, failed and skipped, the clauses that failed, what the kernel declined (grouped, from the
-coverage records: properties/core/coverage.py) and the wall time. On a machine without CUDA it exits with status 2
+coverage records: properties/kernel/coverage.py) and the wall time. On a machine without CUDA it exits with status 2
 and one line, leaving the table as it is.
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ RUNS = [
      ["properties/kernel", "--kernel", "examples/triton_attention.py:attention"]),
 ]
 START, END = "<!-- cuda-table -->", "<!-- /cuda-table -->"
+TABLE_PAGE = "docs/kernels.md"  # the page whose cuda-table markers hold the table
 
 
 def run(name: str, arguments: list[str], timeout: float = 3600) -> dict:
@@ -79,7 +80,9 @@ def main(argv=None) -> int:
     from zoo.io.atomic import write_text
 
     parser = argparse.ArgumentParser(prog="python -m bench.cuda_backends", description=__doc__.splitlines()[0])
-    parser.add_argument("--write-readme", action="store_true", help="replace README's CUDA table with this run's")
+    # --write-readme: its name from when the table lived in README.md; the same option (issue 31 moved the table).
+    parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
+                        help=f"replace the CUDA table in {TABLE_PAGE} with this run's")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -99,11 +102,11 @@ def main(argv=None) -> int:
         recorded = json.loads(path.read_text()) if path.exists() else {}
         recorded["cuda"] = {"device": device, "runs": results}
         write_json_atomic(path, recorded)
-    if args.write_readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text(encoding="utf-8")
+    if args.write_docs:
+        page = ROOT / TABLE_PAGE
+        text = page.read_text(encoding="utf-8")
         pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        write_text(readme, pattern.sub(lambda _: f"{START}\n{markdown}\n{END}", text, count=1))
+        write_text(page, pattern.sub(lambda _: f"{START}\n{markdown}\n{END}", text, count=1))
     return 0 if all(r["failed"] == 0 and r["returncode"] in (0, 5) for r in results) else 1
 
 

@@ -17,8 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import cell_timing, interleaved, out_of_time
 from bench.models import overrides
 from bench.references import build_reference
-from zoo.config.builder import build_model, compose_config
-from zoo.nn.attention import KVCache
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
+from zoo.nn.cache import KVCache
 from zoo.nn.static_cache import StaticKVCache
 from zoo.tasks.generate import compiled_step, decode_step, generate
 
@@ -75,7 +76,7 @@ def ops_per_step(model, prompt: torch.Tensor, *, cache: KVCache, step=decode_ste
     fresh ``cache`` (a StaticKVCache is emptied first): ``dispatched`` aten operations called from Python,
     ``working`` those of their parts that have kernels of their own and are not views or allocations (on a GPU,
     about one kernel launch each), and on CUDA ``launches`` (kernel and CUDA-graph launches the host made)."""
-    static = cache.preallocated
+    static = isinstance(cache, StaticKVCache)
     if static:
         cache.reset()
         steps = min(steps, cache.capacity - prompt.shape[1] - 2)  # the prompt, two warm-up steps, the counted ones

@@ -1,7 +1,8 @@
-"""Issue 26's checks on a GPU, in one command that fits in 8 minutes on an H100, and the README filled from them.
+"""Issue 26's checks on a GPU, in one command that fits in 8 minutes on an H100, and docs/benchmarks.md filled
+from them.
 
-    python -m bench.gpu_check                    # on a CUDA machine: bench/results_gpu.json and README's GPU section
-    python -m bench.gpu_check --tiny --device cpu --readme /tmp/README.md    # the same steps at tiny sizes
+    python -m bench.gpu_check                  # on CUDA: bench/results_gpu.json, docs/benchmarks.md's GPU section
+    python -m bench.gpu_check --tiny --device cpu --doc /tmp/benchmarks.md    # the same steps at tiny sizes
 
 Steps, in this order, each recorded in the JSON as soon as it ends (a run stopped halfway keeps what it measured):
     streams   the recipes' first data batch and initial weights, drawn with the same seed for the CPU and for the
@@ -13,7 +14,8 @@ Steps, in this order, each recorded in the JSON as soon as it ends (a run stoppe
               keeps it from beginning a cell late.
     recipes   ``python -m bench.train_targets reverse sort --seed 0,1,2 --device cuda``: the two presets' held-out
               exact match over three seeds on the device
-Then the tables go into README.md between ``<!-- gpu-check:begin -->`` and ``<!-- gpu-check:end -->``.
+Then the tables go into docs/benchmarks.md (``--doc``; ``--readme`` is the same option, its name from when the
+section lived in README.md) between ``<!-- gpu-check:begin -->`` and ``<!-- gpu-check:end -->``.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ TINY_RECIPE = ["--set", "task.steps=6", "--set", "task.eval_every=6", "--set", "
 def streams_check(device: str) -> dict:
     """Whether the reverse and sort presets start from the same initial weights on the CPU and on ``device``, and
     draw the same first batch whatever the global generators' state."""
-    from zoo.config.builder import compose_config
+    from zoo.config.composition import compose_config
     from zoo.tasks.train import family_of, fit_config_to_data, seeded_model
 
     out = {}
@@ -74,7 +76,7 @@ def _run(command: list[str], timeout: float) -> dict:
 
 
 def gpu_section(results: dict) -> str:
-    """README's GPU section, from a gpu_check JSON."""
+    """The GPU section of docs/benchmarks.md, from a gpu_check JSON."""
     m = results["machine"]
     lines = [f"Measured by `python -m bench.gpu_check` on {results['measured_on']}: {m['device_name']}, torch "
              f"{m['torch']}, transformers {m.get('transformers')}, {m['usable_cores']} CPU cores; the whole check "
@@ -100,7 +102,8 @@ def gpu_section(results: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def fill_readme(path: Path, section: str) -> None:
+def fill_section(path: Path, section: str) -> None:
+    """Replace what lies between the gpu-check markers of the Markdown file at `path` with `section`."""
     text = path.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{path}: no {BEGIN} ... {END} block to fill")
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and a few training steps: a trial of the script")
     p.add_argument("--out", default="bench/results_gpu.json")
-    p.add_argument("--readme", default="README.md", help="the README whose GPU section is filled ('' to skip)")
+    p.add_argument("--doc", "--readme", dest="doc", default="docs/benchmarks.md",
+                   help="the page whose GPU section is filled ('' to skip); --readme is the same option")
     p.add_argument("--limit", type=float, default=450.0, help="seconds for the whole check (default 450)")
     args = p.parse_args(argv)
     started = time.perf_counter()
@@ -159,9 +163,9 @@ def main(argv=None) -> int:
 
     section = gpu_section(results)
     print("\n" + section)
-    if args.readme:
-        fill_readme(Path(args.readme), section)
-        print(f"filled the GPU section of {args.readme}")
+    if args.doc:
+        fill_section(Path(args.doc), section)
+        print(f"filled the GPU section of {args.doc}")
     print(f"gpu_check: {results['seconds']:.0f} s; wrote {args.out}")
     return 0 if all(step["status"] == 0 for step in results["steps"].values()) else 1
 

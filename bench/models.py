@@ -7,7 +7,8 @@ import torch
 
 from bench.common import BACKENDS, FAMILIES, TOY, cell_timing, forward_flops, interleaved, out_of_time
 from bench.references import REFERENCE_NAMES, build_reference
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 
 
 def overrides(family: str, args, *extra: str) -> list[str]:

@@ -28,7 +28,8 @@ from bench.models import (
     zoo_call,
 )
 from bench.references import build_reference
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 
 
 def host_overhead(family: str, *, layers: int = 2, rounds: int = 15, calls: int = 40) -> dict:

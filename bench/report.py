@@ -1,8 +1,8 @@
-"""A results JSON as Markdown tables, for the README: ``python -m bench.report bench/results.json``.
+"""A results JSON as Markdown tables, for docs/benchmarks.md: ``python -m bench.report bench/results.json``.
 
 ``python -m bench.report bench/results.json --only training`` prints only that part's table; ``--only train_targets``
-the README's training targets (``python -m bench.train_targets``), ``--only seeds`` the recipes over seeds and
-devices.
+the training targets of docs/training.md (``python -m bench.train_targets``), ``--only seeds`` the recipes over
+seeds and devices.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def training_markdown(results: dict) -> list[str]:
 
 
 def train_targets_markdown(results: dict) -> list[str]:
-    """The README's training targets (bench/train_targets.py): accuracy, CPU and wall time per command. Each CPU
-    time is written as the README states it, bold with the record it comes from (tests/test_readme_durations.py
+    """The training targets of docs/training.md (bench/train_targets.py): accuracy, CPU and wall time per command.
+    Each CPU time is written as the page states it, bold with the record it comes from (tests/test_readme_durations.py
     keeps the two within 1.5x)."""
     targets = results.get("train_targets")
     if not targets:
@@ -178,7 +178,7 @@ def markdown(results: dict, only: str | None = None) -> str:
         for t in results["targets"]:
             met = {True: "yes", False: "**no**", None: "—"}[t["met"]]
             lines.append(f"| {t['target']} | {t['value']} | {met} |")
-    training = training_markdown(results)  # the README gives it a section of its own, after the targets
+    training = training_markdown(results)  # docs/benchmarks.md gives it a section of its own
     if training:
         lines += ["", *training]
     return "\n".join(lines)

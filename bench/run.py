@@ -52,8 +52,8 @@ PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="small sizes, few repeats, the mutation part on one catalog entry in 8 (README, "
-                        "Benchmarks: how long each run takes)")
+                   help="small sizes, few repeats, the mutation part on one catalog entry in 8 (docs/benchmarks.md: "
+                        "how long each run takes)")
     p.add_argument("--toy", action="store_true", help="tiny geometry instead of the presets' (smoke tests)")
     p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")

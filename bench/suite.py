@@ -3,7 +3,7 @@
     python -m bench.suite                  # pytest properties/ (alone and -n auto) into bench/results.json "suite"
     python -m bench.suite --test-command   # the README's test command (`pytest`, what CI runs): "test_command"
 
-The README's stated durations are checked against what these record (tests/test_readme_durations.py).
+The durations README.md and docs/ state are checked against what these record (tests/test_readme_durations.py).
 """
 from __future__ import annotations
 

@@ -1,18 +1,18 @@
-"""Training targets, measured (not a test): the README's training commands must reach 99% held-out exact match
-(sort: about 99.7%) within 3 minutes on a 2-core CPU.
+"""Training targets, measured (not a test): the training commands of docs/training.md must reach 99% held-out exact
+match (sort: about 99.7%) within 3 minutes on a 2-core CPU.
 
     python -m bench.train_targets                          # every target, from the repository root
     python -m bench.train_targets reverse plain-reverse --threads 1
     python -m bench.train_targets reverse sort --seed 0,1,2 --threads 1       # the same recipes, three seeds
     python -m bench.train_targets reverse sort --seed 0,1,2 --device cuda     # ... on another device
 
-Each target is a ``python -m zoo`` command exactly as the README gives it (the `experiment=` presets of
+Each target is a ``python -m zoo`` command exactly as docs/training.md gives it (the `experiment=` presets of
 conf/experiment/ and the plain commands, which get the recipes of conf/recipe/), run as a child process: the
 time is what a user waits for, start-up included. Reported: the held-out exact match (1,024 sequences, read
 from the final checkpoint), the wall time, and the CPU time of the child. On a machine shared with other work
 the wall time is inflated by waiting for a core; with --threads 1 the CPU time is what the run would take on
 one free core. Results are merged into bench/results.json under "train_targets" (`--out ''` to skip), where the
-README's stated durations are checked against them (tests/test_readme_durations.py). Every run is also recorded
+documented durations are checked against them (tests/test_readme_durations.py). Every run is also recorded
 under "train_targets_seeds", by device, target and seed (``python -m bench.report --only seeds``): a recipe must hold
 over seeds and devices, not on one lucky draw.
 """
@@ -33,7 +33,7 @@ from bench.suite import children_cpu_seconds
 
 GOAL, BUDGET_S = 0.99, 180.0
 
-# The README's commands (section "Targets"). The experiments state every setting they use; the plain commands
+# The commands of docs/training.md, "Targets". The experiments state every setting they use; the plain commands
 # rely on conf/recipe/train/tiny/<family>/<data>.yaml.
 TARGETS = {
     "reverse": ["experiment=reverse"],
@@ -42,7 +42,7 @@ TARGETS = {
     "plain-copy": ["model=decoder_only", "task=train", "data=copy"],
     "plain-sort": ["model=encoder_decoder", "task=train", "data=sort"],
 }
-WHAT = {  # the README table's first column (python -m bench.report --only train_targets)
+WHAT = {  # the Targets table's first column (python -m bench.report --only train_targets)
     "reverse": "decoder-only, `reverse`: preset (learned positions, `torch` kernel, 1,500 steps)",
     "sort": "encoder-decoder, `sort`: preset (`torch` kernel, 1,500 steps of 128)",
     "plain-reverse": "decoder-only, `reverse`: plain command + recipe (sinusoidal, `math`, 2,500 steps)",
@@ -95,7 +95,7 @@ def meets_goal(row: dict) -> bool:
 
 def merge_results(path: str, measured: dict[str, dict] | None = None,
                   seeds: dict[tuple[str, str, int], dict] | None = None) -> None:
-    """Write into the results JSON, keeping every other entry: the targets as the README states them (default seed,
+    """Write into the results JSON, keeping every other entry: the targets as the docs state them (default seed,
     default device) under "train_targets", and every run under "train_targets_seeds"[device][target][seed]."""
     results = {}
     if os.path.exists(path):
@@ -116,9 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one more override on each command (e.g. task.steps=20, to try this out): such runs "
-                             "are not the README's and are recorded only under train_targets_seeds, marked")
+                             "are not the documented ones and are recorded only under train_targets_seeds, marked")
     parser.add_argument("--out", default="bench/results.json",
-                        help="results JSON to merge into ('' to skip); the README's table takes only runs with the "
+                        help="results JSON to merge into ('' to skip); the Targets table takes only runs with the "
                              "default seed and device, every run goes under train_targets_seeds")
     args = parser.parse_args(argv)
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         seeds = [0] if args.seed is None else [int(s) for s in args.seed.split(",")]
     except ValueError:
         parser.error(f"--seed {args.seed}: expected integers separated by commas")
-    # Seed 0 is the config's own (seed and data.seed): its command is the README's, with no seed overrides.
+    # Seed 0 is the config's own (seed and data.seed): its command is the documented one, with no seed overrides.
     runs = {}
     for seed in seeds:
         for name in args.targets or TARGETS:
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
             runs[key] = run_target(name, seed=seed or None, threads=args.threads, device=args.device,
                                    extra=tuple(args.set))
             if args.out:  # after every run: a long series stopped halfway keeps what it measured
-                # The README's table states the default command's run: seed 0 (the config's) on the CPU.
+                # The Targets table states the default command's run: seed 0 (the config's) on the CPU.
                 stated = {name: runs[key]} if args.device in (None, "cpu") and seed == 0 and not args.set else {}
                 merge_results(args.out, stated, {key: runs[key]})
     print(f"\n{'target':<15}{'device':>8}{'seed':>6}{'exact match':>13}{'wall s':>9}{'cpu s':>9}  "

@@ -25,7 +25,7 @@ pages) is not counted:
         KiB or more is then its own mapping, returned to the system when freed, and the RSS follows the live
         tensors. With glibc's default (a threshold that grows up to 32 MiB), freed buffers under 32 MiB stay in a
         fragmented heap and the memory-efficient kernel's (L x 128) score blocks (16 MiB each at L = 4096) pile up:
-        a one-off measurement in the same way on the README's 2-core CPU gave 74 MiB at L = 1024 and 624 MiB at L =
+        a one-off measurement in the same way on the project's 2-core CPU gave 74 MiB at L = 1024 and 624 MiB at L =
         4096 with the default, against 30 and 121 MiB with the fixed threshold. Where /proc/self/clear_refs is
         missing (not Linux), the growth of ru_maxrss over the step is reported, a lower bound that is None when the
         step did not raise it.

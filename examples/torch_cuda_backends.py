@@ -7,14 +7,14 @@
 
 Each runs its backend alone (``torch.nn.attention.sdpa_kernel``). A problem the backend cannot run — a dtype it
 lacks, an attn_mask the flash kernel takes none of, a head size, grouped heads — makes PyTorch raise "No available
-kernel", which the suite counts as a decline (properties/core/limits.py): the draws then stay inside what the backend
+kernel", which the suite counts as a decline (properties/kernel/limits.py): the draws then stay inside what the backend
 accepts, and the coverage report says what was declined. flash, efficient and cudnn are CUDA kernels and decline any
 other device (so on a machine without CUDA their clauses are skipped with that reason); math runs everywhere.
 The memory-efficient kernel treats a float-mask row of finfo.min as fully masked (float32, bfloat16:
 examples/repro_mem_efficient_finfo_min.py), which ``--finfo-min-rows masked`` declares; the cuDNN kernel, with a bool mask,
 gives a query whose mask admits no key neither zeros nor the mean of the values (examples/repro_cudnn_bool_mask_rows.py),
 which ``--fully-masked any`` accepts (docs/kernels.md). ``python -m bench.cuda_backends``
-runs the suite on each of them and on the zoo and writes README's CUDA table.
+runs the suite on each of them and on the zoo and writes docs/kernels.md's CUDA table.
 """
 import torch
 import torch.nn.functional as F

@@ -17,7 +17,8 @@ import bench.suite
 import bench.training
 from bench.common import FAMILIES, TOY, forward_flops, interleaved
 from bench.report import markdown
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -86,7 +87,7 @@ def test_bench_command_writes_json(tmp_path):
     assert "suite" not in results and "mutation" not in results
     for target in results["targets"]:
         assert set(target) >= {"target", "value", "met"}
-    table = markdown(results)  # the README's tables
+    table = markdown(results)  # docs/benchmarks.md's tables
     assert "| family |" in table and "| greedy decoding |" in table
 
 
@@ -169,7 +170,7 @@ def test_train_targets_records_every_seed_and_device_and_states_only_the_default
     assert targets.main(["reverse", "--seed", "0,2", "--threads", "1", "--out", str(out)]) == 0
     assert targets.main(["reverse", "--seed", "1", "--device", "cuda", "--out", str(out)]) == 0
     assert targets.main(["sort", "--set", "task.steps=2", "--out", str(out)]) == 0
-    assert ran[:2] == [("reverse", None, None, ()), ("reverse", 2, None, ())]  # seed 0: the README's command
+    assert ran[:2] == [("reverse", None, None, ()), ("reverse", 2, None, ())]  # seed 0: the documented command
     results = json.loads(out.read_text())
     assert set(results["train_targets"]) == {"reverse"}  # not seed 2, not cuda, not a run with --set
     assert set(results["train_targets_seeds"]["cpu"]["reverse"]) == {"0", "2"}
@@ -181,8 +182,8 @@ def test_train_targets_records_every_seed_and_device_and_states_only_the_default
         targets.main(["reverse", "--seed", "one"])
 
 
-def test_gpu_check_fills_the_readme_block_and_nothing_else(tmp_path):
-    from bench.gpu_check import BEGIN, END, fill_readme, gpu_section
+def test_gpu_check_fills_its_block_of_the_page_and_nothing_else(tmp_path):
+    from bench.gpu_check import BEGIN, END, fill_section, gpu_section
 
     results = {"machine": {"device_name": "NVIDIA H100", "torch": "2.x", "transformers": "5.x", "usable_cores": 16},
                "measured_on": "2026-01-01", "tiny": False, "seconds": 300.0,
@@ -194,9 +195,9 @@ def test_gpu_check_fills_the_readme_block_and_nothing_else(tmp_path):
     section = gpu_section(results)
     assert "NVIDIA H100" in section and "`reverse` initial weights equal on cpu and cuda" in section
     assert "| `sort` | cuda | 99.51%, 21 s |" in section
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{BEGIN}\nUnmeasured.\n{END}\nafter\n")
-    fill_readme(readme, section)
-    text = readme.read_text()
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"before\n{BEGIN}\nUnmeasured.\n{END}\nafter\n")
+    fill_section(page, section)
+    text = page.read_text()
     assert text.startswith(f"before\n{BEGIN}\nMeasured by") and text.endswith(f"{END}\nafter\n")
     assert "Unmeasured" not in text

@@ -184,18 +184,20 @@ def test_a_plug_in_that_calls_sys_exit_while_built_is_one_line_not_a_silent_exit
 
 
 def _readme_commands() -> list[str]:
-    """Every `python -m zoo ...` command of README.md that a user may run as written (not the `$ ...` examples of
-    refusals, not placeholders such as mypkg or NAME)."""
+    """Every `python -m zoo ...` command of README.md and the pages of docs/ that a user may run as written (not the
+    `$ ...` examples of refusals, not placeholders such as mypkg or NAME, not README's recipe that uses the kernel
+    file an earlier recipe wrote: tests/test_readme_recipes.py runs the recipes)."""
     import re
     import shlex
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     found = re.findall(r"^python -m zoo ([^\n#]*)", text, re.M) + re.findall(r"`python -m zoo ([^`]*)`", text)
     commands = []
     for words in found:
         words = words.strip()
-        if words and not any(p in words for p in ("mypkg", "NAME", "wrong_scale", "...", "ARGS")):
+        if words and not any(p in words for p in ("mypkg", "NAME", "wrong_scale", "my.py", "...", "ARGS")):
             commands.append(words)
     return sorted(set(commands), key=commands.index)
 
@@ -229,12 +231,12 @@ def test_every_readme_command_passes_the_checks(tmp_path, monkeypatch, command):
                            "parameters in float32 need at least 32.0 EiB (weights and buffers, and the activations "
                            "of a batch of 2 x 32 tokens) on cpu, and "),
 ])
-def test_the_refusals_readme_shows_are_what_the_cli_says(places, command, said):
+def test_the_refusals_the_zoo_page_shows_are_what_the_cli_says(places, command, said):
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert f"$ python -m zoo {command}\n{said}" in readme
+    shown = (Path(__file__).resolve().parents[1] / "docs" / "zoo.md").read_text(encoding="utf-8")
+    assert f"$ python -m zoo {command}\n{said}" in shown
     work, _ = places
     assert assert_one_line_refusal(zoo_in_process(shlex.split(command), work)).startswith(said)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zoo.conf
-from zoo.config.builder import build_model, compose_config, model_from_config
+from zoo.config.builder import build_model, model_from_config
+from zoo.config.composition import compose_config
 from zoo.config.options import FAMILIES
 from zoo.tasks.summary import random_inputs
 from zoo.tasks.train import fit_config_to_data

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.config.plugins import load_object
+from zoo.plugins import load_object
 from zoo.nn.kernel import _shift_overflowing_rows, torch_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ EMULATED = "examples/repro_mem_efficient_finfo_min.py:log2e_scaled_attention"
 
 def _mask_clause(kernel_spec: str, finfo_min_rows: str, fully_masked: str = "zeros", dtype=torch.float32):
     """MASK-LOW-PRECISION's body on one pinned shape (row 0 of finfo.min everywhere), in this process."""
-    from properties.core.strategies import Case
+    from properties.kernel.cases import Case
     from properties.kernel.guard import GuardedKernel
     from properties.kernel.test_masks import test_extreme_float_mask_values_do_not_overflow as clause
     kernel = GuardedKernel(kernel_spec, load_object(kernel_spec))

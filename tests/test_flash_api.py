@@ -128,7 +128,7 @@ def test_a_bad_flash_kernel_is_a_one_line_usage_error():
 # ---------------------------------------------------------------------------------------------- the adapters
 def _flex_works() -> str | None:
     try:
-        from zoo.config.plugins import load_object
+        from zoo.plugins import load_object
         flash_attn_func = load_object(f"{ROOT / 'examples' / 'flex_attention_adapter.py'}:flash_attn_func")
         q, k, v = _problem()
         flash_attn_func(q.float(), k.float(), v.float(), causal=True)
@@ -161,7 +161,7 @@ def test_window_right_below_lk_restricts_the_drawn_windows():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from properties.core.flash import set_window_right_below_lk, windows
+    from properties.kernel.flash import set_window_right_below_lk, windows
 
     @settings(max_examples=200, database=None)
     @given(data=st.data(), lk=st.integers(1, 9))

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from zoo.config.builder import compose_config, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.composition import compose_config
 from zoo.io.checkpoint import CheckpointError
 from zoo.tasks.data import BOS, IGNORE, PAD, SyntheticTask
 from zoo.tasks.generate import generate, generate_task, pick_next

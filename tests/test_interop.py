@@ -20,7 +20,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from zoo import interop  # noqa: E402
 from zoo.config.builder import build_model  # noqa: E402
 from zoo.tasks.compare import compare, error_bound, randomize_, run_compare  # noqa: E402
-from zoo.interop import ConversionError, StateDictMismatch  # noqa: E402
+from zoo.interop import ConversionError  # noqa: E402
+from zoo.io import weights  # noqa: E402
+from zoo.io.weights import StateDictMismatch  # noqa: E402
 
 LAYERS, D, HEADS, D_FF, VOCAB, MAX_LEN = 2, 32, 4, 128, 97, 24
 B, L = 3, 12
@@ -296,12 +298,12 @@ def _tiny(family: str, dtype=torch.float32) -> nn.Module:
 @pytest.mark.parametrize("family", ["decoder_only", "encoder_decoder", "encoder_only"])
 def test_safetensors_round_trip_keeps_tied_weights(tmp_path, family):
     model = randomize_(_tiny(family), seed=8)
-    path = interop.save_checkpoint(model, tmp_path / "model.safetensors")
+    path = weights.save_checkpoint(model, tmp_path / "model.safetensors")
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # no temp file left behind
     stored = safetensors_torch.load_file(path)  # plain safetensors: each tie stored once
     assert len(stored) == len({id(p) for p in model.state_dict(keep_vars=True).values()})
     fresh = _tiny(family)
-    interop.load_checkpoint(fresh, path)
+    weights.load_checkpoint(fresh, path)
     _bitwise_equal(model.state_dict(), fresh.state_dict())
     if family != "encoder_only":
         assert fresh.lm_head.weight is fresh.decoder.embedding.weight
@@ -314,7 +316,7 @@ def test_checkpoints_written_by_other_tools_load(tmp_path):
     torch.save({"state_dict": model.state_dict(), "step": 3}, tmp_path / "wrapped.pt")
     for name in ("save_model.safetensors", "plain.pt", "wrapped.pt"):
         fresh = _tiny("encoder_decoder")
-        interop.load_checkpoint(fresh, tmp_path / name)
+        weights.load_checkpoint(fresh, tmp_path / name)
         _bitwise_equal(model.state_dict(), fresh.state_dict())
 
 
@@ -323,10 +325,10 @@ def test_mismatched_checkpoint_lists_every_problem(tmp_path):
     state.pop("decoder.layers.0.ffn_block.norm.bias")
     state["decoder.layers.0.ffn.up.weight"] = torch.zeros(64, 16)
     state["unused.weight"] = torch.zeros(2)
-    path = interop.save_checkpoint(state, tmp_path / "bad.safetensors")
+    path = weights.save_checkpoint(state, tmp_path / "bad.safetensors")
     model = _tiny("decoder_only")
     with pytest.raises(StateDictMismatch) as info:
-        interop.load_checkpoint(model, path)
+        weights.load_checkpoint(model, path)
     message = str(info.value)
     assert "missing keys (1): decoder.layers.0.ffn_block.norm.bias" in message
     assert "unexpected keys (1): unused.weight" in message
@@ -338,7 +340,7 @@ def test_conflicting_tied_values_are_refused(tmp_path):
     state = {k: v.clone() for k, v in _tiny("decoder_only").state_dict().items()}
     state["lm_head.weight"] += 1.0  # untied values for a tied model
     with pytest.raises(StateDictMismatch, match="tied weights with different values"):
-        interop.load_state_dict_checked(_tiny("decoder_only"), state)
+        weights.load_state_dict_checked(_tiny("decoder_only"), state)
 
 
 class _NotAWeight:
@@ -349,17 +351,17 @@ def test_arbitrary_pickles_are_never_loaded(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"weight": torch.zeros(2), "payload": _NotAWeight()}, path)
     with pytest.raises(ValueError, match="weights-only"):
-        interop.read_checkpoint(path)
+        weights.read_checkpoint(path)
     (tmp_path / "junk.bin").write_bytes(b"not a checkpoint at all")
     with pytest.raises(ValueError, match="neither safetensors"):
-        interop.read_checkpoint(tmp_path / "junk.bin")
+        weights.read_checkpoint(tmp_path / "junk.bin")
     with pytest.raises(FileNotFoundError):
-        interop.read_checkpoint(tmp_path / "absent.safetensors")
+        weights.read_checkpoint(tmp_path / "absent.safetensors")
 
 
 def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
     model = _tiny("decoder_only")
-    path = interop.save_checkpoint(model, tmp_path / "model.safetensors")
+    path = weights.save_checkpoint(model, tmp_path / "model.safetensors")
     before = path.read_bytes()
 
     def broken(tensors, filename, metadata=None):
@@ -369,7 +371,7 @@ def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors_torch, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        interop.save_checkpoint(randomize_(copy.deepcopy(model), seed=11), path)
+        weights.save_checkpoint(randomize_(copy.deepcopy(model), seed=11), path)
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.safetensors"]
 
 

@@ -1,4 +1,4 @@
-"""Kernels with limits (properties/core/limits.py, coverage.py): what counts as a decline, learning a kernel's limits,
+"""Kernels with limits (properties/kernel/limits.py, coverage.py): what counts as a decline, learning a kernel's limits,
 fitting pinned problems into them, reading weights through V = I in slices, the declared-limits options, and the
 suite run on kernels that decline — a fused kernel's limits, a pre-2.5 signature without enable_gqa,
 flex_attention, whose CPU forward declines inputs that require grad, and PyTorch's CUDA backends on the CPU.
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from properties.core.limits import Limits, LimitsError, decline_reason, declared_limits
-from properties.core.strategies import Case
+from properties.kernel.limits import Limits, LimitsError, decline_reason, declared_limits
+from properties.kernel.cases import Case
 from properties.kernel.guard import GuardedKernel, KernelContractError, KernelDeclined
 from properties.kernel.test_gradients import GradCase
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import zoo.io.checkpoint
-from zoo.config.builder import compose_config
+from zoo.config.composition import compose_config
 from zoo.io.checkpoint import MANIFEST, CheckpointError, checkpoints_in, read_state
 from zoo.tasks.generate import generate_task
 from zoo.tasks.train import train

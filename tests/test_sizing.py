@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from omegaconf import open_dict
 from torch import nn
 
-from zoo.config.builder import compose_config, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.composition import compose_config
 from zoo.config.errors import ConfigError
 from zoo.config.options import FAMILIES, options
 from zoo.config.sizing import ModelTooLarge, check_fits, model_size

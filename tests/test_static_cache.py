@@ -9,7 +9,8 @@ from torch import nn
 
 import zoo.tasks.train as train_module
 from zoo.config.builder import build_model
-from zoo.nn.attention import KVCache, MultiHeadAttention
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.cache import KVCache
 from zoo.nn.static_cache import StaticKVCache, refusal
 from zoo.tasks.generate import generate
 from zoo.tasks.train import fit_config_to_data, seeded_model

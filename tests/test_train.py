@@ -15,10 +15,13 @@ from omegaconf import OmegaConf
 import zoo.conf
 import zoo.io.checkpoint
 import zoo.tasks.train
-from zoo.config.builder import compose_config, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.composition import compose_config
 from zoo.io.checkpoint import CheckpointError, checkpoints_in, load_weights, read_state
-from zoo.tasks.data import BOS, DATA_TASKS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
-from zoo.config.schema import ConfigError, DataOptions, GenerateTask, TrainTask
+from zoo.config.options import DATA_TASKS
+from zoo.tasks.data import BOS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
+from zoo.config.schema import ConfigError
+from zoo.config.task_schemas import DataOptions, GenerateTask, TrainTask
 from zoo.tasks.train import evaluate, fit_config_to_data, forward_batch, learning_rate, train
 
 from training import DATA_FOR, TINY, flip_byte, train_config, tree_digest
@@ -108,9 +111,9 @@ def test_every_training_target_is_a_command_that_composes_and_plain_ones_get_the
         assert (recipe_chosen(overrides) is None) == (not name.startswith("plain-")), name
 
 
-def test_readme_shows_the_recipe_line_training_prints():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
-    shown = [line for line in readme if line.startswith("recipe train/")]
+def test_the_training_page_shows_the_recipe_line_training_prints():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text().splitlines()
+    shown = [line for line in page if line.startswith("recipe train/")]
     overrides = ["model=decoder_only", "task=train", "data=reverse"]
     assert shown == [zoo.tasks.train.recipe_line(recipe_chosen(overrides), compose_config(overrides))]
 
@@ -128,9 +131,9 @@ def test_experiments_set_a_whole_training_run_and_the_command_line_still_wins(ex
     assert mine.pos._target_.endswith("RotaryPositions")
 
 
-def test_readme_says_what_each_experiment_contains():
-    """README's Targets section spells each preset out as a long command; both must compose to one config."""
-    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+def test_the_training_page_says_what_each_experiment_contains():
+    """docs/training.md spells each preset out as a long command; both must compose to one config."""
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text().splitlines()
     pairs = [(line.split()[3], lines[i + 1].split()[3:]) for i, line in enumerate(lines)
              if line.startswith("python -m zoo experiment=") and line.rstrip().endswith("# the same as:")]
     assert sorted(name for name, _ in pairs) == ["experiment=reverse", "experiment=sort"]

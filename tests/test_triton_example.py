@@ -1,5 +1,5 @@
 """examples/triton_attention.py, the FlashAttention-2-style Triton kernel: checked against the suite's float64
-oracle and its derived bounds (properties/core/tolerance.py, properties/core/gradients.py) on problems that cross
+oracle and its derived bounds (properties/core/tolerance.py, properties/kernel/gradients.py) on problems that cross
 its 64 x 64 tiles, forward and backward, and on its declines.
 
 Its kernels run compiled on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1: the same kernels
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: pip inst
 
 from properties.catalog.sessions import run_pytest  # noqa: E402
 from properties.core.assertions import assert_within  # noqa: E402
-from properties.core.gradients import gradient_oracle  # noqa: E402
+from properties.kernel.gradients import gradient_oracle  # noqa: E402
 from properties.core.oracle import default_scale, to_float64  # noqa: E402
 from properties.kernel.guard import GuardedKernel, check_against_oracle  # noqa: E402
 
@@ -194,9 +194,10 @@ def test_the_kernels_compile_for_an_h100_without_one(tmp_path, monkeypatch):
         assert compiled.metadata.shared <= 100 * 1024, (kernel.__name__, compiled.metadata.shared)  # fits sm_86 too
 
 
-# The suite's run under the interpreter, as README shows it. Each interpreted launch costs milliseconds per program,
-# so the run is bounded by declaring the kernel's limits (draws start inside them, and the start-up probes of its
-# limits only confirm them: one small program each; no draw spent on a decline) and by the `pinned` profile: every clause on its pinned problems, which include the tile pins
+# The suite's run under the interpreter, as docs/kernels.md shows it. Each interpreted launch costs milliseconds per
+# program, so the run is bounded by declaring the kernel's limits (draws start inside them, and the start-up probes of
+# its limits only confirm them: one small program each; no draw spent on a decline) and by the `pinned` profile: every
+# clause on its pinned problems, which include the tile pins
 # (L = S = 65 causal, S = 1024 in bfloat16, E = 128). The kernel declines dropout; the suite confirms such a
 # decline on the first batch and head of the clause's stack, one interpreted program, and skips the dropout clauses.
 SUITE_UNDER_THE_INTERPRETER = [

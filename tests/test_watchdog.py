@@ -21,7 +21,7 @@ from properties.core.subject import Subject, watched
 from properties.core.watchdog import CallTimeout, UserExit, user_call
 from properties.kernel.guard import GuardedKernel, KernelContractError
 from properties.module.parts import call_module, watch_module
-from zoo.config.plugins import PluginError, load_object
+from zoo.plugins import PluginError, load_object
 from zoo.config.schema import ConfigError
 from zoo.nn.norm import LayerNorm
 
@@ -216,7 +216,7 @@ class _Options:
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "1e7", "", "1s"])
 def test_a_bad_call_timeout_is_one_line(value):
-    from properties.plugin_watchdog import _timeout
+    from properties.plugin.watchdog import _timeout
     with pytest.raises(pytest.UsageError) as caught:
         _timeout(_Options(value))
     assert str(caught.value).startswith(f"--call-timeout {value!r}: expected a number of seconds") and \
@@ -225,7 +225,7 @@ def test_a_bad_call_timeout_is_one_line(value):
 
 @pytest.mark.parametrize("value,seconds", [(None, watchdog.DEFAULT_TIMEOUT), ("0", 0.0), ("2.5", 2.5)])
 def test_call_timeout_values(value, seconds):
-    from properties.plugin_watchdog import _timeout
+    from properties.plugin.watchdog import _timeout
     assert _timeout(_Options(value)) == seconds
 
 
@@ -270,7 +270,7 @@ def test_a_config_within_the_bounds_reads_as_omegaconf_reads_it(tmp_path):
 
 # ------------------------------------------------------------------------------------------- --report-json
 def test_a_report_path_that_cannot_take_the_report_is_refused(tmp_path):
-    from properties.plugin_report import _report_path_problem
+    from properties.plugin.report import _report_path_problem
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     (tmp_path / "file").write_text("")
@@ -297,9 +297,10 @@ class _Built(BaseException):
 
 
 def _size_check_builds_the_model(monkeypatch) -> bool:
-    """Whether zoo.config.builder.check_fits still builds the model (on the meta device) to decide."""
+    """Whether zoo.config.sizing.check_fits still builds the model (on the meta device) to decide."""
     from zoo.config import builder
-    from zoo.config.builder import check_fits, compose_config
+    from zoo.config.composition import compose_config
+    from zoo.config.sizing import check_fits
 
     def refuse(*args, **kwargs):
         raise _Built()
@@ -317,7 +318,7 @@ def _size_check_builds_the_model(monkeypatch) -> bool:
 def test_a_zoo_model_that_cannot_fit_is_one_line_before_anything_is_built(override, monkeypatch):
     from properties.core.zoo_config import zoo_run
     if _size_check_builds_the_model(monkeypatch):
-        pytest.skip("zoo.config.builder.check_fits still builds the model to size it (the robust-cli branch decides "
+        pytest.skip("zoo.config.sizing.check_fits still builds the model to size it (the robust-cli branch decides "
                     "from the config)")
     watchdog.set_limit(60, alarm=True)
     start = time.monotonic()

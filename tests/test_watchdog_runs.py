@@ -1,4 +1,4 @@
-"""Plug-in files that misbehave, fuzzed, each run by ``pytest`` in a process of its own (properties/plugin_watchdog.py).
+"""Plug-in files that misbehave, fuzzed, each run by ``pytest`` in a process of its own (properties/plugin/watchdog.py).
 
 Hypothesis draws a plug-in — a kernel, a model factory or a module (a norm, through --zoo) — and one misdeed at
 import, while built or while called: ending the process (os._exit, sys.exit), raising a BaseException, hanging in

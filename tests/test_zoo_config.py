@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from zoo.config.builder import compose_config
+from zoo.config.composition import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,11 @@ from einops import rearrange
 
 from properties.core.tolerance import evaluation_error
 from properties.model.checks import assert_same_output
-from zoo.config.builder import build_model, compose_config
+from zoo.config.builder import build_model
+from zoo.config.composition import compose_config
 from zoo.config.schema import ConfigError
-from zoo.nn.attention import KVCache, MultiHeadAttention, PagedKVCache
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.cache import KVCache, PagedKVCache
 from zoo.nn.flash import flash_attn_reference
 from zoo.nn.kernel import math_attention
 from zoo.tasks.generate import generate, generate_task
@@ -308,7 +310,7 @@ def test_model_clauses_pass_with_the_features(tmp_path):
 
 def test_a_replacement_attention_without_the_options_still_builds():
     # window and softcap are passed only when set: an attention class written before they existed (the
-    # README's examples/my_attention.py) keeps working, and asking it for a window is a clear error.
+    # docs/verify.md's examples/my_attention.py) keeps working, and asking it for a window is a clear error.
     target = "attention._target_=examples.my_attention.MyAttention"
     model = build_model([target, "d_model=32", "heads=2", "layers=1"])
     assert type(model.decoder.layers[0].self_attn).__name__ == "MyAttention"

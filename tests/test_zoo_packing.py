@@ -11,9 +11,12 @@ from einops import rearrange
 
 from properties.core.tolerance import gamma, unit_roundoff
 from properties.model.checks import assert_same_output, comparison_tolerance
-from zoo.config.builder import compose_config, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.composition import compose_config
 from zoo.config.schema import ConfigError
-from zoo.nn.attention import KVCache, MultiHeadAttention, Packing
+from zoo.nn.attention import MultiHeadAttention
+from zoo.nn.cache import KVCache
+from zoo.nn.packing import Packing
 from zoo.nn.flash import flash_attn_varlen_packed
 from zoo.tasks.data import IGNORE, pack
 from zoo.tasks.train import batch_metrics, fit_config_to_data, forward_batch, train

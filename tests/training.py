@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from zoo.config.builder import compose_config
+from zoo.config.composition import compose_config
 
 TINY = ["d_model=32", "heads=2", "layers=1", "d_ff=64", "norm_placement=pre", "pos=learned",
         "data.vocab=6", "data.min_len=2", "data.max_len=5"]

@@ -14,7 +14,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zoo.cli_checks import Plan, plan
 from zoo.cli_dirs import discard
-from zoo.config.builder import ModelTooLarge, check_fits, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.sizing import ModelTooLarge, check_fits
 from zoo.config.composition import explain_composition_error, explain_config_error, validate_checked
 from zoo.config.schema import ConfigError
 from zoo.io.checkpoint import CheckpointError

@@ -187,7 +187,7 @@ def _is_plain_order(positions) -> bool:
 
 
 class TorchMultiheadAttention(nn.Module):
-    """``nn.MultiheadAttention(batch_first=True)`` with the zoo's attention contract (properties/README.md).
+    """``nn.MultiheadAttention(batch_first=True)`` with the zoo's attention contract (docs/verify.md).
 
     The masks are translated (the zoo's key padding mask says True = real key, torch.nn's True = ignore);
     cached decoding keeps the layer's inputs in the cache (nn.MultiheadAttention projects its keys and

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zoo.config.plugins import load_object
+from zoo.plugins import load_object
 
 __all__ = ["Result", "attention_ref", "run", "main"]
 

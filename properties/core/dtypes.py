@@ -1,5 +1,6 @@
-"""Which dtypes a run checks (``--dtype``) and which a device computes in: read by the strategies, which draw them,
-and by the kernel limits (core/limits.py), which probe and steer into them."""
+"""Which dtypes a run checks (``--dtype``), which a device computes in, and whether a device is usable here: read
+by the strategies, which draw them, by the kernel limits (kernel/limits.py), which probe and steer into them, and
+by the plug-in and the model subjects, which skip a --device this machine lacks."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +9,7 @@ import torch
 
 from zoo.config.options import DTYPES
 
-__all__ = ["select_dtypes", "selected_dtypes", "dtype_supported"]
+__all__ = ["select_dtypes", "selected_dtypes", "dtype_supported", "device_unavailable"]
 
 # DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
 # float32 unless the failure needs another dtype.
@@ -35,3 +36,21 @@ def dtype_supported(device: str, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, TypeError):
         return False
+
+
+def device_unavailable(device: torch.device) -> str:
+    """Why ``device`` cannot be used here ('' when it can): CUDA absent, an index past the CUDA devices, or
+    another backend that refuses to make a tensor (MPS absent, ...)."""
+    if device.type == "cpu":
+        return ""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA not available"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"{device} not present ({torch.cuda.device_count()} CUDA device(s))"
+        return ""
+    try:
+        torch.empty(1, device=device)
+    except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend)
+        return f"{device} not available on this machine"
+    return ""

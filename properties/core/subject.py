@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.attention import KVCache
+from zoo.nn.cache import KVCache
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
-from zoo.config.plugins import PluginError, load_object
+from zoo.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 

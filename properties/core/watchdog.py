@@ -15,7 +15,7 @@ call)``. There:
   become ``UserExit``, an ordinary exception the guards report as a failure of the clause (a plug-in cannot end
   the run, nor skip its own clauses). KeyboardInterrupt is left alone: Ctrl-C still stops the run;
 * the plug-in, the clause, the test and the call are written to a record (``Record``) that the supervisor
-  (properties/plugin_watchdog.py) reads when the process ends without pytest's say or stops answering (a hang
+  (properties/plugin/watchdog.py) reads when the process ends without pytest's say or stops answering (a hang
   in C, where no signal handler runs): then it names them in one line and the exit status is not 0.
 
 Nested calls (a user's kernel inside a user's module) are timed and recorded once, by the outermost.
@@ -31,10 +31,11 @@ import pytest
 __all__ = ["DEFAULT_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
            "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
 
-# One call of the code under test may take this long (seconds). The suite's largest drawn problems (kernels:
-# S = 1024 keys, head size 256; models: max_len 4096) take a correct kernel written as a Python loop over its
-# query rows, or a small model in float64, a few seconds at most on a loaded 2-core CPU (README, "Time limit");
-# 60 s leaves room for a first call that compiles (Triton, torch.compile) and still names a hang within a minute.
+# One call of the code under test may take this long (seconds; the option --call-timeout, properties/plugin/
+# watchdog.py). The suite's largest drawn problems (kernels: S = 1024 keys, head size 256; models: max_len 4096)
+# take a correct kernel written as a Python loop over its query rows, or a small model in float64, a few seconds at
+# most on a loaded 2-core CPU; 60 s leaves room for a first call that compiles (Triton, torch.compile) and still
+# names a hang within a minute.
 DEFAULT_TIMEOUT = 60.0
 
 

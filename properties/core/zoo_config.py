@@ -50,7 +50,7 @@ def compose(words: tuple[str, ...]) -> tuple[DictConfig, dict]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf import open_dict
-    from zoo.config.builder import explain_composition_error
+    from zoo.config.composition import explain_composition_error
     from zoo.config.schema import ConfigError, validate
     if not any(w.split("=", 1)[0].lstrip("+~") == "task" for w in words):
         # the suite checks models, not a task: verify's node has no sizes of its own to contradict the model's
@@ -123,7 +123,7 @@ def zoo_run(config) -> ZooRun | None:
             cfg = _load(path)
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
-        from zoo.config.plugins import PluginError
+        from zoo.plugins import PluginError
         from zoo.config.schema import ConfigError
         words = tuple(shlex.split(text))
         try:
@@ -141,13 +141,13 @@ def zoo_run(config) -> ZooRun | None:
 
 
 def _check_size(config, run: ZooRun) -> None:
-    """The zoo's own size check (zoo.config.builder.check_fits, as ``python -m zoo`` runs it) before the suite builds
+    """The zoo's own size check (zoo.config.sizing.check_fits, as ``python -m zoo`` runs it) before the suite builds
     anything: a model that cannot fit is one line, not an allocation failure or hours of building. It runs for the
     model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
-    from zoo.config.builder import check_fits
+    from zoo.config.sizing import check_fits
     from zoo.config.schema import ConfigError
     from properties.core.watchdog import UserExit, raised
-    from properties.plugin_session import device_unavailable
+    from properties.core.dtypes import device_unavailable
     import torch
     device = (config.getoption("--device", None) or ["cpu"])[0]
     try:
@@ -159,7 +159,7 @@ def _check_size(config, run: ZooRun) -> None:
     torch.empty(1, device="meta").normal_()
     for cfg, where in checks:
         try:
-            with user_call(f"model built by {run.origin}", "the size check (zoo.config.builder.check_fits)"):
+            with user_call(f"model built by {run.origin}", "the size check (zoo.config.sizing.check_fits)"):
                 check_fits(cfg, device=where)
         except ConfigError as exc:   # ModelTooLarge among them
             raise pytest.UsageError(f"{run.origin}: {exc}") from None

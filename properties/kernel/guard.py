@@ -4,8 +4,8 @@ Every property calls the user's kernel through :class:`GuardedKernel`, which tur
 the calling contract (an exception, an output of the wrong shape, dtype or device, NaN or Inf where none
 is allowed) into an ``AssertionError``.  Pytest then reports it as a failure of the clause the property is
 bound to, Hypothesis shrinks it like any other failure, and the rest of the suite keeps running.  A kernel may
-decline a problem instead (properties/core/limits.py): the example is then rejected and recorded
-(properties/core/coverage.py), and the draws that follow stay inside what the kernel accepts.
+decline a problem instead (properties/kernel/limits.py): the example is then rejected and recorded
+(properties/kernel/coverage.py), and the draws that follow stay inside what the kernel accepts.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from properties.core import coverage
+from properties.kernel import coverage
 from properties.core.assertions import assert_all, assert_within, fmt
-from properties.core.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
+from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
-from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
 from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, output_bound, rounding_error,
                                        softmax_bounds, unit_roundoff)
@@ -74,7 +74,7 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
 class GuardedKernel:
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
-    (properties/core/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
+    (properties/kernel/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
 
     name: str
     fn: Callable
@@ -334,7 +334,7 @@ def backward_gradients(kernel, out, upstream, leaves: dict) -> dict:
     try:
         with user_call(kernel.plugin, lambda: f"the backward pass of kernel {kernel.name}"):
             out.backward(upstream)
-    except Exception as exc:  # any failure of user code is a finding, unless it declines (core/limits.py)
+    except Exception as exc:  # any failure of user code is a finding, unless it declines (kernel/limits.py)
         reason = decline_reason(exc)
         if reason is not None:
             pytest.skip(f"kernel {kernel.name}: its backward declines ({reason}): the gradient clauses do not apply")

@@ -12,7 +12,8 @@ from properties.core.assertions import assert_all, assert_identical
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import NON_FINITE_CONVENTIONS, check_against_oracle
 from properties.core.oracle import causal_allowed, to_float64
-from properties.core.strategies import cases, huge_values, on, rescale_keys, with_pinned_cases
+from properties.core.strategies import huge_values, on, rescale_keys
+from properties.kernel.cases import cases, with_pinned_cases
 
 
 def _offset(l: int, s: int, alignment: str) -> int:

@@ -9,10 +9,11 @@ from hypothesis import given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within, fmt
 from properties.core.oracle import to_float64
-from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng
 from properties.kernel.guard import check_dropout_rate
-from properties.core.strategies import cases, on, with_pinned_cases
+from properties.core.strategies import on
+from properties.kernel.cases import cases, with_pinned_cases
 from properties.core.tolerance import output_bound, softmax_bounds
 
 # Any rate, and the multiples of 1/16 (the rates cuDNN's dropout takes: other kernels are drawn them too).

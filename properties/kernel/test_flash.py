@@ -1,6 +1,6 @@
 """FlashAttention API clauses (SPEC.md, "The FlashAttention API"): ``flash_attn_func(q, k, v, ...)`` with q
 (B, Lq, H, D), k and v (B, Lk, Hkv, D). Run with ``--kernel-api flash`` (the fixture ``flash_kernel``; skipped with
-the reason under the default ``--kernel-api sdpa``). The oracle and its bound are core/flash.py; a feature the
+the reason under the default ``--kernel-api sdpa``). The oracle and its bound are kernel/flash.py; a feature the
 kernel declines (NotImplementedError) skips its clauses and is left out of the other clauses' draws."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_identical, assert_within, fmt
-from properties.core.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
-from properties.core.flash_guard import flash_weights, skip_unsupported
+from properties.kernel.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
+from properties.kernel.flash_guard import flash_weights, skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng, selected_dtypes
 from properties.core.tolerance import evaluation_error, rounding_error, rowsum_error
 from properties.kernel.guard import check_dropout_rate

@@ -1,7 +1,7 @@
 """Gradient clauses of the ``flash`` API (SPEC.md, FLASH-GRAD, FLASH-GRAD-MASKED): the backward pass of a
-``flash_attn_func`` kernel whose output requires grad, against core/gradients.py's float64 chain rule and bound
+``flash_attn_func`` kernel whose output requires grad, against kernel/gradients.py's float64 chain rule and bound
 (the flash scores enter as a constant additive mask: ALiBi and the causal/window band; a soft cap through its
-slope 1 − tanh², core/gradients.py: softcap_slope)."""
+slope 1 − tanh², kernel/gradients.py: softcap_slope)."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +9,8 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, flash_gradients, to_heads_first
-from properties.core.flash_guard import skip_unsupported
+from properties.kernel.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, flash_gradients, to_heads_first
+from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
 from properties.kernel.guard import backward_gradients

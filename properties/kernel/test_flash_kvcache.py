@@ -11,9 +11,9 @@ from hypothesis import example, given
 
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
-from properties.core.flash import FlashCase
-from properties.core.flash_cases import CacheCase, cache_cases
-from properties.core.flash_guard import skip_unsupported
+from properties.kernel.flash import FlashCase
+from properties.kernel.flash_cases import CacheCase, cache_cases
+from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import selected_dtypes
 

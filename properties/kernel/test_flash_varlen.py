@@ -8,9 +8,9 @@ from hypothesis import assume, example, given
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.flash import FlashCase, flash_gradients, to_heads_first
-from properties.core.flash_cases import VarlenCase, varlen_cases
-from properties.core.flash_guard import skip_unsupported
+from properties.kernel.flash import FlashCase, flash_gradients, to_heads_first
+from properties.kernel.flash_cases import VarlenCase, varlen_cases
+from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import derived_generator, selected_dtypes
 from properties.kernel.guard import backward_gradients

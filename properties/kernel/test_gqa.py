@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 from properties import clause
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
-from properties.core.strategies import cases, gaussian, on, with_pinned_cases
+from properties.core.strategies import gaussian, on
+from properties.kernel.cases import cases, with_pinned_cases
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Gradient clauses (SPEC.md, "Gradients"): the backward pass of a kernel whose output requires grad.
 
 Axes: b batch, h query heads (h = k · group), k key/value heads, l queries, s keys, e and ev features. The
-oracle and its bound are core/gradients.py. A kernel whose output does not require grad, or whose backward
+oracle and its bound are kernel/gradients.py. A kernel whose output does not require grad, or whose backward
 raises NotImplementedError, has these clauses skipped with that reason.
 """
 from __future__ import annotations
@@ -14,11 +14,12 @@ from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all, assert_within
-from properties.core.gradients import gradient_oracle, group_sum
-from properties.core.limits import nearest_size
+from properties.kernel.gradients import gradient_oracle, group_sum
+from properties.kernel.limits import nearest_size
 from properties.core.oracle import causal_allowed, default_scale, to_float64
-from properties.core.strategies import (TILE_SHARE, derived_generator, drawn_head_size, dtypes, kernel_limits, on,
-                                        random_bool_mask, require_dtype, seeded_rng, seeds, tile_shape)
+from properties.core.strategies import derived_generator, on, random_bool_mask, require_dtype, seeded_rng, seeds
+from properties.kernel.cases import dtypes
+from properties.kernel.tiles import TILE_SHARE, drawn_head_size, kernel_limits, tile_shape
 from properties.core.tolerance import softmax_bounds
 from properties.kernel.guard import backward_gradients
 

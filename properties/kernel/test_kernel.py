@@ -10,7 +10,8 @@ from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import Case, cases, on, with_pinned_cases
+from properties.core.strategies import on
+from properties.kernel.cases import Case, cases, with_pinned_cases
 from properties.core.tolerance import evaluation_error, output_bound, rounding_error, softmax_bounds
 
 

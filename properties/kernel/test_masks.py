@@ -11,8 +11,9 @@ from properties import clause
 from properties.core.assertions import assert_all, assert_identical, assert_within
 from properties.kernel.guard import check_against_oracle, fully_masked_mean
 from properties.core.oracle import to_float64
-from properties.core.strategies import (Case, cases, huge_values, require_dtype, scale_partial_sums, score_limit,
-                                        selected_dtypes, on, random_bool_mask, rescale_keys, with_pinned_cases)
+from properties.core.strategies import (huge_values, require_dtype, scale_partial_sums, score_limit, selected_dtypes,
+                                        on, random_bool_mask, rescale_keys)
+from properties.kernel.cases import Case, cases, with_pinned_cases
 from properties.core.oracle import reference_scores
 from properties.core.tolerance import output_bound, softmax_bounds
 

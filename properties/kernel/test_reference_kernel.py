@@ -9,25 +9,16 @@ other. The report also gives each kernel's distance from the oracle, which says 
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import assume, example, given
 
 from properties import clause
 from properties.core.assertions import assert_within
-from properties.core.gradients import gradient_oracle
+from properties.kernel.gradients import gradient_oracle
 from properties.core.oracle import default_scale, to_float64
-from properties.core.strategies import required
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import NON_FINITE_CONVENTIONS
 from properties.kernel.test_gradients import GradCase, backward, grad_cases, with_tile_pins
-from properties.reference import reference_kernel_of
-
-
-@pytest.fixture(scope="session")
-def reference_kernel(pytestconfig):
-    return required(reference_kernel_of(pytestconfig),
-                    "no --reference-kernel given: the differential kernel clauses compare with a reference kernel")
 
 
 def _problem(case: GradCase, device, causal_alignment):

@@ -11,9 +11,10 @@ from properties import clause
 from properties.core.assertions import assert_within, fmt
 from properties.core.strategies import require_dtype
 from properties.core.oracle import default_scale, to_float64
-from properties.core.statistics import FALSE_ALARM, weighted_chi_square_interval
-from properties.core.strategies import (cases, dtypes, head_sizes_up_to, kernel_limits, on, required, seeds,
-                                        with_pinned_cases)
+from properties.kernel.statistics import FALSE_ALARM, weighted_chi_square_interval
+from properties.core.strategies import on, required, seeds
+from properties.kernel.cases import cases, dtypes, with_pinned_cases
+from properties.kernel.tiles import head_sizes_up_to, kernel_limits
 from properties.core.tolerance import gamma, softmax_bounds, unit_roundoff
 
 # A weight this far above the underflow threshold carries a negligible (1e-6 relative) underflow error.

@@ -10,8 +10,9 @@ from properties import clause
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import (Case, cases, on, random_bool_mask, require_dtype,
-                                        scale_partial_sums, score_limit, selected_dtypes, with_pinned_cases)
+from properties.core.strategies import (on, random_bool_mask, require_dtype, scale_partial_sums, score_limit,
+                                        selected_dtypes)
+from properties.kernel.cases import Case, cases, with_pinned_cases
 from properties.core.tolerance import output_bound, rowsum_error, softmax_bounds
 
 # Score spread: q is multiplied by 2**spread, so scores range from a quarter to 16 times standard normal.

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from properties.core.tolerance import unit_roundoff
 from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
-from properties.plugin_session import device_unavailable
+from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core.subject import Subject, SubjectError, as_subject, load_subject, watched, zoo_subject
 

@@ -18,11 +18,10 @@ import torch
 from hypothesis import Phase, settings, strategies as st
 
 from properties import clause
-from properties.core.strategies import pinned_property, required
+from properties.core.strategies import pinned_property
 from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
                                      comparison_tolerance, model_settings, only, real_tokens, subject_args)
 from properties.model.test_models import MIXED, MIXED_SOURCE, pinned
-from properties.reference import reference_of
 
 DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)
 # Examples from the profile loaded for this run (read when pytest imports this module, after the plugin has loaded
@@ -30,12 +29,6 @@ DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len p
 PROFILE = settings().max_examples
 FORWARD_EXAMPLES, OTHER_EXAMPLES = max(4, PROFILE // 3), max(2, PROFILE // 6)
 ARRANGEMENTS = ("float64", "as-built")
-
-
-@pytest.fixture(scope="session")
-def reference(pytestconfig):
-    return required(reference_of(pytestconfig),
-                    "no --reference given: the differential clauses compare the model with a reference model")
 
 
 def differential_property(data, **options):

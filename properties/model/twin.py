@@ -29,7 +29,7 @@ from properties.model.precision import precision_of
 __all__ = ["twin_fallback", "observe", "pop_notes", "TwinDeparture"]
 
 _WATCHED: ContextVar[tuple | None] = ContextVar("twin_watched", default=None)   # (twin subject, departures list)
-_NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin_report.py)
+_NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin/report.py)
 
 
 class TwinDeparture(UserWarning):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from properties.core.flash import flash_allowed
+from properties.kernel.flash import flash_allowed
 from properties.core.oracle import reference_attention, softmax_rows
 from properties.core.tolerance import evaluation_error, gamma
 from properties.module.approx import _F64, Approx, effective_u, exact, linear

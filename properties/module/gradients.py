@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from properties.core.watchdog import raised, user_call
 from properties.core.assertions import fmt
-from properties.core.flash import flash_allowed
+from properties.kernel.flash import flash_allowed
 from properties.core.tolerance import unit_roundoff
 
 __all__ = ["RUNS", "C", "MonteCarloArithmetic", "multihead", "feed_forward", "layer_norm", "rms_norm",

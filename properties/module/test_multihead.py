@@ -20,7 +20,8 @@ from properties.module.gradients import check_gradients, multihead
 from properties.module.oracle import (PROJECTION_NAMES, module_options, multihead_oracle, projections,
                                       single_head_oracle)
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
-from properties.core.strategies import PinnedData, derived_generator, dtypes, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, derived_generator, seeds, selected_dtypes
+from properties.kernel.cases import dtypes
 
 FIRST = selected_dtypes()[0]   # pinned examples use the first selected dtype (float32 unless --dtype says)
 

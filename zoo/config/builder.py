@@ -9,13 +9,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from zoo.config.composition import compose_config, explain_composition_error  # noqa: F401 - their old home
-from zoo.config.parts import instantiate_part  # noqa: F401 - its old home
+from zoo.config.composition import compose_config
+from zoo.config.parts import instantiate_part
 from zoo.config.schema import PARTS, torch_dtype
-from zoo.config.sizing import ModelTooLarge, available_memory, check_fits, memory_needed, model_size  # noqa: F401
 
-__all__ = ["compose_config", "instantiate_part", "model_from_config", "build_model", "memory_needed", "available_memory", "check_fits",
-           "ModelTooLarge", "model_size"]
+__all__ = ["model_from_config", "build_model"]
 
 
 def model_from_config(cfg: DictConfig, *, device=None, dtype=None) -> nn.Module:

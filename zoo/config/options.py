@@ -6,7 +6,8 @@ from importlib.resources import files
 
 import torch
 
-__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS", "MAX_LAYERS", "SEED_RANGE"]
+__all__ = ["PARTS", "DTYPES", "options", "FAMILIES", "POSITIONS", "MAX_LAYERS", "SEED_RANGE", "SEQUENCE_TASKS",
+           "LABEL_TASKS", "DATA_TASKS"]
 
 PARTS = ("attention", "ffn", "norm", "pos")  # the config groups a model is assembled from
 # The deepest stack a config may ask for. Each layer is a dozen torch modules built one at a time (a millisecond
@@ -14,6 +15,11 @@ PARTS = ("attention", "ffn", "norm", "pos")  # the config groups a model is asse
 # have about a thousand layers (DeepNet, Wang et al. 2022).
 MAX_LAYERS = 4096
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.manual_seed and torch.Generator.manual_seed accept
+# The synthetic data tasks (zoo/tasks/data.py makes them): here so that the task schemas check data.name without
+# importing the tasks.
+SEQUENCE_TASKS = ("copy", "reverse", "sort")
+LABEL_TASKS = ("running_max",)
+DATA_TASKS = SEQUENCE_TASKS + LABEL_TASKS
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -27,15 +27,13 @@ from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
-from zoo.config.options import DTYPES, MAX_LAYERS, PARTS, SEED_RANGE  # noqa: F401 - SEED_RANGE importable here
+from zoo.config.options import DTYPES, MAX_LAYERS, PARTS
 from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
-from zoo.config.plugins import PluginError, locate
+from zoo.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
-from zoo.config.task_schemas import (PROFILES, CompareTask, GenerateTask, RunTask, SummaryTask,  # noqa: F401
-                                     TrainTask, VerifyTask)
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
-           "integral_overrides", "MAX_LAYERS", "SEED_RANGE", "check_seed"]
+           "integral_overrides", "MAX_LAYERS", "check_seed"]
 
 
 @dataclass
@@ -327,13 +325,9 @@ def _check_zoo_parts_build(cfg: DictConfig) -> None:
 @functools.lru_cache(maxsize=None)
 def zoo_targets() -> frozenset[str]:
     """The import paths of the zoo's own parts and models: every `_target_` of the packaged config groups
-    (conf/model, conf/attention, conf/ffn, conf/norm, conf/pos), under its current and its pre-split module path
-    (zoo.attention.MultiHeadAttention names zoo.nn.attention.MultiHeadAttention)."""
+    (conf/model, conf/attention, conf/ffn, conf/norm, conf/pos)."""
     from importlib.resources import files
 
-    import zoo
-
-    moved = {new: old for old, new in zoo._MOVED.items()}
     found = set()
     for group in ("model", *PARTS):
         for entry in (files("zoo.conf") / group).iterdir():
@@ -341,9 +335,6 @@ def zoo_targets() -> frozenset[str]:
                 target = OmegaConf.create(entry.read_text()).get("_target_")
                 if isinstance(target, str):
                     found.add(target)
-                    module, _, name = target.rpartition(".")
-                    if module in moved:
-                        found.add(f"zoo.{moved[module]}.{name}")
     return frozenset(found)
 
 

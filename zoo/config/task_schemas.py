@@ -10,15 +10,14 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zoo.config.errors import _fail
-from zoo.config.options import MAX_LAYERS, SEED_RANGE
-from zoo.config.plugins import locate
-from zoo.tasks.data import DATA_TASKS
+from zoo.config.options import DATA_TASKS, MAX_LAYERS, SEED_RANGE
+from zoo.plugins import locate
 
 __all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "COMPILE_MODES", "RunTask", "VerifyTask", "SummaryTask",
            "TrainTask", "GenerateTask", "CompareTask", "check_task", "check_seed", "check_applies", "override_key",
            "READS"]
 
-PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin_session.py
+PROFILES = ("quick", "default", "ci", "thorough")  # Hypothesis profiles of properties/plugin/session.py
 # task.compile (zoo/tasks/generate.py): torch.compile's inductor modes, and aot_eager, which traces without
 # generating code (a check that the step compiles whole, as the CPU tests use it).
 COMPILE_MODES = ("reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs", "aot_eager")

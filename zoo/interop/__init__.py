@@ -1,5 +1,5 @@
-"""Weights in and out of the zoo: Hugging Face GPT-2 and BERT, torch.nn.Transformer, nn.MultiheadAttention,
-and user checkpoints (safetensors, or torch.save files read with weights_only=True).
+"""Weights in and out of the zoo: Hugging Face GPT-2 and BERT, torch.nn.Transformer and nn.MultiheadAttention (user
+checkpoints, safetensors or torch.save files read with weights_only=True, are zoo.io.weights).
 
 Converters work on state dicts (str -> Tensor) and a ``Geometry`` that says which zoo model the
 weights fit; ``zoo_*_from_*`` helpers build the matching model and load it.
@@ -17,14 +17,12 @@ from zoo.interop.geometry import ConversionError, Geometry, zoo_geometry
 from zoo.interop.gpt2 import gpt2_geometry, gpt2_to_zoo, hf_gpt2_config, hf_gpt2_from_zoo, zoo_gpt2_from_hf, zoo_to_gpt2
 from zoo.interop.torch_nn import (TorchTransformerReference, mha_to_zoo, torch_transformer_geometry,
                                   torch_transformer_to_zoo, zoo_attention_from_mha, zoo_from_torch_transformer)
-from zoo.io.weights import StateDictMismatch, load_checkpoint, load_state_dict_checked, read_checkpoint, save_checkpoint
 
 __all__ = [
-    "Geometry", "StateDictMismatch", "ConversionError", "zoo_geometry",
+    "Geometry", "ConversionError", "zoo_geometry",
     "gpt2_geometry", "gpt2_to_zoo", "zoo_to_gpt2", "zoo_gpt2_from_hf", "hf_gpt2_config", "hf_gpt2_from_zoo",
     "bert_geometry", "bert_to_zoo", "zoo_to_bert", "zoo_bert_from_hf", "hf_bert_config", "hf_bert_from_zoo",
     "TorchTransformerReference", "torch_transformer_geometry", "torch_transformer_to_zoo",
     "zoo_from_torch_transformer", "mha_to_zoo", "zoo_attention_from_mha",
-    "read_checkpoint", "load_state_dict_checked", "load_checkpoint", "save_checkpoint",
 ]
 

@@ -2,7 +2,7 @@
 
 One checkpoint is one directory ``<out_dir>/step-NNNNNNN/`` holding
 
-    model.safetensors        the weights (zoo.interop.save_checkpoint: tied weights stored once)
+    model.safetensors        the weights (zoo.io.weights.save_checkpoint: tied weights stored once)
     train_state.safetensors  optimizer tensors under ``optimizer.<param>.<name>``, RNG states under ``rng.``
     state.json               step, config, optimizer hyper-parameters, metrics, and the sha256 of both files
     manifest.json            size and sha256 of each of the three files above, and a sha256 of itself
@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zoo.interop import StateDictMismatch, load_state_dict_checked, read_checkpoint, save_checkpoint
+from zoo.io.weights import StateDictMismatch, load_state_dict_checked, read_checkpoint, save_checkpoint
 from zoo.io.checkpoint_read import (_COVERED, _FILES, FORMAT, MANIFEST, CheckpointError, _manifest, _sha256,
                                     check_config, checkpoints_in, latest_checkpoint, read_state, resolve_checkpoint)
 

@@ -22,20 +22,21 @@ Two options of FlashAttention's API (zoo/nn/flash.py, docs/sources/flash-attenti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from einops import rearrange
 from torch import nn
 
-from zoo.nn.flash import band_allowed, paged_slots
+from zoo.nn.cache import KVCache
+from zoo.nn.flash import band_allowed
 from zoo.nn.kernel import resolve_kernel, takes_softcap
+from zoo.nn.packing import Packing
 
 if TYPE_CHECKING:
     from zoo.nn.positional import _Positions
 
-__all__ = ["MultiHeadAttention", "KVCache", "PagedKVCache", "Packing", "window_size"]
+__all__ = ["MultiHeadAttention", "window_size"]
 
 
 def window_size(window: int | None) -> tuple[int, int]:
@@ -44,116 +45,13 @@ def window_size(window: int | None) -> tuple[int, int]:
     return (-1, -1) if window is None else (window - 1, window - 1)
 
 
-@dataclass
-class KVCache:
-    """Keys and values of the positions already decoded, one entry per attention layer."""
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    length: int = 0  # positions already decoded; advanced by the model after each step
-    preallocated = False  # True for zoo.nn.static_cache.StaticKVCache: fixed slots, positions given as a tensor
-
-    def begin(self, length: int, key_padding_mask: torch.Tensor | None = None) -> int:
-        """The model's first act with a cache: the position of the first of ``length`` new tokens."""
-        return self.length
-
-    def finish(self, length: int) -> None:
-        """The model's last act with a cache, once every layer has extended it."""
-        self.length += length
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer in self.keys:
-            k = torch.cat([self.keys[layer], k], dim=-2)
-            v = torch.cat([self.values[layer], v], dim=-2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-
-@dataclass
-class PagedKVCache(KVCache):
-    """A KV cache in fixed-size blocks (PagedAttention, Kwon et al. 2023; flash_attn_with_kvcache's ``block_table``):
-    each layer's keys and values live in a pool of blocks (blocks, block_size, k, e), and ``block_table`` (b, n)
-    int32 maps block i of sequence b's positions to its physical block. Blocks are handed out as the sequences
-    grow, in turn across the batch, so one sequence's blocks are not adjacent in the pool; ``capacity`` (positions
-    per sequence) reserves the whole pool at the first step, else it doubles when full.
-
-    Reads and writes go through the block table (zoo.nn.flash.paged_slots); each step hands the layer its keys and
-    values gathered in position order, so attention computes exactly what it does with ``KVCache``."""
-    block_size: int = 16
-    capacity: int | None = None
-    block_table: torch.Tensor | None = None
-    pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size}: a positive number of positions per block")
-
-    def _reserve(self, batch: int, end: int, device) -> None:
-        """Logical blocks for positions < end of every sequence, each given the next free physical block."""
-        have = 0 if self.block_table is None else self.block_table.shape[1]
-        needed = -(-end // self.block_size)
-        if needed <= have:
-            return
-        handed_out = batch * have
-        new = torch.arange(handed_out, handed_out + batch * (needed - have), dtype=torch.int32, device=device)
-        new = rearrange(new, "(n b) -> b n", b=batch)      # in turn across the batch, as sequences that grow together
-        self.block_table = new if self.block_table is None else torch.cat([self.block_table, new], dim=1)
-
-    def _pool(self, layer: int, like: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's pools, grown (copied into a pool twice the size, or to capacity) when the table outgrows them."""
-        needed = int(self.block_table.max()) + 1
-        if layer in self.pools and self.pools[layer][0].shape[0] >= needed:
-            return self.pools[layer]
-        old = self.pools.get(layer)
-        planned = batch * -(-self.capacity // self.block_size) if self.capacity else 0
-        size = max(needed, planned, 2 * old[0].shape[0] if old else 0)
-        _, kv_heads, _, e = like.shape
-        pools = tuple(like.new_zeros(size, self.block_size, kv_heads, e) for _ in range(2))
-        if old is not None:
-            for new_pool, old_pool in zip(pools, old):
-                new_pool[: old_pool.shape[0]] = old_pool
-        self.pools[layer] = pools
-        return pools
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (b, k, l, e) at positions length .. length + l - 1; return every position's (b, k, s, e)."""
-        batch, start, end = k.shape[0], self.length, self.length + k.shape[-2]
-        self._reserve(batch, end, k.device)
-        k_pool, v_pool = self._pool(layer, k, batch)
-        new = paged_slots(self.block_table, torch.arange(start, end, device=k.device), self.block_size)
-        k_pool[new] = rearrange(k, "b k l e -> b l k e")
-        v_pool[new] = rearrange(v, "b k l e -> b l k e")
-        every = paged_slots(self.block_table, torch.arange(end, device=k.device), self.block_size)
-        return rearrange(k_pool[every], "b s k e -> b k s e"), rearrange(v_pool[every], "b s k e -> b k s e")
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Several sequences packed end to end into each row (flash-attn's varlen semantics, row by row): a token
-    attends only to tokens of its own sequence, and positions restart at 0 with every sequence, so each one is
-    computed exactly as if it were alone.
-
-    segments (b, l) int: the index of each token's sequence within its row, non-decreasing, -1 for padding
-    after the last one. positions (b, l): each token's position within its sequence (0 on padding)."""
-    segments: torch.Tensor
-    positions: torch.Tensor
-
-    @classmethod
-    def from_segments(cls, segments: torch.Tensor) -> "Packing":
-        if segments.dim() != 2 or segments.dtype.is_floating_point or segments.dtype == torch.bool:
-            raise ValueError(f"segments must be an integer (batch, length) tensor, got {segments.dtype} "
-                             f"{tuple(segments.shape)}")
-        real = segments >= 0
-        ordered = (segments[:, 1:] >= segments[:, :-1]) | ~real[:, 1:]
-        if not bool((real[:, 1:] <= real[:, :-1]).all() & ordered.all()):
-            raise ValueError("segments: each row must hold non-decreasing sequence indices, then -1 (padding) only")
-        index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
-        starts = torch.ones_like(real)
-        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-        return cls(segments, torch.where(real, index - first, torch.zeros_like(index)))
-
-
 class MultiHeadAttention(nn.Module):
+    """Multi-head attention, self (``memory=None``) or cross, with ``kv_heads`` key/value heads shared by groups of
+    query heads, an optional sliding ``window`` and score ``softcap`` (module docstring), computed by ``kernel``
+    (a name of zoo.nn.kernel, or a callable with SDPA's signature). Decoding passes a KV cache (zoo/nn/cache.py),
+    which supplies the positions, keys and mask of the new tokens; training on packed rows passes a ``Packing``
+    (zoo/nn/packing.py). ``layer_index`` is set by the model, so that a cache tells the layers apart."""
+
     def __init__(self, d_model: int, heads: int, kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, kernel: str | Callable = "math", window: int | None = None,
                  softcap: float | None = None, *, device=None, dtype=None):
@@ -184,7 +82,7 @@ class MultiHeadAttention(nn.Module):
     # The steps of forward, each overridable alone (the bug catalog gets exactly one of them wrong).
     # split and merge are the einops patterns in their docstrings, written as the view and transpose einops makes
     # of them: on a GPU a small model's forward pass is bound by the host's time per operation, and einops' own
-    # Python per call was 8% of it (README, Benchmarks: the encoder-decoder against nn.Transformer).
+    # Python per call was 8% of it (docs/benchmarks.md, "Host overhead").
     def split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         """rearrange(t, "b l (h e) -> b h l e", h=heads)"""
         return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(1, 2)
@@ -238,16 +136,15 @@ class MultiHeadAttention(nn.Module):
         """
         source = x if memory is None else memory
         q = self.split_heads(self.q_proj(x), self.heads)
-        if getattr(cache, "preallocated", False) and memory is not None:
-            # A StaticKVCache given to cross-attention: the memory's keys and values, projected at the first call.
+        if cache is not None and memory is not None:
+            # Cross-attention with a cache (one that keeps_cross): the memory's keys and values, as it decides.
             k, v = cache.cross(self.layer_index, lambda: (self.split_heads(self.k_proj(source), self.kv_heads),
                                                           self.split_heads(self.v_proj(source), self.kv_heads)))
             cache = None  # nothing else of the cache concerns cross-attention
         else:
             k = self.split_heads(self.k_proj(source), self.kv_heads)
             v = self.split_heads(self.v_proj(source), self.kv_heads)
-        static = getattr(cache, "preallocated", False)  # zoo.nn.static_cache.StaticKVCache, causal self-attention
-        offset = cache.positions if static else cache.length if cache is not None else 0
+        offset = cache.offset if cache is not None else 0
         if packing is not None:
             if cache is not None or memory is not None:
                 raise ValueError("packing applies to self-attention without a KV cache (training, scoring)")
@@ -259,8 +156,8 @@ class MultiHeadAttention(nn.Module):
         l, s = q.shape[-2], k.shape[-2]
         bias = positions.score_bias(l, s, offset, self.heads) if positions is not None else None
         bias = None if bias is None else bias.to(q.dtype)
-        if static:  # this call's mask over the N slots, made once per call for every layer
-            mask = cache.mask(self.window)
+        mask = cache.mask(self.window) if cache is not None else None
+        if mask is not None:  # the cache's mask of this call (a static cache's, made once for every layer)
             mask = mask if bias is None else bias.masked_fill(~mask, float("-inf"))
         else:
             # The window only when set and only for self-attention; the catalog's mask() overrides predate it.

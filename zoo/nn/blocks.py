@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.attention import KVCache, Packing
+from zoo.nn.cache import KVCache
+from zoo.nn.packing import Packing
 
 __all__ = ["EncoderLayer", "DecoderLayer", "NORM_PLACEMENTS", "skip_or_drop"]
 
@@ -76,6 +77,6 @@ class DecoderLayer(nn.Module):
                                                         positions=positions, cache=cache, **packed))
         if self.cross_attn is not None:
             # A static cache keeps the memory's keys and values (zoo.nn.static_cache); a KVCache is self-attention's.
-            kept = {"cache": cache} if getattr(cache, "preallocated", False) else {}
+            kept = {"cache": cache} if cache is not None and cache.keeps_cross else {}
             x = self.cross_block(x, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_mask, **kept))
         return self.ffn_block(x, self.ffn)

@@ -13,11 +13,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.attention import KVCache, Packing
+from zoo.nn.cache import KVCache
+from zoo.nn.packing import Packing
 from zoo.nn.embedding import TokenEmbedding
 from zoo.nn.blocks import DecoderLayer, EncoderLayer
 
-__all__ = ["EncoderOnly", "DecoderOnly", "EncoderDecoder", "KVCache"]
+__all__ = ["EncoderOnly", "DecoderOnly", "EncoderDecoder"]
 
 
 class _Stack(nn.Module):
@@ -134,7 +135,7 @@ class DecoderOnly(nn.Module):
                 check: bool = True) -> torch.Tensor:
         """With a cache, ``tokens`` are the next positions and ``mask`` covers all positions so far.
 
-        segments (b, l): packed rows (zoo.nn.attention.Packing): the index of each token's sequence in its row,
+        segments (b, l): packed rows (zoo.nn.packing.Packing): the index of each token's sequence in its row,
         -1 on padding; every sequence is then computed as if alone (its own positions from 0, attention within it).
         check=False: the ids are known to lie in the vocabulary (a decoding step fed the model's own picks), so
         they are not read back from the device (TokenEmbedding.check)."""

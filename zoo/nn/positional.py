@@ -11,7 +11,7 @@ hands the same module to each self-attention layer, which asks it about queries,
 Each default is the identity (or None), so a scheme overrides only what it does, and a new scheme is one
 class here, one file under conf/pos/ and its spec clause. ``offset`` is the absolute position of the first
 token (non-zero while decoding with a cache), or, for packed rows (several sequences in one row, varlen
-semantics: zoo.nn.attention.Packing), a (b, l) tensor holding the position of every token within its own
+semantics: zoo.nn.packing.Packing), a (b, l) tensor holding the position of every token within its own
 sequence; then the keys of score_bias are those same tokens (s = l, no cache). A static KV cache
 (zoo.nn.static_cache) gives an (l,) tensor: the positions of the l tokens, keys at 0..s-1 (its slots); it checked
 them against max_len when it was made, so they are not checked again (a check would read the tensor: a device

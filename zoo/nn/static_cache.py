@@ -32,7 +32,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from zoo.nn.attention import KVCache, MultiHeadAttention, window_size
+from zoo.nn.attention import MultiHeadAttention, window_size
+from zoo.nn.cache import KVCache
 from zoo.nn.flash import band_allowed
 from zoo.nn.positional import (AlibiPositions, LearnedPositions, NoPositions, RotaryPositions,
                                SinusoidalPositions)
@@ -72,7 +73,7 @@ class StaticKVCache(KVCache):
     with ``StaticKVCache.for_model``; pass it as ``cache=`` to the model like a KVCache, one generation per cache.
 
     ``length`` counts the positions of the calls made so far, the current one included once it is prepared."""
-    preallocated = True
+    keeps_cross = True
 
     def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor],
                  bands: dict[int | None, torch.Tensor]):
@@ -150,6 +151,11 @@ class StaticKVCache(KVCache):
 
     def finish(self, length: int) -> None:
         self.positions, self.allowed = None, {}  # a prepared call is used once
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """The prepared call's positions (l,): its slots."""
+        return self.positions
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (b, k, l, e) into this call's slots in place; return the slots attended: all N (b, k, N, e)

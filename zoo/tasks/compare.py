@@ -32,6 +32,7 @@ from torch import nn
 
 from zoo import interop
 from zoo.interop import Geometry, ConversionError
+from zoo.io.weights import load_state_dict_checked
 
 __all__ = ["REFERENCES", "error_bound", "randomize_", "run_compare", "compare", "format_table", "check_compare"]
 
@@ -252,7 +253,7 @@ def run_compare(preset: str, reference: str | None = None, *, seed: int = 0, lay
         dtype = DTYPES[name]
         ref = copy.deepcopy(reference64).to(dtype)
         zoo = _zoo_model(preset, sizes, dtype)
-        interop.load_state_dict_checked(zoo, _convert(preset, ref, geometry), source=f"converted {reference} weights")
+        load_state_dict_checked(zoo, _convert(preset, ref, geometry), source=f"converted {reference} weights")
         with torch.no_grad():
             outputs = _run(preset, ref, zoo, geometry, tokens, mask, types, target, target_mask)
         for output, a, b, where, depth in outputs:

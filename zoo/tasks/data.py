@@ -21,7 +21,7 @@ Layouts (n = length of x; sequences are right-padded with PAD):
 
 Packing (``task.packing=true``, decoder_only): ``pack`` lays the sequences of a batch end to end into rows of
 the model's length (varlen semantics: ``segments`` says which sequence each token belongs to, and the model
-attends within each and restarts positions, zoo.nn.attention.Packing), so the same target tokens cost fewer
+attends within each and restarts positions, zoo.nn.packing.Packing), so the same target tokens cost fewer
 padded positions and the loss is that of the unpacked batch.
 
 A batch is a function of (seed, stream, index) alone: training batch i is the same whether or not the
@@ -34,15 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAD", "BOS", "SEP", "EOS", "N_SPECIAL", "IGNORE", "SEQUENCE_TASKS", "LABEL_TASKS", "DATA_TASKS",
+from zoo.config.options import DATA_TASKS, LABEL_TASKS, SEQUENCE_TASKS
+
+__all__ = ["PAD", "BOS", "SEP", "EOS", "N_SPECIAL", "IGNORE",
            "FAMILY_TASKS", "SyntheticTask", "task_from_config", "stream_seed", "symbols_to_text", "pack"]
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 N_SPECIAL = 4
 IGNORE = -100  # target value that F.cross_entropy(ignore_index=-100) skips
-SEQUENCE_TASKS = ("copy", "reverse", "sort")
-LABEL_TASKS = ("running_max",)
-DATA_TASKS = SEQUENCE_TASKS + LABEL_TASKS
 FAMILY_TASKS = {"decoder_only": SEQUENCE_TASKS, "encoder_decoder": SEQUENCE_TASKS, "encoder_only": LABEL_TASKS}
 _SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", SEP: "<sep>", EOS: "<eos>"}
 

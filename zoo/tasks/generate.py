@@ -21,9 +21,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from zoo.nn.attention import KVCache, PagedKVCache
+from zoo.nn.cache import KVCache, PagedKVCache
 from zoo.nn.static_cache import StaticKVCache, refusal
-from zoo.config.builder import check_fits, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.sizing import check_fits
 from zoo.config.task_schemas import COMPILE_MODES
 from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text

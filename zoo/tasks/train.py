@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from zoo.config.builder import check_fits, model_from_config
+from zoo.config.builder import model_from_config
+from zoo.config.sizing import check_fits
 from zoo.io.atomic import unwritable
 from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, latest_checkpoint, load_training_state,
                                read_state, save_training_checkpoint)
 from zoo.tasks.interrupts import Interrupted
 from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
-from zoo.config.plugins import PluginError, locate
+from zoo.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
 __all__ = ["check_out_dir", "training_fits", "fit_config_to_data", "family_of", "recipe_values", "recipe_line",

@@ -38,7 +38,6 @@ from zoo.io.atomic import replacing
 from zoo.tasks.plots import PLOTS_HINT
 from zoo.tasks.verify_reports import (REPORT_FILES, SweepSummary, _draw, _reports_lock, _suffixed, _table,
                                       free_suffix, summarize, write_reports)
-from zoo.tasks.verify_reports import STATUS_ORDER, group_of  # noqa: F401  (importable from here as before)
 
 __all__ = ["run_suite", "summarize", "write_reports", "verify", "SweepSummary", "suite_dir"]
 

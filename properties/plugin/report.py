@@ -1,7 +1,7 @@
-"""The spec suite's reports (properties/plugin.py calls ``configure_report``): each failure opens with the text of
+"""The spec suite's reports (properties/plugin/__init__.py calls ``configure_report``): each failure opens with the text of
 the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
 message, Hypothesis' counterexample and, for a kernel clause, its coverage (problems run and declined with the reasons
-grouped, the largest L, S and E reached, the dtypes: properties/core/coverage.py), which the terminal summary also
+grouped, the largest L, S and E reached, the dtypes: properties/kernel/coverage.py), which the terminal summary also
 prints.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from properties.core import coverage
+from properties.kernel import coverage
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.model.twin import pop_notes
@@ -132,7 +132,7 @@ def pytest_runtest_logreport(report):
 
 
 def write_coverage(terminalreporter) -> None:
-    """The per-clause coverage of the kernel clauses (properties/core/coverage.py) at the end of the run."""
+    """The per-clause coverage of the kernel clauses (properties/kernel/coverage.py) at the end of the run."""
     rows = [{**r, "clauses": r["clauses"]} for r in _records.values() if r.get("coverage")]
     lines = coverage.summary_lines(rows, verbose=terminalreporter.config.getoption("verbose") > 0)
     lines += sorted({r["message"] for r in _records.values()   # kernels that decline every problem on a device

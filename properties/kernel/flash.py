@@ -26,9 +26,10 @@ from dataclasses import dataclass, replace
 import torch
 from hypothesis import strategies as st
 
-from properties.core.gradients import Gradients, gradient_oracle, softcap_slope
+from properties.kernel.gradients import Gradients, gradient_oracle, softcap_slope
 from properties.core.oracle import expand_kv_heads, to_float64
-from properties.core.strategies import derived_generator, dtypes, on, require_dtype, seeds
+from properties.core.strategies import derived_generator, on, require_dtype, seeds
+from properties.kernel.cases import dtypes
 from properties.core.tolerance import SoftmaxBounds, output_bound, softmax_bounds
 
 __all__ = ["FEATURE_ROUNDINGS", "FlashBounds", "FlashCase", "flash_allowed", "alibi_bias", "flash_bounds",
@@ -38,7 +39,7 @@ __all__ = ["FEATURE_ROUNDINGS", "FlashBounds", "FlashCase", "flash_allowed", "al
 FEATURE_ROUNDINGS = 16
 _F64 = torch.float64
 
-# --window-right-below-lk (properties/plugin.py): drawn windows keep 0 <= right < Lk, where flash-attn 2's CUDA
+# --window-right-below-lk (properties/plugin/__init__.py): drawn windows keep 0 <= right < Lk, where flash-attn 2's CUDA
 # kernel follows its docstring (it rewrites right = -1 or right >= Lk to Lk, which differs when Lq > Lk + 1).
 _window_right_below_lk = [False]
 
@@ -131,7 +132,7 @@ def flash_bounds(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, 
 
 def flash_gradients(case: "FlashCase", bounds: FlashBounds, q, k, v, grad_out) -> Gradients:
     """The float64 chain rule of sum(out ∘ grad_out) for one ``flash_attn_func`` problem, (B, L, H, D) tensors, with
-    its bound: core/gradients.py's oracle on the flash scores, a soft cap through its slope 1 − tanh²."""
+    its bound: kernel/gradients.py's oracle on the flash scores, a soft cap through its slope 1 − tanh²."""
     scale = case.scale if case.scale is not None else case.d ** -0.5
     qh, kh = to_heads_first(q), to_heads_first(k)
     slope = None if not case.softcap else softcap_slope(qh, kh, scale=scale, softcap=case.softcap, dtype=case.dtype)

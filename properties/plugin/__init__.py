@@ -18,16 +18,16 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
   --kernel-head-size N, --kernel-no-mask, --kernel-equal-lengths, --kernel-equal-head-sizes
                           the limits of an SDPA kernel (with --dtype): the draws stay inside them
-                          (properties/core/limits.py; a kernel may also decline problems as it meets them)
-  --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/reference.py)
+                          (properties/kernel/limits.py; a kernel may also decline problems as it meets them)
+  --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/plugin/reference.py)
   --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
-                          exits, crashes or hangs is reported in one line (properties/plugin_watchdog.py)
+                          exits, crashes or hangs is reported in one line (properties/plugin/watchdog.py)
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
 clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
 Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``: default, ci, thorough, quick, pinned),
-the run's seed and SIGTERM are properties/plugin_session.py's; the clause text of a failure and --report-json are
-properties/plugin_report.py's (their hooks are registered through this module, the plugin pytest loads).
+the run's seed and SIGTERM are properties/plugin/session.py's; the clause text of a failure and --report-json are
+properties/plugin/report.py's (their hooks are registered through this module, the plugin pytest loads).
 """
 from __future__ import annotations
 
@@ -36,34 +36,36 @@ import sys
 import pytest
 import torch
 
-from properties.core import coverage, limits, watchdog
-from properties.core.watchdog import CallTimeout, user_call
+from properties.kernel import coverage, limits
+from properties.core.watchdog import CallTimeout, last_call, user_call
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
-from properties import reference  # --reference / --reference-kernel: what the differential clauses compare with
+from properties.plugin.reference import reference_fixture, reference_kernel_fixture  # noqa: F401 (fixtures)
+from properties.plugin import reference  # --reference / --reference-kernel: what the differential clauses compare with
 from properties.kernel.guard import FINFO_MIN_ROWS, FULLY_MASKED_CONVENTIONS, GuardedKernel
 from properties.core.oracle import ALIGNMENTS
 from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
-from properties.core.flash import set_window_right_below_lk
-from properties.core.flash_guard import KERNEL_APIS, kernel_params
-from properties.plugin_report import clause_ids, configure_report
-from properties.plugin_session import PROFILE_NAMES, configure_session, device_unavailable, targets_suite
-from properties import plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
+from properties.kernel.flash import set_window_right_below_lk
+from properties.kernel.flash_guard import KERNEL_APIS, kernel_params
+from properties.plugin.report import clause_ids, configure_report
+from properties.core.dtypes import device_unavailable
+from properties.plugin.session import PROFILE_NAMES, configure_session, targets_suite
+from properties.plugin import watchdog as plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
 from zoo.nn.kernel import KERNELS, resolve_kernel
-from zoo.config.plugins import PluginError
+from zoo.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
-from properties.plugin_report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
+from properties.plugin.report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
                                       pytest_sessionfinish)
-from properties.plugin_report import write_coverage
-from properties.plugin_session import pytest_report_header, pytest_unconfigure  # noqa: F401
-from properties.plugin_session import pytest_terminal_summary as _seed_summary
+from properties.plugin.report import write_coverage
+from properties.plugin.session import pytest_report_header, pytest_unconfigure  # noqa: F401
+from properties.plugin.session import pytest_terminal_summary as _seed_summary
 
 __all__ = ["PROFILE_NAMES"]   # --hypothesis-profile values the suite registers (properties.catalog.mutation_report)
 
 _KERNELS = pytest.StashKey[list]()
-_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.core.flash_guard.kernel_params)
+_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.kernel.flash_guard.kernel_params)
 _DEVICES = pytest.StashKey[list]()
 
 
@@ -126,7 +128,7 @@ def pytest_configure(config):
         raise pytest.UsageError(str(exc)) from None
     except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
         sys.stderr.write(f"ERROR: interrupted ({str(exc) or type(exc).__name__}) while loading the code under test"
-                         f"{watchdog.last_call()}\n")
+                         f"{last_call()}\n")
         raise
 
 
@@ -166,7 +168,7 @@ def _configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    # Every kernel's limits now, before any test draws (properties/core/limits.py): limits learned in the middle of
+    # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
     # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
     for kernel in kernels:
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
@@ -207,7 +209,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Around each kernel-level test: the draws steer into the kernel's limits on its device, and the examples
-    run and declined are counted (properties/core/coverage.py)."""
+    run and declined are counted (properties/kernel/coverage.py)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
     if level_of(item) != "kernel" or kernel is None:

@@ -1,5 +1,5 @@
-"""The spec suite's run as a whole (properties/plugin.py calls ``configure_session``): its Hypothesis profiles
-and seed, SIGTERM as Ctrl-C, whether a pytest run targets the suite at all, and which devices are usable.
+"""The spec suite's run as a whole (properties/plugin/__init__.py calls ``configure_session``): its Hypothesis profiles
+and seed, SIGTERM as Ctrl-C, whether a pytest run targets the suite at all.
 
 Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``): ``default`` (few examples, so
 the whole suite stays fast), ``ci`` (the same, derandomized: reproducible runs), ``thorough`` (many
@@ -8,16 +8,15 @@ examples).  All disable the deadline: kernel timings vary with the device, its w
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["PROFILE_NAMES", "configure_session", "device_unavailable", "targets_suite", "pytest_report_header",
+__all__ = ["PROFILE_NAMES", "configure_session", "targets_suite", "pytest_report_header",
            "pytest_terminal_summary", "pytest_unconfigure"]
 
 # No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
 _PHASES = tuple(p for p in Phase if p != Phase.explain)
-# filter_too_much: a kernel with limits declines problems (properties/core/limits.py), each a rejected example; a
-# clause it declines entirely is skipped by properties/core/coverage.py before Hypothesis would give up.
+# filter_too_much: a kernel with limits declines problems (properties/kernel/limits.py), each a rejected example; a
+# clause it declines entirely is skipped by properties/kernel/coverage.py before Hypothesis would give up.
 _DEFAULT = settings(max_examples=12, deadline=None, phases=_PHASES, suppress_health_check=[HealthCheck.filter_too_much])
 _PROFILES = {
     "default": _DEFAULT,
@@ -26,7 +25,7 @@ _PROFILES = {
     # `python -m zoo` (the default task) checks the assembled model in seconds; `task=verify` runs `default`.
     "quick": settings(_DEFAULT, max_examples=3),
     # Only the @example shapes pinned for known bug classes: a seconds-long smoke run, and the check that no
-    # catalogued bug depends on a lucky draw (python -m properties.catalog.pinned).
+    # catalogued bug depends on a lucky draw (python -m properties.catalog.mutation_report --profile pinned).
     # The first failing example ends the test (report_multiple_bugs off): a catalogued bug is caught on its
     # first pinned shape without running the others.
     "pinned": settings(_DEFAULT, phases=(Phase.explicit,), report_multiple_bugs=False),
@@ -53,8 +52,8 @@ def _fix_seed(config) -> None:
         seed = random.SystemRandom().randrange(2**31)
         config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
     config.stash[_SEED] = seed
-    from properties.core.tiles import set_run_seed
-    set_run_seed(seed)   # the run's head sizes (properties/core/tiles.py, run_choice)
+    from properties.kernel.tiles import set_run_seed
+    set_run_seed(seed)   # the run's head sizes (properties/kernel/tiles.py, run_choice)
 
 
 def pytest_report_header(config):
@@ -76,7 +75,8 @@ def targets_suite(config) -> bool:
     an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
     and profiles."""
     from pathlib import Path
-    suite = Path(__file__).resolve().parent
+
+    from properties.core.levels import SUITE_DIR as suite
     for arg in config.args:
         name = arg.split("::")[0]
         if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):
@@ -118,21 +118,3 @@ def configure_session(config) -> None:
         _use_suite_profiles()
         _fix_seed(config)
         _interrupt_on_sigterm(config)
-
-
-def device_unavailable(device: torch.device) -> str:
-    """Why ``device`` cannot be used here ('' when it can): CUDA absent, an index past the CUDA devices, or
-    another backend that refuses to make a tensor (MPS absent, ...)."""
-    if device.type == "cpu":
-        return ""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA not available"
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            return f"{device} not present ({torch.cuda.device_count()} CUDA device(s))"
-        return ""
-    try:
-        torch.empty(1, device=device)
-    except Exception:  # any backend may refuse in its own way (PyTorch's message lists every backend)
-        return f"{device} not available on this machine"
-    return ""

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from properties.core.strategies import required
 from properties.core.subject import Subject, SubjectError, as_subject, watched
 from properties.core.watchdog import raised, user_call
-from zoo.config.plugins import PluginError, load_object
+from zoo.plugins import PluginError, load_object
 
 __all__ = ["Reference", "add_options", "configure", "reference_of", "reference_kernel_of"]
 
@@ -71,6 +72,19 @@ def reference_of(config) -> Reference | None:
 def reference_kernel_of(config):
     """The --reference-kernel as a GuardedKernel, or None."""
     return config.stash.get(_KERNEL, None)
+
+
+# The fixtures of the differential clauses (registered by properties.plugin): a test without the option is skipped.
+@pytest.fixture(name="reference", scope="session")
+def reference_fixture(pytestconfig):
+    return required(reference_of(pytestconfig),
+                    "no --reference given: the differential clauses compare the model with a reference model")
+
+
+@pytest.fixture(name="reference_kernel", scope="session")
+def reference_kernel_fixture(pytestconfig):
+    return required(reference_kernel_of(pytestconfig),
+                    "no --reference-kernel given: the differential kernel clauses compare with a reference kernel")
 
 
 # ------------------------------------------------------------------------------------------------ kernels

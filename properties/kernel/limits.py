@@ -7,7 +7,7 @@ use ("not supported", "does not support", "only supports", "unsupported", "No av
 ``TypeError`` for an optional keyword its signature lacks (``enable_gqa``, ``scale``, ``dropout_p``, as before
 PyTorch 2.5 / 2.1). Any other exception (an IndexError, a CUDA error, a wrong shape) is a failure, as before.
 
-A declined problem is discarded (a Hypothesis reject) and recorded (properties/core/coverage.py). The suite
+A declined problem is discarded (a Hypothesis reject) and recorded (properties/kernel/coverage.py). The suite
 **learns** the kernel's limits on each device at start-up, before any test draws (so that no strategy changes what it
 draws in the middle of a test), by probing one attribute at a time from the plainest problem it accepts (a
 non-causal one, else a causal one), and every draw (``cases``, ``grad_cases``) stays inside them. Limits may also
@@ -370,7 +370,7 @@ def declared_limits(options: dict, dtypes=None, kernel_api: str = "sdpa") -> Lim
     given = [name for name in LIMIT_OPTIONS if options.get(name)]
     if given and kernel_api != "sdpa":
         raise LimitsError(f"{given[0]} declares limits of an SDPA kernel (--kernel-api sdpa); --kernel-api "
-                          f"{kernel_api} kernels decline features instead (properties/core/flash_guard.py)")
+                          f"{kernel_api} kernels decline features instead (properties/kernel/flash_guard.py)")
     return Limits(dtypes=tuple(dtypes) if dtypes else None,
                   head_sizes=_head_sizes(options.get("--kernel-head-size")),
                   masks=() if options.get("--kernel-no-mask") else ("bool", "float"),

@@ -1,4 +1,4 @@
-"""The spec suite's watchdog (properties/plugin.py calls ``add_options`` and ``configure``): ``--call-timeout``, and
+"""The spec suite's watchdog (properties/plugin/__init__.py calls ``add_options`` and ``configure``): ``--call-timeout``, and
 a supervisor process, so that code under test that ends the process, crashes or hangs never reads as a pass.
 
 A run started as ``pytest`` or ``python -m pytest`` (so also ``python -m properties`` and ``task=verify``) forks
@@ -81,8 +81,8 @@ def configure(config, targets_suite: bool) -> None:
     config.stash[_BEFORE] = watchdog.saved()
     watchdog.set_limit(0.0 if debugging else seconds, alarm=True)
     watchdog.set_record(None)   # a record inherited from an enclosing run (pytest.main() in it, or forked) is not ours
-    if not config.pluginmanager.has_plugin("properties.plugin_watchdog"):
-        config.pluginmanager.register(sys.modules[__name__], "properties.plugin_watchdog")
+    if not config.pluginmanager.has_plugin("properties.plugin.watchdog"):
+        config.pluginmanager.register(sys.modules[__name__], "properties.plugin.watchdog")
     if hasattr(config, "workerinput"):
         _join(config)
         return

@@ -1,6 +1,6 @@
 """Drawn problems of the varlen and KV-cache APIs, and their oracles (per sequence / per batch entry).
 
-Both reuse ``FlashCase`` (core/flash.py) for the keywords, the head layout, the dtype and the seed; the oracle of
+Both reuse ``FlashCase`` (kernel/flash.py) for the keywords, the head layout, the dtype and the seed; the oracle of
 each sequence or entry is ``flash_bounds`` on its own keys, so the varlen and cache clauses are exactly "the
 ``flash`` semantics on each part" (SPEC.md, "The FlashAttention API").
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 from hypothesis import strategies as st
 
-from properties.core.flash import FlashBounds, FlashCase, flash_bounds, flash_cases, window_keys, windows
+from properties.kernel.flash import FlashBounds, FlashCase, flash_bounds, flash_cases, window_keys, windows
 from properties.core.strategies import derived_generator, on, require_dtype
 
 __all__ = ["VarlenCase", "varlen_cases", "CacheCase", "cache_cases", "CacheProblem", "STALE_KEY", "STALE_VALUE"]

@@ -1,16 +1,16 @@
 """Calling a kernel with FlashAttention's API: the guard, unsupported features, and the weights of a black box.
 
 A ``FlashKernel`` is the user's function with one of the three APIs (``flash``, ``flash-varlen``,
-``flash-kvcache``; properties/plugin.py's ``--kernel-api``). Every call goes through it: an exception, an output
+``flash-kvcache``; properties/plugin/__init__.py's ``--kernel-api``). Every call goes through it: an exception, an output
 of the wrong shape, dtype or device, or NaN/Inf becomes an ``AssertionError`` (a failure of the clause the property
 is bound to), except that a kernel may decline a feature, by the one rule of the SDPA kernels
-(properties/core/limits.py, ``decline_reason``): ``NotImplementedError``, a ``TypeError`` for an optional feature's
+(properties/kernel/limits.py, ``decline_reason``): ``NotImplementedError``, a ``TypeError`` for an optional feature's
 keyword (an older signature without ``cache_leftpad``, say), or a ``TypeError``, ``ValueError`` or ``RuntimeError``
 whose message says the combination is not supported (flash-attn's own wording, e.g. "Paged KVcache does not
 support cache_batch_idx", "Softcapping does not support dropout"), is ``Unsupported``. The clauses of that feature
 are then skipped with the kernel's message, and drawn problems of the other clauses leave the feature out
 (``FlashKernel.unsupported``, probed once per device on a tiny problem); the decline is recorded in the clause's
-coverage (properties/core/coverage.py), so the report lists what was not covered.
+coverage (properties/kernel/coverage.py), so the report lists what was not covered.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Callable
 import pytest
 import torch
 
-from properties.core import coverage
-from properties.core.limits import decline_reason
+from properties.kernel import coverage
+from properties.kernel.limits import decline_reason
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel.guard import KernelContractError, check_output, describe_call
 
@@ -48,7 +48,7 @@ OPTIONAL_KEYWORDS = ("dropout_p", "window_size", "softcap", "alibi_slopes", "k",
 
 
 def _is_unsupported(exc: BaseException) -> bool:
-    """The SDPA kernels' decline rule (properties/core/limits.py) with this API's optional keywords."""
+    """The SDPA kernels' decline rule (properties/kernel/limits.py) with this API's optional keywords."""
     return decline_reason(exc, OPTIONAL_KEYWORDS) is not None
 
 
@@ -199,7 +199,7 @@ def kernel_params(specs, api: str) -> dict[str, list]:
     {fixture: [pytest.param, ...]}. ``kernel`` (the SDPA clauses) is absent under ``sdpa`` (the plugin's own
     list applies). Fixtures of an API not selected get one skipped entry whose reason says how to select it.
     Without --kernel, ``flash`` selects the zoo's kernels of all three flash APIs, ``flash-varlen`` and
-    ``flash-kvcache`` those of their own API. Raises zoo.config.plugins.PluginError for a bad spec."""
+    ``flash-kvcache`` those of their own API. Raises zoo.plugins.PluginError for a bad spec."""
     from zoo.nn.flash import FLASH_KERNELS, resolve_flash_kernel
 
     params: dict[str, list] = {}

@@ -1,20 +1,20 @@
 """Kernel-scale problems, and draws steered into the limits of the kernel under test (SPEC.md, "Problems at kernel
-scale, kernels with limits, coverage"). ``properties.core.strategies.cases`` and the gradient clauses' ``grad_cases``
+scale, kernels with limits, coverage"). ``properties.kernel.cases.cases`` and the gradient clauses' ``grad_cases``
 draw one problem in ``TILE_SHARE`` from ``tile_shape``; every draw reads ``kernel_limits()``, the limits the plugin
-makes active around each test (properties/core/limits.py).
+makes active around each test (properties/kernel/limits.py).
 """
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from properties.core.limits import Limits, active, active_device
+from properties.kernel.limits import Limits, active, active_device
 
 __all__ = ["kernel_limits", "set_run_seed", "run_choice", "RUN_HEAD_SIZES", "TILE_SHARE", "TILE_LENGTHS", "TILE_HEAD_SIZES", "BUDGET", "problem_budget",
            "tile_shape", "drawn_head_size", "head_sizes_up_to"]
 
 
 def kernel_limits() -> Limits:
-    """What the kernel under test accepts on its device (properties/core/limits.py); no limits outside a test."""
+    """What the kernel under test accepts on its device (properties/kernel/limits.py); no limits outside a test."""
     return active() or _NO_LIMITS
 
 

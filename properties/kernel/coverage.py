@@ -3,10 +3,10 @@ L, S and E reached, the dtypes — so that "passed" never hides "barely tested".
 
 The plugin wraps each kernel-level test (``counting``): every Hypothesis example (explicit or drawn) is counted as
 *run* when the kernel ran on it to the end (passed or failed), as *declined* when the kernel declined it (the guard
-records the reason, properties/core/limits.py, and rejects the example). A clause whose every example was declined
+records the reason, properties/kernel/limits.py, and rejects the example). A clause whose every example was declined
 is skipped with the kernel's reasons, never passed; after ``GIVE_UP`` drawn examples declined without one run it
 stops drawing. Explicit (pinned) examples are first fitted into the kernel's limits (``Limits.fit``).
-``properties/plugin_report.py`` puts each test's record in ``--report-json`` and the terminal summary.
+``properties/plugin/report.py`` puts each test's record in ``--report-json`` and the terminal summary.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _counted(inner, record: Coverage, kernel_name: str, explicit: int):
 
 def fit(value):
     """``value`` inside the limits of the kernel under test (``Limits.fit``), or ``value`` itself."""
-    from properties.core.limits import active
+    from properties.kernel.limits import active
     limits = active()
     return limits.fit(value) if limits else value
 
