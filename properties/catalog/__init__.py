@@ -23,6 +23,7 @@ _K, _M, _Z = "properties.catalog.kernels", "properties.catalog.modules", "proper
 _B = "properties.catalog.backward"
 _FA = "properties.catalog.flash_bugs"
 _TB, _TILED = "properties.catalog.tile_bugs", "properties.catalog.tiled"
+_CB = "properties.catalog.contract_bugs"
 _FLASH_OPTIONS = ("--kernel-api=flash", "--kernel-api=flash-varlen", "--kernel-api=flash-kvcache")
 
 
@@ -123,6 +124,15 @@ def _scale_bug(name):
     return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
 
 
+_MOE = "properties.catalog.moe_bugs"
+
+
+def _moe_bug(name):
+    """A transformers MoE model whose router gets one line wrong (moe_bugs.py)."""
+    from properties.catalog.moe_bugs import BUGS
+    return Entry(name, "model", BUGS[name], ("MODEL-ROUTING",), "--model", f"{_MOE}:{name}")
+
+
 def _fast(name, *expected):
     """A "fast" model that differs from its reference (differential.reference: the same weights, the zoo's math)."""
     from properties.catalog.differential import BUGS
@@ -183,6 +193,11 @@ CATALOG: list[Entry] = [
             "ATTN-ORACLE", "ATTN-ROWSUM"),
     _kernel("gqa_heads_tiled", "kv heads expanded with repeat (head i mod H_kv), not repeat_interleave",
             "GQA-HEADS"),
+    # ------------------------------------- declared contracts (--deterministic, --batch-invariant): accurate kernels
+    Entry("atomic_order_attention", "kernel", "key blocks' partial sums added in an order that changes with every call "
+          "(atomic adds)", ("KERNEL-DETERMINISTIC",), "--kernel", f"{_CB}:atomic_order_attention", ("--deterministic",)),
+    Entry("split_by_batch_attention", "kernel", "split-K over the keys with the split count chosen from B x H",
+          ("KERNEL-BATCH-INVARIANT",), "--kernel", f"{_CB}:split_by_batch_attention", ("--batch-invariant",)),
     _kernel("output_in_compute_dtype", "the float32 accumulator returned for half inputs (cast back forgotten)",
             "ATTN-SHAPE"),
     # ------------------------------------------------------- kernels with a correct forward and a wrong backward
@@ -272,6 +287,10 @@ CATALOG: list[Entry] = [
     # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
     *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
                                     "alibi_positions_clamped", "position_table_clamped")),
+    # -------------------------------- models whose layers differ, and mixture-of-experts routing (MODEL-WINDOW, ...)
+    _model("local_window_one_more", "a window of 4 that admits 5 keys, in the windowed layers of a model whose "
+           "windowed and global layers alternate (the global ones hide it from the outputs)", "MODEL-WINDOW"),
+    *(_moe_bug(name) for name in ("router_softmax_over_tokens", "renormalized_against_config")),
 ]
 
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
@@ -310,6 +329,10 @@ CORRECT: list[Entry] = [
     Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"),
     Entry("HF-style decoder", "model", "decode_bugs.TinyLM, the model the decode-path bugs vary", (), "--model",
           f"{_DB}:tiny_lm"),
+    Entry("alternating windows", "model", "the tiny zoo decoder, a window of 4 in its even layers and none in its odd "
+          "ones (the model local_window_one_more varies)", (), "--model", f"{_Z}:alternating_windows"),
+    Entry("HF Mixtral", "model", "transformers' Mixtral, 4 experts, top 2 (the model the routing bugs vary)", (),
+          "--model", f"{_MOE}:mixtral"),
     Entry("HF-style decoder at scale", "model", "scale_bugs.ScaleLM in bfloat16, rotary, a window of 16, max_len "
           "1280: the model the at-scale bugs vary", (), "--model", f"{_SB}:scale_lm"),
     Entry("memory_efficient vs math", "model", "the zoo's memory-efficient kernel (16-key blocks) against the math "

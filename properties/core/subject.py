@@ -19,7 +19,7 @@ from zoo.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched"]
+__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched"]
 
 KINDS = FAMILIES  # a subject's kind is one of the zoo's model families
 ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
@@ -27,6 +27,25 @@ ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
 
 class SubjectError(ValueError):
     """A model the suite cannot use; str() is one line for the user."""
+
+
+@dataclass
+class Route:
+    """One call of a mixture-of-experts layer, as ``Subject.routing`` records it. Rows are the layer's tokens in the
+    order of the forward pass's (B, L), flattened.
+
+    logits (N, E): the router's scores; experts (N, k): the experts each token is sent to; weights (N, k): the
+    weights their outputs are combined with. top_k: True when the model routes each token to the k experts of its
+    largest logits (a softmax top-k router), False when its rule is another (biased or grouped scores): then only
+    batch and padding invariance are checked. normalized: True when the weights are the chosen experts' softmax
+    probabilities divided by their sum (they sum to 1), False when they are those probabilities themselves, None
+    when the model does not say (only their ratios, exp(logit difference), are checked).
+    """
+    logits: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    top_k: bool = True
+    normalized: bool | None = None
 
 
 @dataclass
@@ -75,6 +94,12 @@ class Subject:
         either side), None a layer that attends every position. Enables MODEL-WINDOW when every layer has one.
     edges: further lengths where the implementation changes path (a cache block, a chunk size): the long draws
         (properties/model/scale.py) put sequences just below and above each.
+    attention_modules: the self-attention module of each layer of the (target) stack, in the order of ``window``,
+        each taking the layer's hidden states (B, L, D) as its first argument (or keyword ``hidden_states``) and
+        returning them (or a tuple that starts with them). MODEL-WINDOW then checks every windowed layer alone,
+        whatever the other layers do (Gemma 2's alternating layers), through hooks on these modules.
+    routing: mixture-of-experts routing, enabling MODEL-ROUTING: ``with routing() as routes:`` records every routed
+        layer's call during the forward passes inside the block, appending one ``Route`` per call.
     """
     kind: str
     forward: Callable
@@ -92,6 +117,8 @@ class Subject:
     relative_positions: bool = False
     window: tuple[int | None, ...] | None = None
     edges: tuple[int, ...] = ()
+    attention_modules: tuple[nn.Module, ...] | None = None
+    routing: Callable | None = None
 
     def __post_init__(self):
         check_subject(self)
@@ -118,13 +145,20 @@ def check_subject(s: Subject) -> None:
     for name in ("module", "embedding"):
         if getattr(s, name) is not None and not isinstance(getattr(s, name), nn.Module):
             fail(name, getattr(s, name), "a torch.nn.Module or None")
-    for name in ("decode_step", "shifted"):
+    for name in ("decode_step", "shifted", "routing"):
         if getattr(s, name) is not None and not callable(getattr(s, name)):
             fail(name, getattr(s, name), "a callable or None")
     positive = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1  # noqa: E731
     if s.window is not None and not (isinstance(s.window, (tuple, list)) and s.window
                                      and all(w is None or positive(w) for w in s.window)):
         fail("window", s.window, "None or a tuple with one entry per layer, each a positive int or None")
+    if s.attention_modules is not None:
+        if not (isinstance(s.attention_modules, (tuple, list)) and all(isinstance(m, nn.Module)
+                                                                       for m in s.attention_modules)):
+            fail("attention_modules", s.attention_modules, "None or a tuple of torch.nn.Module, one per layer")
+        if s.window is None or len(s.attention_modules) != len(s.window):
+            fail("attention_modules", f"<{len(s.attention_modules)} modules>",
+                 f"one module per entry of Subject.window ({'None' if s.window is None else len(s.window)})")
     if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
         fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):
@@ -162,6 +196,10 @@ def _shifted(model: nn.Module) -> Callable:
     return shifted
 
 
+def _attention_modules(stack: nn.Module) -> tuple[nn.Module, ...]:
+    return tuple(layer.self_attn for layer in stack.layers)
+
+
 def _windows(stack: nn.Module) -> tuple[int | None, ...] | None:
     """Subject.window of a zoo stack: each layer's self-attention window (None when no layer has one)."""
     windows = tuple(getattr(layer.self_attn, "window", None) for layer in stack.layers)
@@ -179,6 +217,7 @@ def _zoo_subject(model: nn.Module) -> Subject:
                   positional=any(getattr(s.pos, "injects_order", True) for s in stacks),
                   left_padding=relative, relative_positions=relative, shifted=_shifted(model),
                   window=_windows(stacks[-1]),
+                  attention_modules=_attention_modules(stacks[-1]) if _windows(stacks[-1]) else None,
                   # NoPositions never checks a length; every other zoo scheme refuses > max_len.
                   extrapolates=all(isinstance(s.pos, NoPositions) for s in stacks))
     if isinstance(model, EncoderOnly):  # forward returns the hidden states (or the head's): the pooler is apart

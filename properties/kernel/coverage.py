@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-__all__ = ["Coverage", "counting", "ran", "declined", "specialisation", "length_class", "record_of", "GIVE_UP", "declined_summary"]
+__all__ = ["Coverage", "counting", "ran", "declined", "compared", "specialisation", "length_class", "record_of",
+           "GIVE_UP", "declined_summary"]
 
 GIVE_UP = 25   # drawn examples declined, none run: every problem this clause poses lies outside the kernel's limits
 
@@ -34,11 +35,13 @@ class Coverage:
     max_e: int = 0
     dtypes: set = field(default_factory=set)
     specialisations: set = field(default_factory=set)   # ``specialisation`` of every call that returned
+    comparisons: Counter = field(default_factory=Counter)   # how two calls were compared (core/repeats.py)
 
     def as_dict(self) -> dict:
         return {"kernel": self.kernel, "device": self.device, "run": self.run, "declined": self.declined, "reasons": dict(self.reasons.most_common()),
                 "max_l": self.max_l, "max_s": self.max_s, "max_e": self.max_e, "dtypes": sorted(self.dtypes),
-                "specialisations": sorted(self.specialisations)}
+                "specialisations": sorted(self.specialisations),
+                **({"comparisons": dict(self.comparisons)} if self.comparisons else {})}
 
 
 _records: dict[str, Coverage] = {}
@@ -70,6 +73,17 @@ def declined(reason: str) -> None:
     """The kernel declined the running example (the guard calls this, then rejects the example)."""
     if _current[0] is not None and _example["decline"] is None:
         _example["decline"] = reason
+
+
+# How a clause compared two calls (properties/kernel/repeats.py).
+BITWISE = "bitwise"
+WITHIN_BOUND = "within the derived bound (repeated calls differed)"
+
+
+def compared(how: str) -> None:
+    """The running example compared two calls ``how`` (bitwise, or within the bound: properties/core/repeats.py)."""
+    if _current[0] is not None:
+        _current[0].comparisons[how] += 1
 
 
 def record_of(nodeid: str) -> dict | None:
@@ -184,14 +198,20 @@ def summary_lines(rows: list[dict], verbose: bool = False) -> list[str]:
                      f"{compiled} specialisations (dtype, E, Ev, causal, L and S classes: 1, 16k, other)")
         for row in group:
             c = row["coverage"]
-            if not (verbose or c["declined"] or c["run"] < THIN):
+            if not (verbose or c["declined"] or c["run"] < THIN or _not_bitwise(c)):
                 continue
             if row["status"] == "skipped" and not c["run"]:
                 what = row.get("message") or declined_summary(c)
             else:
                 what = f"{c['run']} run ({_dims(c)})" + (f", {declined_summary(c)}" if c["declined"] else "")
+            if c.get("comparisons"):
+                what += "; compared " + ", ".join(f"{how}: {n}" for how, n in c["comparisons"].items())
             lines.append(f"  {', '.join(row['clauses'])} [{row['status']}]: {what}")
     return lines
+
+
+def _not_bitwise(c: dict) -> bool:
+    return bool(c.get("comparisons", {}).get(WITHIN_BOUND))
 
 
 THIN = 3   # a clause run on fewer problems than this is listed even when it passed

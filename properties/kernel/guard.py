@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from properties.kernel import coverage
+from properties.core import repro
 from properties.core.assertions import assert_all, assert_within, fmt
 from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
@@ -255,7 +256,11 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
             nan_rows = torch.isnan(actual).any(-1) if float_mask else torch.zeros_like(actual[..., 0], dtype=torch.bool)
             check_fully_masked_mean(actual, value, no_key & ~nan_rows, query.dtype)
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
-    assert_within(actual, bounds.reference.output, output_bound(bounds, value), what=what)
+    bound = output_bound(bounds, value)
+    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
+                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
+                 fully_masked=fully_masked)
+    assert_within(actual, bounds.reference.output, bound, what=what)
     return out, bounds
 
 

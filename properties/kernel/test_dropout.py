@@ -7,7 +7,10 @@ import torch
 from hypothesis import given, strategies as st
 
 from properties import clause
-from properties.core.assertions import assert_identical, assert_within, fmt
+from properties.core import repro
+from properties.kernel import coverage
+from properties.core.assertions import assert_within, fmt
+from properties.kernel.repeats import BITWISE, WITHIN_BOUND, bitwise_equal
 from properties.core.oracle import to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import seeded_rng
@@ -41,9 +44,19 @@ def _on_copies(fn, n: int, tensors, p: float, device, seed: int) -> torch.Tensor
 @given(case=cases())
 def test_zero_dropout_is_deterministic(kernel, device, case):
     q, k, v = case.qkv(device)
-    first = kernel(q, k, v, dropout_p=0.0)
-    second = kernel(q, k, v, dropout_p=0.0)
-    assert_identical(second, first, what="second call with dropout_p=0", reference="first call")
+    first = to_float64(kernel(q, k, v, dropout_p=0.0))
+    second = to_float64(kernel(q, k, v, dropout_p=0.0))
+    if bitwise_equal(first, second):
+        coverage.compared(BITWISE)
+        return
+    # Calls that differ may still drop nothing: a kernel whose sums vary in order (atomics, split-K). Each must then
+    # agree with the oracle without dropout (ATTN-ORACLE's bound), as a dropped weight would not.
+    coverage.compared(WITHIN_BOUND)
+    for call in (first, second):
+        bounds = softmax_bounds(q, k, v)
+        assert_within(call, bounds.reference.output, output_bound(bounds, v), what="out with dropout_p=0",
+                      reference="oracle without dropout", note=" (two identical calls with dropout_p=0 differed, "
+                      "so each is compared with the oracle)")
 
 
 COPIES_FOR_RATE = 256
@@ -56,6 +69,8 @@ def test_dropout_zeroes_weights_with_probability_p(kernel, device, case, p):
     bounds = softmax_bounds(q, k)
     positive = bounds.lower > 0  # weights that are nonzero without dropout (even after rounding)
     w = _on_copies(kernel.weights, COPIES_FOR_RATE, (q, k), p, device, case.seed)
+    repro.record("dropout-rate", subject=kernel.name, device=str(device), query=q, key=k, p=p,
+                 copies=COPIES_FOR_RATE, seed=case.seed, positive=positive)
     check_dropout_rate(w, positive, p)
 
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
+from properties.core import repro
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.gradients import gradient_oracle, group_sum
 from properties.kernel.limits import nearest_size
@@ -173,6 +174,9 @@ def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, f
     _check_layout(grads, {"query": q, "key": k, "value": v, **({"attn_mask": mask} if "attn_mask" in grads else {})})
     scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, attn_mask=mask if "attn_mask" in grads else None)
+    repro.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
+                 inputs=dict(query=q, key=k, value=v, **({"attn_mask": mask} if mask is not None else {}),
+                             **case.contract(None)), bound={name: oracle.bound[name] for name in grads})
     for name, grad in grads.items():
         assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from properties.core import repro
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
 from properties.model.twin import observe
@@ -21,7 +23,7 @@ from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDIN
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
+           "assert_same_output", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
            "register_precision", "precision_of"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
@@ -78,6 +80,8 @@ def _describe(out) -> str:
 def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
     """subject.forward (or fn, e.g. decode_step's logits) with its output checked against the contract."""
     out = (fn or subject.forward)(*args)
+    if fn is None:
+        repro.observe_call(args, out, subject)   # --repro-dir: a comparison of two outputs names these calls
     observe(subject, out, "forward" if fn is None else "shifted" if fn is subject.shifted else "decode_step")
     tokens = args[1] if subject.kind == "encoder_decoder" else args[0]
     b, l = tokens.shape
@@ -162,6 +166,7 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
         raise AssertionError(f"{what}: NaN in {where} at {int(nan.sum())} of {nan.numel()} entries, first at index "
                              f"{first}")
     tol = comparison_tolerance(expected, subject)
+    _record_model_comparison(actual, expected, what, tol)
     diff = (actual.double() - expected.double()).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)   # inf - inf
     if diff.numel() and diff.max().item() > tol:
@@ -170,6 +175,17 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
         how = precision.describe() if precision is not None and precision.own else f"2^21 u max|y| in {expected.dtype}"
         raise AssertionError(f"{what}: differs by {diff.max().item():.3e} at index {worst} "
                              f"(tolerance {tol:.3e}; {how})")
+
+
+def _record_model_comparison(actual, expected, what: str, tol: float) -> None:
+    """--repro-dir: the two forward passes whose outputs are compared, when both tensors view their outputs."""
+    if not repro.active():
+        return
+    first, second = repro.view_index(expected), repro.view_index(actual)
+    if first is not None and second is not None:
+        repro.record("model", device=str(actual.device), what=what, reference="the first forward pass",
+                     first=list(first[0]), second=list(second[0]), index_first=first[1], index_second=second[1],
+                     tolerance=float(tol), float64=expected.dtype == torch.float64)
 
 
 @contextmanager
@@ -215,6 +231,19 @@ def only(subject: Subject, *kinds: str) -> Subject:
     if subject.kind not in kinds:
         pytest.skip(f"applies to {' and '.join(kinds)}, not {subject.kind}")
     return subject
+
+
+def assert_window_gradient(g: torch.Tensor, attended: bool, position: int, dead: Callable[[list], str],
+                           leaks: Callable[[float], str]) -> None:
+    """MODEL-WINDOW's exact half: g (B, d), the gradient of some outputs with respect to one position's input, is
+    not exactly 0 in any sample when those outputs attend it (``dead(samples)`` says which are), and exactly 0
+    everywhere when they do not (``leaks(largest)``)."""
+    assert torch.isfinite(g).all(), f"the gradient with respect to position {position} is NaN or infinite"
+    if attended:
+        zero = (g == 0).all(-1).nonzero().flatten().tolist()
+        assert not zero, dead(zero)
+    else:
+        assert not (g != 0).any(), leaks(float(g.abs().max()))
 
 
 def requires(subject: Subject, field: str, without: str) -> None:

@@ -11,6 +11,7 @@ Options (``pytest properties/ --help``, group "spec properties"):
   --fully-masked P        zeros (default), nan, mean or any: what a query with no admissible key must output
   --finfo-min-rows R      softmax (default) or masked: a float-mask row of finfo.min (MASK-LOW-PRECISION)
   --report-json PATH      write one record per (test, clause) for every test run
+  --repro-dir DIR         a standalone script per failing clause, DIR/<clause>-<n>.py (properties/core/repro.py)
   --kernel-api API        sdpa (default), flash, flash-varlen or flash-kvcache: the calling convention of
                           --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
                           API and no --kernel, the zoo's own kernels of that API (flash: all three)
@@ -20,6 +21,9 @@ Options (``pytest properties/ --help``, group "spec properties"):
                           the limits of an SDPA kernel (with --dtype): the draws stay inside them
                           (properties/kernel/limits.py; a kernel may also decline problems as it meets them)
   --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/plugin/reference.py)
+  --deterministic, --batch-invariant
+                          declared contracts: bitwise-equal repeats; a sequence's result independent of its batch
+                          (properties/plugin/contracts.py; their clauses are skipped without the option)
   --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
                           exits, crashes or hangs is reported in one line (properties/plugin/watchdog.py)
 
@@ -38,6 +42,7 @@ import torch
 
 from properties.kernel import coverage, limits
 from properties.core.watchdog import CallTimeout, last_call, user_call
+from properties.plugin import contracts
 from properties.core.levels import LEVELS, in_suite, level_of
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
@@ -49,7 +54,7 @@ from properties.core.spec import SpecError, load_clauses
 from properties.core.strategies import DTYPES, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
 from properties.kernel.flash_guard import KERNEL_APIS, kernel_params
-from properties.plugin.report import clause_ids, configure_report
+from properties.plugin.report import clause_ids, configure_report, configure_reproducers, write_reproducers
 from properties.core.dtypes import device_unavailable
 from properties.plugin.session import PROFILE_NAMES, configure_session, targets_suite
 from properties.plugin import watchdog as plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
@@ -58,7 +63,7 @@ from zoo.plugins import PluginError
 # The hooks of the session and the report: pytest registers the hooks it finds in this module.
 from properties.plugin.report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
                                       pytest_sessionfinish)
-from properties.plugin.report import write_coverage
+from properties.plugin.report import write_coverage, write_model_basis
 from properties.plugin.session import pytest_report_header, pytest_unconfigure  # noqa: F401
 from properties.plugin.session import pytest_terminal_summary as _seed_summary
 
@@ -91,6 +96,9 @@ def pytest_addoption(parser):
                          "PyTorch's memory-efficient CUDA kernel; MASK-LOW-PRECISION)")
     group.addoption("--report-json", metavar="PATH",
                     help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
+    group.addoption("--repro-dir", metavar="DIR",
+                    help="write DIR/<clause>-<n>.py for each failing clause: a script that needs only torch and the "
+                         "code under test, exits 1 while the failure is there and 0 once it is fixed")
     group.addoption("--kernel-api", choices=KERNEL_APIS, default="sdpa",
                     help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's "
                          "flash, flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")
@@ -98,6 +106,7 @@ def pytest_addoption(parser):
                     help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
                          "follows its docstring)")
     limits.add_options(group)
+    contracts.add_options(group)
     plugin_watchdog.add_options(group)
     subjects.add_options(parser)
     reference.add_options(parser)
@@ -139,6 +148,7 @@ def _loading(spec: str) -> str:
 def _configure(config):
     configure_session(config)
     configure_report(config)
+    configure_reproducers(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
         config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
@@ -203,6 +213,8 @@ def pytest_generate_tests(metafunc):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write_coverage(terminalreporter)
+    write_model_basis(terminalreporter)
+    write_reproducers(terminalreporter)
     _seed_summary(terminalreporter, exitstatus, config)
 
 
@@ -267,6 +279,7 @@ def pytest_collection_modifyitems(config, items):
         if isinstance(kernel, GuardedKernel) and device is not None and kernel.limits(device).unusable:
             item.add_marker(pytest.mark.skip(reason=f"kernel {kernel.name} declines every problem on {device} "
                                                     f"(not covered): {kernel.limits(device).unusable}"))
+    contracts.skip_undeclared(config, mine, clause_ids)   # --deterministic, --batch-invariant
     levels = _levels_selected(config)
     deselected = [item for item in mine if level_of(item) not in levels]
     if deselected:

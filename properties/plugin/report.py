@@ -11,12 +11,14 @@ import json
 import pytest
 
 from properties.kernel import coverage
+from properties.core import repro
+from properties.plugin.repro import reset as reset_reproducers, write as write_reproducer
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
-from properties.model.twin import pop_notes
+from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
-__all__ = ["clause_ids", "configure_report", "pytest_runtest_makereport", "pytest_runtest_logreport",
+__all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
            "pytest_sessionfinish"]
 
 _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
@@ -73,11 +75,26 @@ def pytest_runtest_makereport(item, call):
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
+    # Where its comparisons ran: the float64 twin, or the model's own precision and why (model/twin.py).
+    report.precision = pop_precision() if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
+    report.repro = None
+    if call.when == "setup":
+        repro.clear()
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
+        if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
+            report.repro = write_reproducer(clauses[ids[0]], item.nodeid, _counterexample(report))
+    if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
+        item.user_properties.append(("clauses", " ".join(ids)))
+        if report.failed:
+            item.user_properties.append(("failure", _message(report)))
+        if report.coverage:
+            item.user_properties.append(("coverage", json.dumps(report.coverage)))
+        if report.repro:
+            item.user_properties.append(("repro", report.repro))
     return report
 
 
@@ -117,11 +134,15 @@ def pytest_runtest_logreport(report):
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", ""), "note": ""})
+                                                "resolution": getattr(report, "resolution", ""), "note": "",
+                                                "precision": ""})
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
+    record["precision"] = record["precision"] or getattr(report, "precision", "")
     if getattr(report, "coverage", None):
         record["coverage"] = report.coverage
+    if getattr(report, "repro", None):
+        record["repro"] = report.repro
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -143,6 +164,77 @@ def write_coverage(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+LACKS = "Subject."   # a model clause skipped because the subject leaves an optional field None ("Subject.X is None")
+
+
+def _reason(why: str) -> str:
+    """A fallback's reason in a few words: the twin gives NaN or inf, raises, or is refused."""
+    if why.startswith("the twin departs"):
+        if "raises " in why:
+            return "the twin raises " + why.split("raises ", 1)[1].split(":")[0]
+        return "the twin gives " + ("NaN" if "NaN" in why else "inf")
+    return why
+
+
+def model_basis(records) -> list[str]:
+    """Per model clause: tests run on the float64 twin, tests in the model's own precision (why), tests skipped
+    because the model lacks a feature. ``records``: the report's records (clauses, level, status, message,
+    precision)."""
+    by_clause: dict[str, dict] = {}
+    for r in records:
+        if r["level"] != "model":
+            continue
+        for cid in r["clauses"]:
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
+            if r["status"] == "skipped" and r["message"].startswith(LACKS):
+                row["lacks"].add(r["message"].split(":")[0])
+            elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
+                row["twin"] += 1
+                row["inside"].add(r["precision"].removeprefix(ON_TWIN).strip())
+            elif r["status"] != "skipped" and r.get("precision"):
+                why = _reason(r["precision"].split(": ", 1)[-1])
+                row["own"][why] = row["own"].get(why, 0) + 1
+    lines = []
+    for cid, row in sorted(by_clause.items()):
+        inside = " ".join(sorted(filter(None, row["inside"])))
+        parts = [f"{row['twin']} on the float64 twin" + (f" {inside}" if inside else "")] if row["twin"] or row["own"] \
+            else []
+        parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
+        parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        if parts:
+            lines.append(f"{cid}: " + "; ".join(parts))
+    return lines
+
+
+def write_model_basis(terminalreporter) -> None:
+    """What the model clauses' passes rest on (model_basis), at the end of the run."""
+    lines = model_basis(list(_records.values()))
+    if lines:
+        terminalreporter.write_sep("=", "model clauses: float64 twin or own precision; features the model lacks")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def write_reproducers(terminalreporter) -> None:
+    """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
+    written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
+    if written:
+        terminalreporter.write_sep("=", f"reproducers ({len(written)}; each exits 1 while its failure is there)")
+        for ids, path in written:
+            terminalreporter.write_line(f"{', '.join(ids)}: python {path}")
+
+
+def configure_reproducers(config) -> None:
+    """--repro-dir DIR: keep the evidence of each comparison, and write a script for each failing clause."""
+    directory = config.getoption("--repro-dir", None)
+    if directory is not None:
+        from zoo.io.atomic import unwritable
+        if problem := unwritable(directory):
+            raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
+    repro.activate(directory, config.getoption("--model", None))
+    reset_reproducers()
+
+
 def pytest_sessionfinish(session):
     path = session.config.getoption("--report-json")
     if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
@@ -151,7 +243,7 @@ def pytest_sessionfinish(session):
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage")}
+             "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro")}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))

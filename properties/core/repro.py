@@ -1,0 +1,71 @@
+"""--repro-dir DIR: a standalone script for each failing clause (SPEC.md, "Reproducers").
+
+The comparisons that decide a clause record their evidence as they run (``record``: the subject, the inputs of the
+call or calls, how they were compared and with which bound); nothing is kept unless the run asks for reproducers.
+When a test fails, the evidence of its last comparison — Hypothesis replays the minimal failing example last — is
+written as ``DIR/<clause>-<n>.py`` with its tensors beside it (properties/plugin/repro.py).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["activate", "active", "directory", "model_spec", "record", "clear", "take", "flat_index", "view_index",
+           "observe_call"]
+
+_state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None}
+
+
+def activate(directory: str | None, model_spec: str | None = None) -> None:
+    _state.update(dir=directory, evidence=None, calls=[], model_spec=model_spec)
+
+
+def active() -> bool:
+    return _state["dir"] is not None
+
+
+def directory() -> str | None:
+    return _state["dir"]
+
+
+def model_spec() -> str | None:
+    """--model's factory, which a model clause's reproducer calls (None for the zoo's families and --zoo)."""
+    return _state["model_spec"]
+
+
+def record(kind: str, **evidence) -> None:
+    """The evidence of the comparison about to be made (kept by reference; only with --repro-dir)."""
+    if _state["dir"] is not None:
+        _state["evidence"] = {"kind": kind, **evidence}
+
+
+def clear() -> None:
+    _state["evidence"] = None
+    _state["calls"].clear()
+
+
+def take() -> dict | None:
+    evidence, _state["evidence"] = _state["evidence"], None
+    return evidence
+
+
+def flat_index(shape, select) -> torch.Tensor:
+    """The flat positions in a tensor of ``shape`` that ``select`` (an indexing function) picks, in its order."""
+    return select(torch.arange(int(torch.Size(shape).numel())).reshape(tuple(shape))).reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------------- model calls
+def observe_call(args: tuple, out: torch.Tensor, subject) -> None:
+    """A model call of the running test (properties/model/checks.py: call_subject): the last few are kept so that a
+    failing comparison of two outputs can name the calls that made them."""
+    if _state["dir"] is not None and torch.is_tensor(out):
+        _state["calls"] = (_state["calls"] + [(args, out, subject)])[-8:]
+
+
+def view_index(view: torch.Tensor):
+    """(args, flat index into that call's output, subject) for a tensor that views a kept call's output."""
+    for args, out, subject in reversed(_state["calls"]):
+        if view.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and out.is_contiguous():
+            base = torch.arange(out.numel())
+            index = torch.as_strided(base, view.shape, view.stride(), view.storage_offset() - out.storage_offset())
+            return args, index.reshape(-1), subject
+    return None

@@ -1,0 +1,112 @@
+"""--repro-dir (SPEC.md "Reproducers"): a catalog bug's reproducer exits 1 and, pointed at the correct twin, 0, for a
+kernel clause (compared with another call, and with the oracle), a gradient clause, a statistical clause and a model
+clause; the script imports nothing of the suite; --junitxml and --report-json carry the failure, the coverage and
+the script's path."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from properties.catalog import Entry
+from properties.catalog.run import run_entry
+
+_LEAKY = '''
+import math
+import torch
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """{doc}"""
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query.float() * scale) @ key.float().transpose(-1, -2)
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = {masking}
+    elif attn_mask is not None:
+        scores = scores + attn_mask.float()
+    return (scores.softmax(-1) @ value.float()).to(query.dtype)
+'''
+
+
+def _run(tmp_path, option, spec, clauses, *extra):
+    out = tmp_path / "repro"
+    run = run_entry(Entry(spec, "model" if option == "--model" else "kernel", spec, ("X",), option, spec,
+                          ("--repro-dir", str(out), "--device", "cpu", *extra)),
+                    clauses=clauses, seed=0, extra=("--hypothesis-profile", "pinned"))
+    assert run.returncode == 1, run.output[-3000:]
+    return run, out
+
+
+def _script(out, clause):
+    path = out / f"{clause}-1.py"
+    assert path.is_file() and (out / f"{clause}-1.pt").is_file(), sorted(p.name for p in out.iterdir())
+    text = path.read_text()
+    imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+    assert not [line for line in imports if "properties" in line], imports   # torch and the subject's module only
+    return path
+
+
+def _execute(path, *subject, block_properties=False):
+    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site); with
+    block_properties, `import properties` fails there."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    if block_properties:
+        code = ("import runpy, sys; sys.modules['properties'] = None; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        cmd = [sys.executable, "-I", "-c", code, str(path), *subject]
+    else:
+        cmd = [sys.executable, "-I", str(path), *subject]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=path.parent.parent, timeout=300)
+
+
+def test_kernel_reproducers_run_without_the_suite(tmp_path):
+    """A user's kernel file: the reproducers of a comparison of two calls (MASK-NO-INFLUENCE) and of one against the
+    oracle (MASK-FULLY-MASKED) exit 1 where `properties` cannot be imported, and 0 on the fixed file."""
+    (tmp_path / "leaky.py").write_text(textwrap.dedent(_LEAKY.format(
+        doc="BERT's extended mask: -1e4 added to masked scores, so a masked key with a huge score keeps its weight",
+        masking="scores + (~attn_mask).float() * -1e4")))
+    (tmp_path / "fixed.py").write_text(textwrap.dedent(_LEAKY.format(
+        doc="masked scores set to -inf; a query without an admissible key outputs 0",
+        masking="scores.masked_fill(~attn_mask, -math.inf)")).replace(
+        "return (scores.softmax(-1)", "return (scores.softmax(-1).nan_to_num(0.0)"))
+    run, out = _run(tmp_path, "--kernel", f"{tmp_path}/leaky.py:attention", ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"))
+    for clause in ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"):
+        path = _script(out, clause)
+        broken = _execute(path, block_properties=True)
+        assert broken.returncode == 1 and broken.stdout.startswith(f"FAIL {clause}:"), broken.stdout + broken.stderr
+        fixed = _execute(path, f"{tmp_path}/fixed.py:attention", block_properties=True)
+        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    rows = [r for r in run.rows if r["status"] == "failed"]
+    assert rows and all(r["repro"] and r["repro"].startswith(str(out)) for r in rows), rows   # --report-json links
+
+
+@pytest.mark.parametrize("option, spec, clause, twin", [
+    ("--kernel", "properties.catalog.backward:dq_unscaled", "ATTN-GRAD", "properties.catalog.backward:straightforward"),
+    ("--kernel", "properties.catalog.kernels:dropout_mask_shared", "DROPOUT-RATE", "math"),
+    ("--model", "properties.catalog.models:no_causal_mask", "MODEL-CAUSAL", "{tmp}/fixed_model.py:decoder"),
+], ids=["gradient", "statistical", "model"])
+def test_catalog_reproducer_fails_and_its_twin_passes(tmp_path, option, spec, clause, twin):
+    (tmp_path / "fixed_model.py").write_text("from properties.catalog.models import _factory\n"
+                                             "from zoo.nn.models import DecoderOnly\n"
+                                             "decoder = _factory(DecoderOnly)\n")
+    junit = tmp_path / "junit.xml"
+    _, out = _run(tmp_path, option, spec, (clause,), "--junitxml", str(junit))
+    path = _script(out, clause)
+    broken = _execute(path)
+    assert broken.returncode == 1 and broken.stdout.startswith(f"FAIL {clause}:"), broken.stdout + broken.stderr
+    fixed = _execute(path, twin.format(tmp=tmp_path))
+    assert fixed.returncode == 0 and fixed.stdout.startswith(f"OK {clause}"), fixed.stdout + fixed.stderr
+    # --junitxml: the failing test case carries its clause, the failure message, the script (and a kernel's coverage)
+    case = next(c for c in ET.parse(junit).iter("testcase") if c.find("failure") is not None)
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["clauses"] == clause and properties["repro"] == str(path), properties
+    assert properties["failure"] and properties["failure"][:60] in case.find("failure").get("message"), properties
+    if option == "--kernel":
+        assert json.loads(properties["coverage"])["run"] >= 1, properties
