@@ -23,8 +23,9 @@ from properties.catalog.run import run_entry
 from properties.kernel.guard import GuardedKernel, check_against_oracle
 
 NAMES = list(PROFILES)
-# Skips that concern no kernel (a reference kernel not given, no CUDA device, the FlashAttention-API tests).
-NOT_ABOUT_THE_KERNEL = ("no --reference-kernel given", "CUDA not available", "--kernel-api")
+# Skips that concern no kernel (a reference kernel not given, no CUDA device, the FlashAttention-API tests, a
+# contract the run did not declare: --deterministic, --batch-invariant).
+NOT_ABOUT_THE_KERNEL = ("no --reference-kernel given", "CUDA not available", "--kernel-api", "a declared contract: run with")
 
 
 def _entry(name: str) -> Entry:
