@@ -95,6 +95,96 @@ def gpt_neo(dtype=F32):  # a global and a local layer, the local one with a wind
                                                       attention_types=[[["global", "local"], 1]], **SPECIAL), dtype)
 
 
+# ------------------------------------------- per-layer windows (MODEL-WINDOW checks each windowed layer alone)
+def gemma3(dtype=F32):   # five sliding layers to one global, as Gemma 3 ships; a window of 4
+    return _build(t.Gemma3ForCausalLM, t.Gemma3TextConfig(**DECODER | dict(num_hidden_layers=3), num_key_value_heads=2,
+                                                          head_dim=8, sliding_window=4, sliding_window_pattern=2,
+                                                          attn_implementation="eager"), dtype)
+
+
+def qwen2_window(dtype=F32):   # max_window_layers=1: layer 0 attends everything, layer 1 a window of 4
+    return _build(t.Qwen2ForCausalLM, t.Qwen2Config(**DECODER, num_key_value_heads=2, use_sliding_window=True,
+                                                    sliding_window=4, max_window_layers=1), dtype)
+
+
+# --------------------------------------------------------- mixture of experts (MODEL-ROUTING; float64 twin eager)
+MOE = dict(DECODER, num_key_value_heads=2, num_experts_per_tok=2)
+
+
+def mixtral(dtype=F32):  # 4 experts, top 2, weights renormalised over the chosen ones (Mixtral's router)
+    return _build(t.MixtralForCausalLM, t.MixtralConfig(**MOE, num_local_experts=4), dtype)
+
+
+def qwen3_moe(dtype=F32):  # norm_topk_prob=False: the chosen experts' softmax probabilities as they are
+    return _build(t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**MOE, num_experts=4, moe_intermediate_size=16, head_dim=8,
+                                                          norm_topk_prob=False), dtype)
+
+
+def olmoe(dtype=F32):
+    return _build(t.OlmoeForCausalLM, t.OlmoeConfig(**MOE, num_experts=4), dtype)
+
+
+def qwen2_moe(dtype=F32):   # a shared expert beside the routed ones, gated by a sigmoid
+    return _build(t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(**MOE, num_experts=4, moe_intermediate_size=16,
+                                                          shared_expert_intermediate_size=16), dtype)
+
+
+# ------------------------------ more decoders as a user builds them: a plain hf_subject(model), no keyword
+LLAMA_LIKE = dict(DECODER, num_key_value_heads=2)
+
+
+def qwen3(dtype=F32):       # q/k norms, layer_types all full attention
+    return _build(t.Qwen3ForCausalLM, t.Qwen3Config(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def olmo2(dtype=F32):       # norms after attention and MLP, q/k norms
+    return _build(t.Olmo2ForCausalLM, t.Olmo2Config(**LLAMA_LIKE), dtype)
+
+
+def stablelm(dtype=F32):    # partial rotary (25% of each head), LayerNorm
+    return _build(t.StableLmForCausalLM, t.StableLmConfig(**LLAMA_LIKE), dtype)
+
+
+def granite(dtype=F32):     # embedding, residual, attention and logit multipliers
+    return _build(t.GraniteForCausalLM, t.GraniteConfig(**LLAMA_LIKE), dtype)
+
+
+def cohere(dtype=F32):      # parallel attention and MLP, interleaved rotary, logit scale
+    return _build(t.CohereForCausalLM, t.CohereConfig(**LLAMA_LIKE), dtype)
+
+
+def starcoder2(dtype=F32):  # biases, LayerNorm, GELU MLP
+    return _build(t.Starcoder2ForCausalLM, t.Starcoder2Config(**LLAMA_LIKE), dtype)
+
+
+def phi3(dtype=F32):        # fused qkv and gate_up projections
+    return _build(t.Phi3ForCausalLM, t.Phi3Config(**LLAMA_LIKE), dtype)
+
+
+def gemma(dtype=F32):       # embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, GeGLU
+    return _build(t.GemmaForCausalLM, t.GemmaConfig(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def glm(dtype=F32):         # partial interleaved rotary
+    return _build(t.GlmForCausalLM, t.GlmConfig(**LLAMA_LIKE, head_dim=8), dtype)
+
+
+def cohere2(dtype=F32):     # sliding layers and a global one every 4th (layer_types), a window of 4
+    return _build(t.Cohere2ForCausalLM, t.Cohere2Config(**LLAMA_LIKE | dict(num_hidden_layers=4), sliding_window=4),
+                  dtype)
+
+
+def olmo3(dtype=F32):       # sliding and full layers (layer_types), a window of 4
+    return _build(t.Olmo3ForCausalLM, t.Olmo3Config(**LLAMA_LIKE | dict(num_hidden_layers=4), sliding_window=4),
+                  dtype)
+
+
+def xglm(dtype=F32):        # fairseq's sinusoidal positions, a table that regrows past max_len
+    return _build(t.XGLMForCausalLM, t.XGLMConfig(vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2,
+                                                  attention_heads=4, max_position_embeddings=DECODER_LEN, **SPECIAL),
+                  dtype)
+
+
 # ------------------------------------------------------------------------------------------ encoders
 def bert(dtype=F32):
     return _build(t.BertModel, t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -200,3 +290,75 @@ def bart_bf16():
 
 def marian_bf16():
     return marian(BF16)
+
+
+def gemma3_bf16():
+    return gemma3(BF16)
+
+
+def qwen2_window_bf16():
+    return qwen2_window(BF16)
+
+
+def mixtral_bf16():
+    return mixtral(BF16)
+
+
+def qwen3_moe_bf16():
+    return qwen3_moe(BF16)
+
+
+def olmoe_bf16():
+    return olmoe(BF16)
+
+
+def qwen2_moe_bf16():
+    return qwen2_moe(BF16)
+
+
+def qwen3_bf16():
+    return qwen3(BF16)
+
+
+def olmo2_bf16():
+    return olmo2(BF16)
+
+
+def stablelm_bf16():
+    return stablelm(BF16)
+
+
+def granite_bf16():
+    return granite(BF16)
+
+
+def cohere_bf16():
+    return cohere(BF16)
+
+
+def starcoder2_bf16():
+    return starcoder2(BF16)
+
+
+def phi3_bf16():
+    return phi3(BF16)
+
+
+def gemma_bf16():
+    return gemma(BF16)
+
+
+def glm_bf16():
+    return glm(BF16)
+
+
+def cohere2_bf16():
+    return cohere2(BF16)
+
+
+def olmo3_bf16():
+    return olmo3(BF16)
+
+
+def xglm_bf16():
+    return xglm(BF16)

@@ -53,6 +53,10 @@ POSITIONS = [
     ("gpt_neo", False, (None, 4), True),       # attention_layers: global, local
     ("bloom", True, None, False),              # ALiBi from the mask: no position_ids to shift
     ("t5", True, None, False),
+    ("gemma3", True, (4, None, 4), True),      # sliding_window_pattern 2: each module's own sliding_window
+    ("qwen2_window", True, (None, 4), True),   # max_window_layers=1: the first layer full, the second windowed
+    ("cohere2", True, (4, 4, 4, None), True),  # layer_types: a global layer every 4th
+    ("xglm", False, None, True),               # fairseq's sinusoidal table: absolute positions
 ]
 
 
@@ -60,6 +64,42 @@ POSITIONS = [
 def test_hf_subject_reads_positions_and_windows(conformance, name, relative, window, shifted):
     s = getattr(conformance, name)()
     assert (s.relative_positions, s.window, s.shifted is not None) == (relative, window, shifted)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen2_window", "gpt_neo"])
+def test_hf_subject_finds_each_layers_attention(conformance, name):
+    # MODEL-WINDOW checks each windowed layer through its attention module: one per layer, the layer's own.
+    s = getattr(conformance, name)()
+    stack = next(m for m in s.module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(s.window))
+    assert s.attention_modules is not None and len(s.attention_modules) == len(s.window)
+    assert all(any(a is m for m in block.modules()) for a, block in zip(s.attention_modules, stack))
+
+
+@pytest.mark.parametrize("name,normalized", [("mixtral", None), ("qwen3_moe", False), ("olmoe", False)])
+def test_hf_subject_reads_the_routers(conformance, name, normalized):
+    # Each MoE layer is recorded once per forward pass: the router's logits, the experts and weights combined.
+    s = getattr(conformance, name)()
+    tokens = torch.randint(1, 64, (2, 5))
+    with torch.no_grad(), s.routing() as routes:
+        s.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    assert len(routes) == 2 and all(r.top_k and r.normalized is normalized for r in routes)
+    assert [tuple(r.logits.shape) + tuple(r.experts.shape) for r in routes] == [(10, 4, 10, 2)] * 2
+
+
+def test_float64_twin_of_an_moe_model_runs_its_experts_eagerly(conformance):
+    # grouped_mm, transformers' default for experts, refuses float64 on the CPU; the twin switches to eager.
+    s = conformance.mixtral()
+    s.module.to(torch.float64)
+    tokens = torch.randint(1, 64, (1, 4))
+    assert s.forward(tokens, None).dtype == torch.float64
+    assert s.module.config._experts_implementation == "eager"
+
+
+def test_regrowing_position_table_has_no_length_limit(conformance):
+    s = conformance.xglm()
+    assert s.extrapolates is True
+    tokens = torch.randint(1, 64, (1, s.max_len + 3))
+    assert s.forward(tokens, None).shape[1] == s.max_len + 3
 
 
 def _tiny(model_class, config):

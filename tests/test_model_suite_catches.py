@@ -140,3 +140,17 @@ def test_bad_unused_parameters_are_one_clear_error(value, words):
         Subject("decoder_only", model, vocab_size=VOCAB, max_len=MAX_LEN, module=model, unused_parameters=value)
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
+
+
+def test_summary_says_what_each_model_clause_rests_on():
+    # Per clause: tests on the float64 twin, in the model's own precision and why, skipped for a missing feature.
+    from properties.plugin.report import model_basis
+    record = dict(level="model", message="", clauses=["MODEL-BATCH"])
+    records = [record | dict(status="passed", precision="float64 twin"),
+               record | dict(status="passed", precision="own precision: the twin departs (NaN in its forward)"),
+               record | dict(status="passed", precision="own precision: the twin is refused (RuntimeError)"),
+               record | dict(clauses=["MODEL-ROUTING"], status="skipped", precision="",
+                             message="Subject.routing is None: the model declares no mixture-of-experts routing")]
+    assert model_basis(records) == [
+        "MODEL-BATCH: 1 on the float64 twin; 1 in its own precision (the twin gives NaN); 1 in its own precision "
+        "(the twin is refused (RuntimeError))", "MODEL-ROUTING: skipped: Subject.routing is None"]

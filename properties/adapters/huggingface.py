@@ -18,6 +18,7 @@ import inspect
 
 import torch
 
+from properties.adapters.moe import eager_experts_in_float64, routing as moe_routing
 from properties.core.subject import Subject, SubjectError
 
 __all__ = ["hf_subject", "require_transformers"]
@@ -56,6 +57,13 @@ def _rotary(model) -> tuple[bool, bool]:
     max_position_embeddings rows (``embed_positions``), so they cannot run past it."""
     rotary = [m for m in model.modules() if "Rotary" in type(m).__name__]
     return bool(rotary), any(isinstance(getattr(m, "embed_positions", None), torch.Tensor) for m in rotary)
+
+
+def _regrows(model) -> bool:
+    """A position table that grows to whatever length forward reaches (fairseq's sinusoidal tables, kept by XGLM,
+    M2M100, FSMT: ``make_weights`` called again past the table's end): positions without a length limit."""
+    return any(callable(getattr(m, "make_weights", None)) and torch.is_tensor(getattr(m, "weights", None))
+               for m in model.modules())
 
 
 def _rope_type(config) -> str:
@@ -116,10 +124,39 @@ def _windows(config) -> tuple[int | None, ...] | None:
     return (window,) * layers if layers else None
 
 
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _attention_modules(model, layers: int | None) -> tuple | None:
+    """Each layer's self-attention module: the children named like one in the first ModuleList of ``layers``
+    blocks (Llama's ``layers[i].self_attn``, GPT-2's and GPT-Neo's ``h[i].attn``, Falcon's ``self_attention``)."""
+    if not layers:
+        return None
+    for stack in model.modules():
+        if isinstance(stack, torch.nn.ModuleList) and len(stack) == layers:
+            found = [next((getattr(block, n) for n in ATTENTION_NAMES
+                           if isinstance(getattr(block, n, None), torch.nn.Module)), None) for block in stack]
+            if all(m is not None for m in found):
+                return tuple(found)
+    return None
+
+
+def _module_windows(modules) -> tuple[int | None, ...] | None:
+    """The windows the attention modules declare themselves (transformers 5 sets ``sliding_window`` on each layer's
+    attention: the config's window on sliding layers, None on the others), when every module declares one."""
+    if not modules or not all(hasattr(m, "sliding_window") for m in modules):
+        return None
+    windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0 else None
+                    for m in modules)
+    return windows if any(w is not None for w in windows) else None
+
+
 def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, left_padding: bool | None = None,
                max_len: int | None = None, decode: bool = True, positional: bool = True,
                extrapolates: bool | None = None, relative_positions: bool | None = None,
-               window: tuple[int | None, ...] | None = None, edges: tuple[int, ...] = ()) -> Subject:
+               window: tuple[int | None, ...] | None = None, edges: tuple[int, ...] = (),
+               unused_parameters: tuple[str, ...] = (), attention_modules: tuple | None = None,
+               routing_top_k: bool | None = None, routing_normalized: bool | None = None) -> Subject:
     """The Subject of a transformers model (already built; put in eval mode here).
 
     kind: "decoder_only" (a model that generates), "encoder_decoder" (config.is_encoder_decoder) or
@@ -135,6 +172,12 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     from sliding_window / layer_types / GPT-Neo's window_size (MODEL-WINDOW). edges: more lengths for the long
     draws (a cache block). decode=False: no decode_step (MODEL-KV-CACHE is then skipped). Models whose forward
     takes position_ids get ``shifted`` (MODEL-SHIFT): the same position ids plus the offset.
+    unused_parameters: names of parameters forward does not use by design (MODEL-GRADIENT leaves them out).
+    attention_modules: each layer's self-attention module (found as ``layers[i].self_attn`` and the like), which
+    lets MODEL-WINDOW check each windowed layer alone; the windows the modules declare (``sliding_window``) take
+    precedence over the config's. routing_top_k, routing_normalized: the rule of the mixture-of-experts routers
+    (MODEL-ROUTING), read from the router (one weight: top-k of its logits) and the config's ``norm_topk_prob``.
+    A float64 copy of an MoE model runs its experts eagerly (grouped_mm refuses float64 on the CPU).
     """
     transformers = require_transformers()
     if not isinstance(model, transformers.PreTrainedModel):
@@ -159,11 +202,22 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                            f"{', '.join(LENGTH_NAMES)}); pass max_len=")
     pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
-        extrapolates = (relative and not tabulated) or (False if positional else None)
+        extrapolates = (relative and not tabulated) or _regrows(model) or (False if positional else None)
+    layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
+                   if isinstance(getattr(config, n, None), int)), None)
+    found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
+    window = window if window is not None else _module_windows(found) or _windows(config)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
                   pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
                   relative_positions=relative if relative_positions is None else relative_positions,
-                  window=_windows(config) if window is None else window, edges=tuple(edges))
+                  window=window, edges=tuple(edges),
+                  attention_modules=found if window is not None and found and len(found) == len(window) else None,
+                  routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized))
+
+    def run(**inputs):
+        eager_experts_in_float64(model)   # the suite's float64 twin: cast after this subject was made
+        return model(**inputs)
+
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     def shifted_positions(tokens, mask, offset):
@@ -175,7 +229,7 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     if kind == "encoder_only":
         def forward(tokens, mask, position_ids=None):
             extra = {} if position_ids is None else {"position_ids": position_ids}
-            out = model(input_ids=tokens, attention_mask=_long(mask), **extra)
+            out = run(input_ids=tokens, attention_mask=_long(mask), **extra)
             return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
         def shifted(tokens, mask, offset):
@@ -185,25 +239,26 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         return Subject("encoder_only", lambda tokens, mask: forward(tokens, mask), **common,
                        embedding=model.get_input_embeddings(), shifted=shifted if takes_positions else None,
                        left_padding=relative if left_padding is None else left_padding,
-                       unused_parameters=tuple(n for n, _ in model.named_parameters()
-                                               if pooled and n.startswith("pooler.")))
+                       unused_parameters=tuple(unused_parameters) + tuple(
+                           n for n, _ in model.named_parameters() if pooled and n.startswith("pooler.")))
 
     if kind == "decoder_only":
         def positions(mask, new):
             return {"position_ids": _positions(mask, new)} if takes_positions else {}
 
         def forward(tokens, mask):
-            return model(input_ids=tokens, attention_mask=_long(mask), **positions(mask, tokens.shape[1])).logits
+            return run(input_ids=tokens, attention_mask=_long(mask), **positions(mask, tokens.shape[1])).logits
 
         def shifted(tokens, mask, offset):
-            return model(input_ids=tokens, attention_mask=_long(mask),
+            return run(input_ids=tokens, attention_mask=_long(mask),
                          position_ids=shifted_positions(tokens, mask, offset)).logits
 
         def decode_step(tokens, mask, state):
-            out = model(input_ids=tokens, attention_mask=_long(mask), past_key_values=state, use_cache=True,
+            out = run(input_ids=tokens, attention_mask=_long(mask), past_key_values=state, use_cache=True,
                         **positions(mask, tokens.shape[1]))
             return out.logits, out.past_key_values
         return Subject("decoder_only", forward, **common, embedding=model.get_input_embeddings(),
+                       unused_parameters=tuple(unused_parameters),
                        decode_step=decode_step if decode else None, shifted=shifted if takes_positions else None,
                        left_padding=(takes_positions or relative) if left_padding is None else left_padding)
 
@@ -211,17 +266,17 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         raise SubjectError(f"hf_subject: kind={kind!r}: expected 'decoder_only', 'encoder_only' or 'encoder_decoder'")
 
     def forward(src, tgt, src_mask, tgt_mask):
-        return model(input_ids=src, attention_mask=_long(src_mask), decoder_input_ids=tgt,
+        return run(input_ids=src, attention_mask=_long(src_mask), decoder_input_ids=tgt,
                      decoder_attention_mask=_long(tgt_mask)).logits
 
     def decode_step(src, tgt, src_mask, tgt_mask, state):
         # state: the encoder's output, computed on the first call, and the decoder's cache.
         encoded, cache = state or (model.get_encoder()(input_ids=src, attention_mask=_long(src_mask)), None)
-        out = model(encoder_outputs=encoded, attention_mask=_long(src_mask), decoder_input_ids=tgt,
+        out = run(encoder_outputs=encoded, attention_mask=_long(src_mask), decoder_input_ids=tgt,
                     decoder_attention_mask=_long(tgt_mask), past_key_values=cache, use_cache=True)
         return out.logits, (encoded, out.past_key_values)
     embedding = getattr(model.get_decoder(), "embed_tokens", None)  # BART's, T5's: not the shared module
     return Subject("encoder_decoder", forward, **common,
                    embedding=model.get_input_embeddings() if embedding is None else embedding,
-                   decode_step=decode_step if decode else None,
+                   decode_step=decode_step if decode else None, unused_parameters=tuple(unused_parameters),
                    left_padding=relative if left_padding is None else left_padding)

@@ -23,10 +23,10 @@ from zoo.nn.positional import SinusoidalPositions
 
 __all__ = ["D", "HEADS", "VOCAB", "MAX_LEN", "parts", "NoCausalMask", "CausalDroppedWithPadding",
            "QueryPaddingMask", "PaddingMaskInverted", "SelfInsteadOfCross", "DropoutInEval", "BatchStatisticsNorm",
-           "PositionsNotAdded", "CacheOffsetIgnored",
+           "PositionsNotAdded", "CacheOffsetIgnored", "LocalWindowOneMore",
            "no_causal_mask", "causal_mask_dropped_with_padding", "query_padding_mask", "padding_mask_inverted",
            "cross_attends_to_decoder", "memory_padding_mask_dropped", "dropout_in_eval", "batch_statistics_norm",
-           "cache_offset_ignored", "positions_not_added"]
+           "cache_offset_ignored", "positions_not_added", "alternating_windows", "local_window_one_more"]
 
 D, HEADS, VOCAB, MAX_LEN = 32, 2, 64, 16
 
@@ -120,6 +120,14 @@ class CacheOffsetIgnored(SinusoidalPositions):
         return super().forward(x, 0)
 
 
+class LocalWindowOneMore(MultiHeadAttention):
+    """A sliding window of W that admits W + 1 keys (transformers #39408's off-by-one), in the windowed layers only:
+    in a model whose windowed and global layers alternate, the global ones hide it from the outputs."""
+
+    def mask(self, *args, window=None, **kwargs):
+        return super().mask(*args, window=None if window is None else window + 1, **kwargs)
+
+
 class _MemoryMaskDropped(DecoderLayer):
     """Cross-attention called without the source padding mask (memory_key_padding_mask not passed on)."""
 
@@ -142,6 +150,22 @@ dropout_in_eval = _factory(DecoderOnly, ffn=DropoutInEval)
 batch_statistics_norm = _factory(EncoderOnly, norm=BatchStatisticsNorm)
 positions_not_added = _factory(EncoderOnly, pos=PositionsNotAdded)
 cache_offset_ignored = _factory(DecoderOnly, pos=CacheOffsetIgnored)
+
+
+LOCAL_WINDOW = 4
+
+
+def alternating_windows(attention=MultiHeadAttention):
+    """The tiny decoder with a window of LOCAL_WINDOW in its even layers and none in its odd ones (Gemma 2's
+    layout; properties.catalog.CORRECT)."""
+    model = DecoderOnly(**parts(attention=attention))
+    for index, layer in enumerate(model.decoder.layers):
+        layer.self_attn.window = LOCAL_WINDOW if index % 2 == 0 else None
+    return model
+
+
+def local_window_one_more():
+    return alternating_windows(LocalWindowOneMore)
 
 
 def memory_padding_mask_dropped():

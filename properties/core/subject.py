@@ -6,6 +6,7 @@ model from Hydra overrides. Everything a user can get wrong here is a one-line `
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -19,7 +20,13 @@ from zoo.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched"]
+__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched",
+           "same_draws", "moved", "FACTORY_SEED", "called_dtypes"]
+
+# Every factory (--model, --reference) is called with torch's generator seeded with this, so that one factory called
+# twice builds the same weights: the float64 twin is the model under test cast, and `--model F:f --reference F:f`
+# compares a model with itself (MODEL-DIFF-* must pass; tests/test_robust_runs.py).
+FACTORY_SEED = 0
 
 KINDS = FAMILIES  # a subject's kind is one of the zoo's model families
 ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
@@ -27,6 +34,25 @@ ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
 
 class SubjectError(ValueError):
     """A model the suite cannot use; str() is one line for the user."""
+
+
+@dataclass
+class Route:
+    """One call of a mixture-of-experts layer, as ``Subject.routing`` records it. Rows are the layer's tokens in the
+    order of the forward pass's (B, L), flattened.
+
+    logits (N, E): the router's scores; experts (N, k): the experts each token is sent to; weights (N, k): the
+    weights their outputs are combined with. top_k: True when the model routes each token to the k experts of its
+    largest logits (a softmax top-k router), False when its rule is another (biased or grouped scores): then only
+    batch and padding invariance are checked. normalized: True when the weights are the chosen experts' softmax
+    probabilities divided by their sum (they sum to 1), False when they are those probabilities themselves, None
+    when the model does not say (only their ratios, exp(logit difference), are checked).
+    """
+    logits: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    top_k: bool = True
+    normalized: bool | None = None
 
 
 @dataclass
@@ -75,6 +101,12 @@ class Subject:
         either side), None a layer that attends every position. Enables MODEL-WINDOW when every layer has one.
     edges: further lengths where the implementation changes path (a cache block, a chunk size): the long draws
         (properties/model/scale.py) put sequences just below and above each.
+    attention_modules: the self-attention module of each layer of the (target) stack, in the order of ``window``,
+        each taking the layer's hidden states (B, L, D) as its first argument (or keyword ``hidden_states``) and
+        returning them (or a tuple that starts with them). MODEL-WINDOW then checks every windowed layer alone,
+        whatever the other layers do (Gemma 2's alternating layers), through hooks on these modules.
+    routing: mixture-of-experts routing, enabling MODEL-ROUTING: ``with routing() as routes:`` records every routed
+        layer's call during the forward passes inside the block, appending one ``Route`` per call.
     """
     kind: str
     forward: Callable
@@ -92,6 +124,8 @@ class Subject:
     relative_positions: bool = False
     window: tuple[int | None, ...] | None = None
     edges: tuple[int, ...] = ()
+    attention_modules: tuple[nn.Module, ...] | None = None
+    routing: Callable | None = None
 
     def __post_init__(self):
         check_subject(self)
@@ -118,13 +152,20 @@ def check_subject(s: Subject) -> None:
     for name in ("module", "embedding"):
         if getattr(s, name) is not None and not isinstance(getattr(s, name), nn.Module):
             fail(name, getattr(s, name), "a torch.nn.Module or None")
-    for name in ("decode_step", "shifted"):
+    for name in ("decode_step", "shifted", "routing"):
         if getattr(s, name) is not None and not callable(getattr(s, name)):
             fail(name, getattr(s, name), "a callable or None")
     positive = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1  # noqa: E731
     if s.window is not None and not (isinstance(s.window, (tuple, list)) and s.window
                                      and all(w is None or positive(w) for w in s.window)):
         fail("window", s.window, "None or a tuple with one entry per layer, each a positive int or None")
+    if s.attention_modules is not None:
+        if not (isinstance(s.attention_modules, (tuple, list)) and all(isinstance(m, nn.Module)
+                                                                       for m in s.attention_modules)):
+            fail("attention_modules", s.attention_modules, "None or a tuple of torch.nn.Module, one per layer")
+        if s.window is None or len(s.attention_modules) != len(s.window):
+            fail("attention_modules", f"<{len(s.attention_modules)} modules>",
+                 f"one module per entry of Subject.window ({'None' if s.window is None else len(s.window)})")
     if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
         fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):
@@ -162,6 +203,10 @@ def _shifted(model: nn.Module) -> Callable:
     return shifted
 
 
+def _attention_modules(stack: nn.Module) -> tuple[nn.Module, ...]:
+    return tuple(layer.self_attn for layer in stack.layers)
+
+
 def _windows(stack: nn.Module) -> tuple[int | None, ...] | None:
     """Subject.window of a zoo stack: each layer's self-attention window (None when no layer has one)."""
     windows = tuple(getattr(layer.self_attn, "window", None) for layer in stack.layers)
@@ -179,6 +224,7 @@ def _zoo_subject(model: nn.Module) -> Subject:
                   positional=any(getattr(s.pos, "injects_order", True) for s in stacks),
                   left_padding=relative, relative_positions=relative, shifted=_shifted(model),
                   window=_windows(stacks[-1]),
+                  attention_modules=_attention_modules(stacks[-1]) if _windows(stacks[-1]) else None,
                   # NoPositions never checks a length; every other zoo scheme refuses > max_len.
                   extrapolates=all(isinstance(s.pos, NoPositions) for s in stacks))
     if isinstance(model, EncoderOnly):  # forward returns the hidden states (or the head's): the pooler is apart
@@ -207,6 +253,23 @@ def as_subject(obj: object, origin: str = "the factory") -> Subject:
                        f"(zoo.nn.models.EncoderOnly, DecoderOnly or EncoderDecoder) or a properties.Subject")
 
 
+@contextlib.contextmanager
+def same_draws():
+    """torch's global generators seeded with ``FACTORY_SEED`` inside, and restored after (the CPU's; a CUDA
+    generator is seeded lazily, as torch.manual_seed does, and not restored)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FACTORY_SEED)
+        yield
+
+
+def moved(module: nn.Module, plugin: str, *args, **kwargs) -> nn.Module:
+    """``module.to(*args, **kwargs)`` as one call of the code under test: a user's ``_apply`` or ``to`` may hang or
+    exit (properties/core/watchdog.py)."""
+    words = [str(a).removeprefix("torch.") for a in args] + [f"{k}={str(v).removeprefix('torch.')}" for k, v in kwargs.items()]
+    with user_call(plugin, f"module.to({', '.join(words)})"):
+        return module.to(*args, **kwargs)
+
+
 def load_subject(spec: str) -> Subject:
     """``--model pkg.module:factory`` or ``path/to/file.py:factory`` -> a validated Subject."""
     try:
@@ -218,7 +281,7 @@ def load_subject(spec: str) -> Subject:
         raise SubjectError(f"--model {spec!r}: {type(factory).__name__} is not callable; expected a factory "
                            f"returning a zoo model or a properties.Subject")
     try:
-        with user_call(f"model {spec}", "its factory"):
+        with user_call(f"model {spec}", "its factory"), same_draws():
             obj = factory()
     except SubjectError as exc:
         raise SubjectError(f"--model {spec!r}: {exc}") from exc
@@ -228,20 +291,47 @@ def load_subject(spec: str) -> Subject:
     return as_subject(obj, origin=f"--model {spec!r}")
 
 
+_CALLED: set[str] = set()   # the floating dtypes of the model's outputs since the last called_dtypes()
+
+
+def _note_dtype(out) -> None:
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if torch.is_tensor(first) and first.is_floating_point():
+        _CALLED.add(str(first.dtype).removeprefix("torch."))
+
+
+def called_dtypes() -> list[str]:
+    """The dtypes of the outputs of every watched call since the last call of this (then forgotten): what the
+    report names as the precisions the model was run in."""
+    found = sorted(_CALLED)
+    _CALLED.clear()
+    return found
+
+
 def watched(subject: Subject, plugin: str) -> Subject:
     """The same subject, its forward and decode_step each run as one call of the code under test (a time limit,
     and a record of the call: properties/core/watchdog.py)."""
-    forward, decode_step = subject.forward, subject.decode_step
+    forward, decode_step, shifted = subject.forward, subject.decode_step, subject.shifted
 
     def watched_forward(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} forward", args, {})):
-            return forward(*args)
+            out = forward(*args)
+        _note_dtype(out)
+        return out
 
     def watched_decode_step(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} decode_step", args[:-1], {})):
-            return decode_step(*args)
+            out = decode_step(*args)
+        _note_dtype(out)
+        return out
+    def watched_shifted(*args):
+        with user_call(plugin, lambda: describe_args(f"{subject.kind} shifted", args, {})):
+            out = shifted(*args)
+        _note_dtype(out)
+        return out
     return replace(subject, forward=watched_forward,
-                   decode_step=None if decode_step is None else watched_decode_step)
+                   decode_step=None if decode_step is None else watched_decode_step,
+                   shifted=None if shifted is None else watched_shifted)
 
 
 def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subject:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import pytest
@@ -22,7 +23,7 @@ from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDIN
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
+           "assert_same_output", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
            "register_precision", "precision_of"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
@@ -230,6 +231,19 @@ def only(subject: Subject, *kinds: str) -> Subject:
     if subject.kind not in kinds:
         pytest.skip(f"applies to {' and '.join(kinds)}, not {subject.kind}")
     return subject
+
+
+def assert_window_gradient(g: torch.Tensor, attended: bool, position: int, dead: Callable[[list], str],
+                           leaks: Callable[[float], str]) -> None:
+    """MODEL-WINDOW's exact half: g (B, d), the gradient of some outputs with respect to one position's input, is
+    not exactly 0 in any sample when those outputs attend it (``dead(samples)`` says which are), and exactly 0
+    everywhere when they do not (``leaks(largest)``)."""
+    assert torch.isfinite(g).all(), f"the gradient with respect to position {position} is NaN or infinite"
+    if attended:
+        zero = (g == 0).all(-1).nonzero().flatten().tolist()
+        assert not zero, dead(zero)
+    else:
+        assert not (g != 0).any(), leaks(float(g.abs().max()))
 
 
 def requires(subject: Subject, field: str, without: str) -> None:

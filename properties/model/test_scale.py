@@ -9,10 +9,10 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from properties import clause
-from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, batches, call_subject,
-                                     comparison_tolerance, difference_threshold, draw_pair, embedding_probe, forward,
-                                     model_property, model_settings, only, other_real_tokens, real_tokens, requires,
-                                     subject_args)
+from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, assert_window_gradient, batches,
+                                     call_subject, comparison_tolerance, difference_threshold, draw_pair,
+                                     embedding_probe, forward, model_property, model_settings, only, other_real_tokens,
+                                     real_tokens, requires, subject_args)
 from properties.model.precision import OWN_ROUNDINGS, accumulation_roundoff, precision_of
 from properties.model.scale import SLACK, fits_near, horizon, length_edges, near, position_edges
 from properties.model.twin import observe, twin_fallback
@@ -225,17 +225,14 @@ def test_window(mut, data):
                                   f"expected once (the module that embeds the tokens passed to forward)")
         (grad,) = torch.autograd.grad((out * weights.to(out))[:, positions].sum(), deltas[0])
         observe(s, grad, "gradient with respect to the token embeddings")
-        g = grad[:, j]                                                          # (B, d)
-        assert torch.isfinite(g).all(), f"the gradient with respect to token {j}'s embedding is NaN or infinite"
-        if attended:
-            dead = (g == 0).all(-1).nonzero().flatten().tolist()
-            assert not dead, (f"the outputs exactly {reach} positions from token {j} (positions {edge}; {windows}) "
-                              f"have a gradient of exactly 0 with respect to its embedding in sample(s) {dead}: a "
-                              f"layer does not attend the key W - 1 positions back")
-        else:
-            assert not (g != 0).any(), (f"the outputs more than {reach} positions from token {j} ({windows}) have a "
-                                        f"non-zero gradient with respect to its embedding (largest "
-                                        f"{float(g.abs().max()):.1e}): a layer attends a key W or more positions back")
+        assert_window_gradient(
+            grad[:, j], attended, j,
+            lambda dead: (f"the outputs exactly {reach} positions from token {j} (positions {edge}; {windows}) have a "
+                          f"gradient of exactly 0 with respect to its embedding in sample(s) {dead}: a layer does not "
+                          f"attend the key W - 1 positions back"),
+            lambda largest: (f"the outputs more than {reach} positions from token {j} ({windows}) have a non-zero "
+                             f"gradient with respect to its embedding (largest {largest:.1e}): a layer attends a key W "
+                             f"or more positions back"))
 
 
 # --------------------------------------------------------------------------------- MODEL-KV-CACHE at length

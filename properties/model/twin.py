@@ -26,10 +26,13 @@ from hypothesis.errors import UnsatisfiedAssumption
 
 from properties.model.precision import precision_of
 
-__all__ = ["twin_fallback", "observe", "pop_notes", "TwinDeparture"]
+__all__ = ["twin_fallback", "observe", "pop_notes", "pop_precision", "TwinDeparture", "ON_TWIN", "OWN"]
 
 _WATCHED: ContextVar[tuple | None] = ContextVar("twin_watched", default=None)   # (twin subject, departures list)
 _NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin/report.py)
+_RAN: list[str] = []     # where each example of the test being run compared: ON_TWIN, or OWN + the reason
+ON_TWIN = "float64 twin"
+OWN = "own precision"
 
 
 class TwinDeparture(UserWarning):
@@ -43,6 +46,16 @@ def observe(subject, value, what: str) -> None:
         return
     if not torch.isfinite(value.detach()).all():
         watched[1].append(f"{'NaN' if torch.isnan(value.detach()).any() else 'inf'} in its {what}")
+
+
+def pop_precision() -> str:
+    """Where the test just run compared (cleared): ON_TWIN (with "(float32 inside)" when the twin computes in
+    float32 somewhere, and is held to float32's tolerance), "own precision: REASON" when an example fell back or the
+    model has no twin, "" for a clause that does not compare on the twin."""
+    ran = list(dict.fromkeys(_RAN))
+    _RAN.clear()
+    own = [r for r in ran if not r.startswith(ON_TWIN)]
+    return own[0] if own else ran[0] if ran else ""
 
 
 def pop_notes() -> list[str]:
@@ -74,11 +87,19 @@ class _Replayed:
         return next(self.values)
 
 
+def _refusal(note: str) -> str:
+    """Why there is no twin, shortly: "the twin is refused (RuntimeError)", or the subject has no module."""
+    if "does not run in float64" in note:
+        return "the twin is refused (" + note.split("(", 1)[1].split(")", 1)[0] + ")"
+    return note.split(":")[0] if note else "no float64 twin"
+
+
 def twin_fallback(test):
     """Decorator (innermost, on a model clause taking ``mut`` and optionally ``data``): the fallback above."""
     @functools.wraps(test)
     def run(mut, *args, **kwargs):
         if mut.precise is mut.native:
+            _RAN.append(f"{OWN}: {_refusal(mut.precise_note)}")
             return test(mut, *args, **kwargs)
         data = kwargs.get("data")
         if data is not None:
@@ -86,7 +107,11 @@ def twin_fallback(test):
         departures: list[str] = []
         token = _WATCHED.set((mut.precise, departures))
         try:
-            return test(mut, *args, **kwargs)
+            result = test(mut, *args, **kwargs)
+            inside = precision_of(mut.precise)   # a twin that computes in float32 inside is held to float32's bound
+            _RAN.append(ON_TWIN + (f" ({str(inside.compute_dtype).removeprefix('torch.')} inside)"
+                                   if inside is not None and inside.own else ""))
+            return result
         except (UnsatisfiedAssumption, KeyError):   # rejected examples and bad pins are not verdicts
             raise
         except Exception as exc:
@@ -103,6 +128,7 @@ def twin_fallback(test):
             kwargs["data"] = _Replayed(recorded.values)
         native = dataclasses.replace(mut, precise=mut.native,
                                      precise_note=f"the float64 twin departs ({departure})")
+        _RAN.append(f"{OWN}: the twin departs ({departure})")
         try:
             test(native, *args, **kwargs)
         except AssertionError as exc:

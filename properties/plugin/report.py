@@ -15,7 +15,8 @@ from properties.core import repro
 from properties.plugin.repro import reset as reset_reproducers, write as write_reproducer
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
-from properties.model.twin import pop_notes
+from properties.core.subject import called_dtypes
+from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -25,32 +26,9 @@ _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --repor
 
 
 def _report_path_problem(path: str) -> str | None:
-    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None. The
-    report is written beside PATH and renamed onto it (zoo.io.atomic), so a file is created and removed there now."""
-    import os
-    import tempfile
-    from pathlib import Path
-    if not path.strip():
-        return "the path is empty"
-    try:
-        target = Path(path).absolute()
-        if target.is_dir():
-            return "is a directory"
-        if target.exists() and not target.is_file():   # renaming a report over it would replace a FIFO or device
-            return "is not a regular file (a FIFO, device or socket)"
-        ancestor = next((p for p in target.parents if p.exists()), None)
-        if ancestor is not None and not ancestor.is_dir():
-            return f"{ancestor} is not a directory"
-        if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
-            return f"{ancestor} is not writable"
-        if target.exists() and not os.access(target, os.W_OK):
-            return "is not writable"
-        if ancestor == target.parent:
-            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=f".{target.name[:64]}.", suffix=".probe"):
-                pass
-    except OSError as exc:   # a name too long, a file system that refuses new files (/sys, /proc), ...
-        return exc.strerror or str(exc)
-    return None
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    from zoo.io.atomic import unwritable_file
+    return unwritable_file(path)
 
 
 def configure_report(config) -> None:
@@ -71,11 +49,16 @@ def pytest_runtest_makereport(item, call):
     ids = clause_ids(item) if in_suite(item) else []
     report.level = level_of(item)
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
+    report.subject = _subject(item, report.level) if ids else ""
     mut = getattr(item, "funcargs", {}).get("mut")
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
     report.note = "; ".join(pop_notes()) if call.when == "call" and mut is not None else ""
+    # Where its comparisons ran: the float64 twin, or the model's own precision and why (model/twin.py).
+    report.precision = pop_precision() if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
+    # The dtypes the model was called in during this test (its float64 twin's and its own), for the report.
+    report.model_dtypes = called_dtypes() if call.when == "call" and mut is not None else []
     report.repro = None
     report.repro_missing = ""
     if call.when == "setup":
@@ -98,6 +81,18 @@ def pytest_runtest_makereport(item, call):
         elif report.repro_missing:
             item.user_properties.append(("repro_missing", report.repro_missing))
     return report
+
+
+def _subject(item, level: str | None) -> str:
+    """What a clause test verifies, as the verdict names it: 'kernel NAME', 'model KEY', 'modules' ('' for a test
+    of no subject, such as an SDPA clause's placeholder under a flash API)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if level == "kernel":
+        kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
+        return f"kernel {kernel.name}" if kernel is not None else ""
+    if level == "model":
+        return f"model {params['mut']}" if isinstance(params.get("mut"), str) else ""
+    return "the zoo's modules" if level == "module" else ""
 
 
 _HYPOTHESIS_MARKERS = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # its wordings
@@ -136,9 +131,13 @@ def pytest_runtest_logreport(report):
     record = _records.setdefault(report.nodeid, {"clauses": ids, "level": getattr(report, "level", None),
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
-                                                "resolution": getattr(report, "resolution", ""), "note": ""})
+                                                "resolution": getattr(report, "resolution", ""), "note": "",
+                                                "precision": "", "subject": getattr(report, "subject", ""),
+                                                "model_dtypes": []})
+    record["model_dtypes"] = sorted(set(record["model_dtypes"]) | set(getattr(report, "model_dtypes", None) or ()))
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
+    record["precision"] = record["precision"] or getattr(report, "precision", "")
     if getattr(report, "coverage", None):
         record["coverage"] = report.coverage
     if getattr(report, "repro", None):
@@ -162,6 +161,88 @@ def write_coverage(terminalreporter) -> None:
                      if r["status"] == "skipped" and " declines every problem on " in r["message"]})
     if lines:
         terminalreporter.write_sep("=", "kernel clause coverage (problems run and declined; largest L, S, E; dtypes)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def unverified() -> str:
+    """'' when a test of some subject of the run ran (passed or failed); when every one was skipped (each problem
+    declined, each clause skipped, the device absent), one line naming each subject and its most frequent reason.
+    A run that verified one subject and not another passes: its coverage report names what was not covered."""
+    from collections import Counter, defaultdict
+    statuses, reasons = defaultdict(Counter), defaultdict(Counter)
+    for record in _records.values():
+        if record.get("subject"):
+            statuses[record["subject"]][record["status"]] += 1
+            if record["status"] == "skipped":
+                reasons[record["subject"]][record["message"]] += 1
+    if not statuses or any(set(count) != {"skipped"} for count in statuses.values()):
+        return ""
+    parts = []
+    for name, count in statuses.items():
+        reason, _ = reasons[name].most_common(1)[0]
+        reason = reason if len(reason) <= 240 else reason[:237] + "..."
+        parts.append(f"{name}: all {count['skipped']} of its tests skipped ({reason})")
+    return "; ".join(parts)
+
+
+def _nothing_verified(session) -> None:
+    """A run that verified nothing never passes: one line, exit status 5 (pytest's "no tests ran"), unless the run
+    already failed."""
+    line = unverified()
+    if line and session.exitstatus == pytest.ExitCode.OK:
+        import sys
+        sys.stderr.write(f"ERROR: nothing verified for {line}\n")
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+LACKS = "Subject."   # a model clause skipped because the subject leaves an optional field None ("Subject.X is None")
+
+
+def _reason(why: str) -> str:
+    """A fallback's reason in a few words: the twin gives NaN or inf, raises, or is refused."""
+    if why.startswith("the twin departs"):
+        if "raises " in why:
+            return "the twin raises " + why.split("raises ", 1)[1].split(":")[0]
+        return "the twin gives " + ("NaN" if "NaN" in why else "inf")
+    return why
+
+
+def model_basis(records) -> list[str]:
+    """Per model clause: tests run on the float64 twin, tests in the model's own precision (why), tests skipped
+    because the model lacks a feature. ``records``: the report's records (clauses, level, status, message,
+    precision)."""
+    by_clause: dict[str, dict] = {}
+    for r in records:
+        if r["level"] != "model":
+            continue
+        for cid in r["clauses"]:
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
+            if r["status"] == "skipped" and r["message"].startswith(LACKS):
+                row["lacks"].add(r["message"].split(":")[0])
+            elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
+                row["twin"] += 1
+                row["inside"].add(r["precision"].removeprefix(ON_TWIN).strip())
+            elif r["status"] != "skipped" and r.get("precision"):
+                why = _reason(r["precision"].split(": ", 1)[-1])
+                row["own"][why] = row["own"].get(why, 0) + 1
+    lines = []
+    for cid, row in sorted(by_clause.items()):
+        inside = " ".join(sorted(filter(None, row["inside"])))
+        parts = [f"{row['twin']} on the float64 twin" + (f" {inside}" if inside else "")] if row["twin"] or row["own"] \
+            else []
+        parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
+        parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        if parts:
+            lines.append(f"{cid}: " + "; ".join(parts))
+    return lines
+
+
+def write_model_basis(terminalreporter) -> None:
+    """What the model clauses' passes rest on (model_basis), at the end of the run."""
+    lines = model_basis(list(_records.values()))
+    if lines:
+        terminalreporter.write_sep("=", "model clauses: float64 twin or own precision; features the model lacks")
         for line in lines:
             terminalreporter.write_line(line)
 
@@ -190,15 +271,18 @@ def configure_reproducers(config) -> None:
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller judges and writes
+        return
+    _nothing_verified(session)
     path = session.config.getoption("--report-json")
-    if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
+    if not path:
         return
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "coverage": r.get("coverage"), "repro": r.get("repro"),
-             "repro_missing": r.get("repro_missing", "")}
+             "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro"),
+             "repro_missing": r.get("repro_missing", ""), "model_dtypes": r["model_dtypes"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))
