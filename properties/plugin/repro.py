@@ -112,6 +112,13 @@ def worst(excess, *named):
     return f"at index {{index}}: " + ", ".join(f"{{n}} = {{float(t.reshape(-1)[i]):.6g}}" for n, t in named)
 
 
+def copies(n, *tensors):
+    """n copies of each tensor in one call (n independent dropout draws): on a new leading axis of a 2-D problem,
+    else on its batch axis, copy-major (a 4-D problem stays 4-D), as the suite stacked them."""
+    return [t.expand(n, *t.shape).contiguous() if t.dim() == 2 else t.repeat(n, *[1] * (t.dim() - 1))
+            for t in tensors]
+
+
 subject = load(sys.argv[1] if len(sys.argv) > 1 else SUBJECT)
 '''
 
@@ -189,7 +196,8 @@ query, key, positive = on_device(DATA["query"]), on_device(DATA["key"]), DATA["p
 eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    w = subject(*(t.expand(n, *t.shape).contiguous() for t in (query, key, eye)), dropout_p=p).double().cpu()
+    w = subject(*copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
+w = w.reshape(n, *w.shape[1:]) if query.dim() == 2 else w.reshape(n, -1, *w.shape[1:])   # the copies first
 count = n * int(positive.sum())
 dropped = float((w[:, positive] == 0).sum()) / count
 halfwidth = math.sqrt(math.log(2 / {false_alarm!r}) / (2 * count))
@@ -203,8 +211,8 @@ n, p, seed = DATA["copies"], DATA["p"], DATA["seed"]
 query, key, value = (on_device(DATA[name]) for name in ("query", "key", "value"))
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    out = subject(*(t.expand(n, *t.shape).contiguous() for t in (query, key, value)), dropout_p=p)
-mean = out.double().cpu().mean(dim=0)
+    out = subject(*copies(n, query, key, value), dropout_p=p).double().cpu()
+mean = (out if query.dim() == 2 else out.reshape(n, -1, *out.shape[1:])).mean(dim=0)
 expected, _ = oracle(query, key, value)
 excess = torch.nan_to_num((mean - expected).abs() - DATA["bound"], nan=math.inf)
 verdict((excess > 0).any(), f"mean over {{n}} dropout draws (p = {{p:.6g}}) of out departs from the oracle without "
