@@ -251,6 +251,10 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
     out = (kernel(query, key, value, nan_rows=nan_rows, **contract) if value is not None
            else kernel.weights(query, key, nan_rows=nan_rows, **contract))
     actual = to_float64(out)
+    bound = output_bound(bounds, value)   # 0 at a query without an admissible key: its 0 is exact
+    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
+                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
+                 fully_masked=fully_masked)
     if fully_masked == "zeros" and bool(no_key.any()):
         check_no_key_rows_are_zero(actual, no_key, mask)
     if fully_masked != "zeros" and bool(no_key.any()):
@@ -262,10 +266,6 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
             nan_rows = torch.isnan(actual).any(-1) if float_mask else torch.zeros_like(actual[..., 0], dtype=torch.bool)
             check_fully_masked_mean(actual, value, no_key & ~nan_rows, query.dtype)
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
-    bound = output_bound(bounds, value)
-    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
-                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
-                 fully_masked=fully_masked)
     assert_within(actual, bounds.reference.output, bound, what=what)
     return out, bounds
 
