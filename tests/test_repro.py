@@ -53,17 +53,11 @@ def _script(out, clause):
     return path
 
 
-def _execute(path, *subject, block_properties=False):
-    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site); with
-    block_properties, `import properties` fails there."""
+def _execute(path, *subject):
+    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    if block_properties:
-        code = ("import runpy, sys; sys.modules['properties'] = None; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
-        cmd = [sys.executable, "-I", "-c", code, str(path), *subject]
-    else:
-        cmd = [sys.executable, "-I", str(path), *subject]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=path.parent.parent, timeout=300)
+    return subprocess.run([sys.executable, "-I", str(path), *subject], capture_output=True, text=True, env=env,
+                          cwd=path.parent.parent, timeout=300)
 
 
 def test_kernel_reproducers_run_without_the_suite(tmp_path):
@@ -77,12 +71,9 @@ def test_kernel_reproducers_run_without_the_suite(tmp_path):
         masking="scores.masked_fill(~attn_mask, -math.inf)")).replace(
         "return (scores.softmax(-1)", "return (scores.softmax(-1).nan_to_num(0.0)"))
     run, out = _run(tmp_path, "--kernel", f"{tmp_path}/leaky.py:attention", ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"))
-    for clause in ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"):
-        path = _script(out, clause)
-        broken = _execute(path, block_properties=True)
-        assert broken.returncode == 1 and broken.stdout.startswith(f"FAIL {clause}:"), broken.stdout + broken.stderr
-        fixed = _execute(path, f"{tmp_path}/fixed.py:attention", block_properties=True)
-        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    paths = [str(_script(out, clause)) for clause in ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED")]
+    assert _exit_codes(tmp_path, [[p] for p in paths] + [[p, f"{tmp_path}/fixed.py:attention"] for p in paths]) == [
+        1, 1, 0, 0]
     rows = [r for r in run.rows if r["status"] == "failed"]
     assert rows and all(r["repro"] and r["repro"].startswith(str(out)) for r in rows), rows   # --report-json links
 
@@ -145,13 +136,13 @@ def dropout_not_rescaled(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 _DRIVER = '''import json, runpy, sys
 sys.modules["properties"] = None   # the scripts need torch and the subject's module only
 codes = {}
-for path, *subject in json.loads(sys.argv[1]):
+for n, (path, *subject) in enumerate(json.loads(sys.argv[1])):
     sys.argv = [path, *subject]
     try:
         runpy.run_path(path, run_name="__main__")
-        codes[f"{path} {subject}"] = 0
+        codes[n] = 0
     except SystemExit as exit_:
-        codes[f"{path} {subject}"] = exit_.code
+        codes[n] = exit_.code
 print(json.dumps(codes))
 '''
 
@@ -174,11 +165,17 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     for r in failed:
         _script(out, r["repro"].rsplit("/", 1)[1].rsplit("-", 1)[0])
     jobs = [[r["repro"]] for r in failed] + [[r["repro"], f"{tmp_path}/bugs.py:correct"] for r in failed]
+    assert _exit_codes(tmp_path, jobs) == [1] * len(failed) + [0] * len(failed)
+
+
+def _exit_codes(cwd, jobs) -> list:
+    """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
+    interpreter (one torch import) where `import properties` fails: their exit statuses."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
     ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs)], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=300)
-    codes = json.loads(ran.stdout.strip().splitlines()[-1])
-    assert list(codes.values()) == [1] * len(failed) + [0] * len(failed), ran.stdout[-3000:] + ran.stderr[-3000:]
+                         env=env, cwd=cwd, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
 
 
 def test_a_failure_without_a_script_says_why(tmp_path):
