@@ -68,8 +68,13 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
         if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
-            report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
-                                                                  _counterexample(report))
+            from properties.core.watchdog import CallTimeout
+            if call.excinfo is not None and call.excinfo.errisinstance(CallTimeout):   # its script would hang too
+                repro.clear()
+                report.repro_missing = "a call did not return within --call-timeout; a script would hang too"
+            else:
+                report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
+                                                                      _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
