@@ -19,7 +19,6 @@ section lived in README.md) between ``<!-- gpu-check:begin -->`` and ``<!-- gpu-
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -32,6 +31,7 @@ import torch
 
 from bench.common import ROOT, machine_info, write_json_atomic
 from bench.report import decode_markdown, markdown, train_seeds_markdown
+from zoo.cli_args import Parser, check_outputs, device_problem, output_problem, seconds
 from zoo.io.atomic import write_text
 
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
@@ -112,15 +112,40 @@ def fill_section(path: Path, section: str) -> None:
     write_text(path, f"{head}{BEGIN}\n{section}{END}{tail}")
 
 
+# --limit's least value: the recipes get 150 s, and the bench 100 s past its last cell and at least 60 s of cells.
+MIN_LIMIT_S = 150.0 + 100.0 + 60.0
+
+
+def _check_doc(p, path: str) -> None:
+    """--doc (--readme): a file with the BEGIN ... END block, writable: refused now, not after the whole check."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        p.error(f"--doc {path}: cannot be read ({getattr(exc, 'strerror', None) or type(exc).__name__})")
+    if BEGIN not in text or END not in text:
+        p.error(f"--doc {path}: no {BEGIN} ... {END} block to fill ('' to skip it)")
+    problem = output_problem(path)
+    if problem:
+        p.error(f"--doc {path}: cannot be written ({problem})")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and a few training steps: a trial of the script")
     p.add_argument("--out", default="bench/results_gpu.json")
     p.add_argument("--doc", "--readme", dest="doc", default="docs/benchmarks.md",
                    help="the page whose GPU section is filled ('' to skip); --readme is the same option")
-    p.add_argument("--limit", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    p.add_argument("--limit", type=seconds(MIN_LIMIT_S, inclusive=True), default=450.0,
+                   help=f"seconds for the whole check (default 450, at least {MIN_LIMIT_S:g}: the recipes' 150 s and "
+                        f"the bench's 100 s after its last cell)")
     args = p.parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        p.error(f"--device {args.device}: {problem}")
+    check_outputs(p, out=args.out)
+    if args.doc:
+        _check_doc(p, args.doc)
     started = time.perf_counter()
     deadline = started + args.limit
     device = torch.device(args.device)
@@ -144,7 +169,7 @@ def main(argv=None) -> int:
     # The bench gets what is left but 150 s for the recipes; it begins no cell in its last 100 s.
     bench_time = max(60.0, deadline - time.perf_counter() - 150)
     command = [sys.executable, "-m", "bench", "--device", args.device, "--parts", "decode,models,kernel",
-               "--dtypes", "bfloat16,float16", "--out", str(bench_json), "--time-limit", f"{bench_time - 100:.0f}"]
+               "--dtypes", "bfloat16,float16", "--out", str(bench_json), "--time-limit", f"{max(1.0, bench_time - 100):.0f}"]
     results["steps"]["bench"] = _run(command + (TINY_BENCH if args.tiny else []), bench_time)
     if bench_json.exists():
         results["bench"] = json.loads(bench_json.read_text())

@@ -40,6 +40,7 @@ from bench.common import (
     write_json_atomic,
 )
 from bench.decode import bench_decode
+from zoo.cli_args import Parser, count, device_problem, output_problem, seconds
 from bench.kernels import bench_kernel
 from bench.models import MODEL_HEADER, bench_models
 from bench.suite import bench_mutation, bench_suite
@@ -50,7 +51,7 @@ PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="small sizes, few repeats, the mutation part on one catalog entry in 8 (docs/benchmarks.md: "
                         "how long each run takes)")
@@ -58,23 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=default_device(), help="default: cuda if available, else cpu")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
     p.add_argument("--lengths", default=None, help="sequence lengths (default 128,512; quick 64)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 8; quick 2)")
-    p.add_argument("--layers", type=int, default=None, help="layers per stack (default 2; quick 1)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens to decode (default 256; quick 32)")
-    p.add_argument("--prompt", type=int, default=8, help="prompt length for decoding")
-    p.add_argument("--decode-batch", type=int, default=1, help="sequences decoded at once (default 1)")
+    p.add_argument("--batch", type=count(1), default=None, help="batch size (default 8; quick 2)")
+    p.add_argument("--layers", type=count(1), default=None, help="layers per stack (default 2; quick 1)")
+    p.add_argument("--new-tokens", type=count(1), default=None, help="tokens to decode (default 256; quick 32)")
+    p.add_argument("--prompt", type=count(1), default=8, help="prompt length for decoding")
+    p.add_argument("--decode-batch", type=count(1), default=1, help="sequences decoded at once (default 1)")
     p.add_argument("--train-lengths", default=None,
                    help="sequence lengths of the training part (default 1024,4096,8192; quick 256,512,1024; "
                         "toy 256,512)")
-    p.add_argument("--matmul-n", type=int, default=None, help="matmul size (default 4096; quick 1024)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--matmul-n", type=count(1), default=None, help="matmul size (default 4096; quick 1024)")
+    p.add_argument("--threads", type=count(1, 1024), default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall time (default), or the process's CPU time: with --device cpu --threads 1 on a "
                         "machine shared with other work, it leaves out the time spent waiting for a core")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model families")
     p.add_argument("--out", default="bench/results.json", help="JSON output path ('' to skip)")
-    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--time-limit", type=seconds(), default=None, metavar="SECONDS",
                    help="begin no part and no model, kernel or decode cell after this many seconds (what was "
                         "measured is kept and reported; default: none, the part budgets bound the run)")
     p.add_argument("--check", action="store_true",
@@ -96,10 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         return values
 
     args.lengths = integers("--lengths", args.lengths or ("64" if quick else "128,512"))
-    args.batch = args.batch or (2 if quick else 8)
-    args.layers = args.layers or (1 if quick else 2)
-    args.new_tokens = args.new_tokens or (32 if quick else 256)
-    args.matmul_n = args.matmul_n or (1024 if quick else 4096)
+    args.batch = args.batch if args.batch is not None else (2 if quick else 8)
+    args.layers = args.layers if args.layers is not None else (1 if quick else 2)
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else (32 if quick else 256)
+    args.matmul_n = args.matmul_n if args.matmul_n is not None else (1024 if quick else 4096)
     args.train_lengths = integers("--train-lengths", args.train_lengths or (
         "256,512" if args.toy else "256,512,1024" if args.quick else "1024,4096,8192"))
     names = args.dtypes.split(",")
@@ -107,13 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--dtypes: unknown dtype {bad[0]!r} (e.g. float32,bfloat16,float16,float64)")
     args.dtypes = [getattr(torch, name) for name in names]
-    try:
-        device = torch.device(args.device)
-        torch.empty(1, device=device)
-    except Exception:  # noqa: BLE001 -- any backend may refuse in its own way
-        p.error(f"--device {args.device}: not available on this machine")
+    problem = device_problem(args.device)
+    if problem:
+        p.error(f"--device {args.device}: {problem}")
     if args.out:
-        problem = _unwritable_file(args.out)
+        problem = output_problem(args.out)
         if problem:
             p.error(f"--out {args.out}: cannot be written ({problem}); results are written after every part")
         if args.merge and os.path.exists(args.out):
@@ -138,26 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    {"min_repeats": 3, "max_repeats": 15, "budget_s": 6.0})
     args.timing["clock"] = args.clock
     args.part_budgets_s = PART_BUDGETS_S["toy" if args.toy else "quick" if args.quick else "full"]
-    if args.time_limit is not None and args.time_limit <= 0:
-        p.error(f"--time-limit {args.time_limit}: expected a positive number of seconds")
     args.deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     return args
-
-
-def _unwritable_file(path: str) -> str | None:
-    """Why a file cannot be written at `path` (its directory is created and probed), or None."""
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return "it is a directory"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
 
 
 def main(argv=None) -> dict:

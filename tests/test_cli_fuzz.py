@@ -149,3 +149,69 @@ def test_a_real_process_refuses_in_one_line_and_writes_nothing(tmp_path, argv, w
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("zoo: "), result.stderr[-3000:]
     assert all(word in lines[0] for word in words), lines[0]
     assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------- the project's other commands
+# Every argparse command README and --help name, called in this process: a bad value is one line `PROG: error: ...`
+# and exit status 2 before any work (zoo/cli_args.py), never a traceback, never accepted and ignored. Every value
+# below is refused by argument checks alone, so each case costs milliseconds.
+def _commands():
+    from bench import gpu_check
+    from bench.run import parse_args as bench_args
+    from properties.adapters import conformance
+    from properties.catalog import example_based, flakiness, flash_example_based, mutation_report
+    return {"python -m bench": bench_args, "python -m bench.gpu_check": gpu_check.main,
+            "python -m properties.catalog.flakiness": flakiness.main,
+            "python -m properties.catalog.mutation_report": mutation_report.main,
+            "python -m properties.adapters.conformance": conformance.main,
+            "python -m properties.catalog.example_based": example_based.main,
+            "python -m properties.catalog.flash_example_based": flash_example_based.main}
+
+
+LONG = "n" * 300
+BAD_ARGUMENTS = {   # command -> option -> values it must refuse
+    "python -m bench": {"--batch": ["-1", "0", "x"], "--threads": ["0", "-1"], "--prompt": ["0"],
+                        "--decode-batch": ["-2"], "--device": ["nosuch", "cuda:7"], "--time-limit": ["nan", "-1", "inf"],
+                        "--matmul-n": ["-5", "0"], "--layers": ["0"], "--new-tokens": ["-3"],
+                        "--out": ["/proc/x.json", f"/tmp/{LONG}.json", "FILE/x.json"], "--lengths": ["0", "a"],
+                        "--dtypes": ["float99"], "--parts": ["nosuch"]},
+    "python -m bench.gpu_check": {"--doc": ["/nonexistent/README.md", "FILE"], "--limit": ["200", "nan", "-1"],
+                                  "--device": ["nosuch"], "--out": ["/proc/x.json"]},
+    "python -m properties.catalog.flakiness": {"--seeds": ["0", "-1"], "-n": ["0", "-1"], "--json": ["/proc/x.json"],
+                                               "--only": ["nosuch"]},
+    "python -m properties.catalog.mutation_report": {"--jobs": ["0"], "--json": ["/proc/x.json", "FILE/x"],
+                                                     "--only": ["nosuch"]},
+    "python -m properties.adapters.conformance": {"--timeout": ["nan", "-5", "0"], "--jobs": ["0"], "--long": ["-1"],
+                                                  "--out": ["/proc/x"], "--factories": ["FILE", "/nonexistent.py"]},
+    "python -m properties.catalog.example_based": {"--kernel": ["nosuch:fn", "os:getcwd", "nosuch"]},
+    "python -m properties.catalog.flash_example_based": {"--device": ["nosuch"], "--kernel": ["nosuch:fn"]},
+}
+REQUIRED = {"python -m bench.gpu_check": ["--device", "cpu"],
+            "python -m properties.catalog.flash_example_based": ["--kernel", "properties.catalog.flash_bugs:softcap_dropped"]}
+CASES = [(cmd, opt, value) for cmd, options in BAD_ARGUMENTS.items() for opt, values in options.items() for value in values]
+
+
+def _refused(command: str, argv: list[str], tmp_path: Path, capsys) -> str:
+    (tmp_path / "a_file").write_text("not a README with a GPU section, not Python: (\n")
+    argv = [w.replace("FILE", str(tmp_path / "a_file")) for w in argv]
+    with pytest.raises(SystemExit) as done:
+        _commands()[command](argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert done.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"{command}: error: "), (argv, err)
+    return lines[0]
+
+
+@pytest.mark.parametrize("command,option,value", CASES, ids=[f"{c.split()[-1]} {o}={v[:20]}" for c, o, v in CASES])
+def test_every_command_refuses_a_bad_argument_in_one_line(tmp_path, capsys, command, option, value):
+    argv = [*REQUIRED.get(command, []), option, value]
+    line = _refused(command, argv, tmp_path, capsys)
+    assert option.lstrip("-") in line or "argument" in line, line
+
+
+@settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(CASES), noise=st.lists(st.sampled_from(SPECIAL + SIZES), max_size=2))
+def test_any_bad_argument_among_others_is_one_line(tmp_path, capsys, case, noise):
+    """A bad value with stray words around it: still one line and 2, whatever argparse meets first."""
+    command, option, value = case
+    _refused(command, [*REQUIRED.get(command, []), *noise, option, value], tmp_path, capsys)

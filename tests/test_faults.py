@@ -339,7 +339,8 @@ def test_a_device_this_machine_lacks_skips_every_clause_with_its_reason(tmp_path
                       capture_output=True).returncode == 0:
         pytest.skip("this machine has MPS")
     result = suite("--device", "mps", "-rs", cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:]
+    # nothing verified never passes: status 5 and one line saying why
+    assert result.returncode == 5 and "ERROR: nothing verified" in result.stderr, result.stdout[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert "skipped" in summary and "passed" not in summary and "error" not in summary and "failed" not in summary
     reasons = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]

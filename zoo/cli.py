@@ -253,12 +253,22 @@ def _exit_with(error: Exception) -> NoReturn:
 def main(argv: list[str] | None = None) -> None:
     """`python -m zoo ARGS`; `main([...])` runs the same in this process (the CLI's tests do)."""
     stop_on_sigterm()
+    status = 1
     try:
         _main(sys.argv[1:] if argv is None else list(argv))
+        status = 0
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: one line (the task's own, if it said where it stopped)
         message = str(stop) if isinstance(stop, Interrupted) else "interrupted"
         say(f"zoo: {message}")
-        sys.exit(getattr(stop, "status", 130))
+        status = getattr(stop, "status", 130)
+        sys.exit(status)
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        raise
+    finally:
+        if argv is None:   # as a command (tests call main([...]) in their own process): nothing a plug-in left
+            from zoo.leftovers import end_leftovers
+            end_leftovers(status, who="a plug-in")
 
 
 def _main(arguments: list[str]) -> None:

@@ -18,7 +18,6 @@ not finish, else 0.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -125,29 +124,38 @@ def table(results: list[dict], long: dict[str, dict] | None = None, length: int 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m properties.adapters.conformance", description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
+    from zoo.cli_args import Parser, count, seconds
+    from zoo.io.atomic import unwritable, write_text
+    parser = Parser(prog="python -m properties.adapters.conformance", description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=count(1, 64), default=2, help="runs at a time (default 2)")
     parser.add_argument("--out", type=Path, default=Path("outputs/conformance"), help="default outputs/conformance")
     parser.add_argument("--factories", type=Path, default=DEFAULT_FACTORIES, help="file of factories (default "
                         "examples/conformance.py)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these factories only")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per model (default 900)")
-    parser.add_argument("--long", type=int, default=2048, metavar="N", help="run each factory again with "
+    parser.add_argument("--timeout", type=seconds(), default=900, help="seconds per model (default 900)")
+    parser.add_argument("--long", type=count(0), default=2048, metavar="N", help="run each factory again with "
                         f"{LENGTH_VARIABLE}=N (default 2048; 0: not)")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest options, e.g. -- --hypothesis-profile ci")
     args = parser.parse_args(argv)
     path = args.factories.resolve()
     if not path.is_file():
         parser.error(f"--factories {args.factories}: no such file")
-    names = factories(path)
+    try:
+        names = factories(path)
+    except (OSError, SyntaxError, ValueError) as exc:   # not a Python file (UnicodeDecodeError is a ValueError)
+        parser.error(f"--factories {args.factories}: cannot be read as Python ({type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:120]})")
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
         parser.error(f"--only: {', '.join(unknown)} not in {path.name} ({', '.join(names)})")
     names = [n for n in names if not args.only or n in args.only]
+    if not names:
+        parser.error(f"--factories {args.factories}: no factory there; nothing to run")
+    problem = unwritable(str(args.out / "json"))
+    if problem:
+        parser.error(f"--out {args.out}: cannot be written ({problem}); nothing was run")
     (args.out / "json").mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if args.long < 0:
-        parser.error(f"--long {args.long}: a max_len, or 0 for no second run")
     runs = [(n, 0) for n in names] + [(n, args.long) for n in names if args.long]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results, long = [], {}
@@ -167,8 +175,8 @@ def main(argv=None) -> int:
               f"(a clause may have several); s: seconds per model run"
               + (f"; max_len {args.long}: the same factory run with {LENGTH_VARIABLE}={args.long}, every clause"
                  if args.long else "") + ".\n\n")
-    (args.out / "conformance.md").write_text(header + table(results, long, args.long) + "\n")
-    (args.out / "conformance.json").write_text(json.dumps({"wall_s": round(wall, 1), "results": results,
+    write_text(args.out / "conformance.md", header + table(results, long, args.long) + "\n")
+    write_text(args.out / "conformance.json", json.dumps({"wall_s": round(wall, 1), "results": results,
                                                            "long": list(long.values())}, indent=1))
     print(f"{args.out / 'conformance.md'} ({wall:.0f} s)")
     bad = any(r["error"] or any(x["status"] in ("failed", "error") for x in r["records"])

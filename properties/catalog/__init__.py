@@ -97,6 +97,18 @@ def _tile(name):
     return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_TB}:{name}")
 
 
+_SB_STATE = "properties.catalog.state_bugs"
+
+
+def _state(name):
+    """An online-softmax state bug of state_bugs.py: caught by extreme scores, masked tiles or long rows."""
+    from properties.catalog.state_bugs import BUGS
+    mechanism, expected = BUGS[name]
+    if name.endswith("_flash"):
+        return Entry(name, "kernel", mechanism, expected, "--kernel-api=flash", f"--kernel={_SB_STATE}:{name}")
+    return Entry(name, "kernel", mechanism, expected, "--kernel", f"{_SB_STATE}:{name}")
+
+
 def _module(name, mechanism, overrides, *expected):
     return Entry(name, "module", mechanism, expected, "--zoo", overrides)
 
@@ -122,6 +134,19 @@ def _scale_bug(name):
     from properties.catalog.scale_bugs import BUGS
     mechanism, expected = BUGS[name]
     return Entry(name, "model", mechanism, expected, "--model", f"{_SB}:{name}")
+
+
+_IB = "properties.catalog.integrity_bugs"
+
+
+def _integrity() -> list[Entry]:
+    """Integrity, history and layout bugs (integrity_bugs.py): exact on every problem called first on fresh
+    contiguous inputs."""
+    from properties.catalog.integrity_bugs import KERNEL_BUGS, MODEL_BUGS
+    return ([Entry(name, "kernel", mechanism, expected, "--kernel", f"{_IB}:{name}")
+             for name, (mechanism, expected) in KERNEL_BUGS.items()]
+            + [Entry(name, "model", mechanism, expected, "--model", f"{_IB}:{name}")
+               for name, (mechanism, expected) in MODEL_BUGS.items()])
 
 
 _MOE = "properties.catalog.moe_bugs"
@@ -186,7 +211,9 @@ CATALOG: list[Entry] = [
     _kernel("dropout_not_rescaled", "kept weights not rescaled by 1/(1 - p): the expected output shrinks",
             "DROPOUT-EXPECTATION"),
     _kernel("dropout_mask_shared", "one (L, S) dropout mask broadcast over batch and heads: drops not independent",
-            "DROPOUT-EXPECTATION", "DROPOUT-RATE"),
+            "DROPOUT-EXPECTATION", "DROPOUT-RATE", "DROPOUT-INDEPENDENT"),
+    _kernel("dropout_mask_shared_across_heads", "4-D dropout whose RNG offset advances per batch entry, not per head: "
+            "every head drops the same weights", "DROPOUT-INDEPENDENT"),
     _kernel("batch_and_heads_mixed", "k, v flattened head-major, q batch-major: slices attend to other slices' keys",
             "ATTN-SLICE-INDEPENDENT", "ATTN-ORACLE"),
     _kernel("flash_attention_tiles_dropped", "tiled online softmax with S // block key tiles: the last partial tile is lost",
@@ -215,6 +242,9 @@ CATALOG: list[Entry] = [
         "accumulator_not_rescaled", "row_sum_not_rescaled", "remainder_key_tile_dropped", "causal_row_inside_tile",
         "head_halves_one_unscaled", "query_remainder_unwritten", "mask_tile_local_columns", "lse_of_last_tile_saved",
         "dk_dv_last_partial_tile_dropped", "dq_overwritten_per_key_tile")),
+    # ----------------------------- online-softmax state: very negative rows, masked 64-key tiles, precision at length
+    *(_state(name) for name in ("running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile",
+                                "running_max_sentinel_flash")),
     # ------------------------------------ kernels with FlashAttention's API (--kernel-api flash|flash-varlen|...)
     *(_flash(name) for name in (
         "window_left_off_by_one", "window_right_off_by_one", "window_sides_swapped", "window_top_left",
@@ -287,6 +317,8 @@ CATALOG: list[Entry] = [
     # ------------------------------------------------- at-scale model bugs, exact below a length (MODEL-SHIFT, ...)
     *(_scale_bug(name) for name in ("rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
                                     "alibi_positions_clamped", "position_table_clamped")),
+    # ------------------------------------ integrity, history and layouts (inputs, outputs, earlier calls, strides)
+    *_integrity(),
     # -------------------------------- models whose layers differ, and mixture-of-experts routing (MODEL-WINDOW, ...)
     _model("local_window_one_more", "a window of 4 that admits 5 keys, in the windowed layers of a model whose "
            "windowed and global layers alternate (the global ones hide it from the outputs)", "MODEL-WINDOW"),

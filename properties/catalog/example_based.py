@@ -27,7 +27,6 @@ established example-based counterpart with a numeric reference.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -160,14 +159,23 @@ def run(kernel, name: str = "", *, stop_first: bool = False, gradients: bool = T
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m properties.catalog.example_based", description=__doc__.split("\n\n")[0])
+    from zoo.cli_args import Parser
+    parser = Parser(prog="python -m properties.catalog.example_based", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="append", required=True, help="kernel spec (repeatable)")
     parser.add_argument("-x", "--stop-first", action="store_true", help="stop a kernel at its first failing case")
     args = parser.parse_args(argv)
+    from zoo.plugins import PluginError
+    from zoo.nn.kernel import resolve_kernel
+    kernels = {}
+    for spec in args.kernel:   # every kernel resolved before the first is run
+        try:
+            kernels[spec] = resolve_kernel(spec)
+        except PluginError as exc:
+            parser.error(f"--kernel: {exc}")
     torch.set_num_threads(1)
     status = 0
     for spec in args.kernel:
-        result = run(spec, stop_first=args.stop_first)
+        result = run(kernels[spec], spec, stop_first=args.stop_first)
         print(f"{spec}: {result.cases - len(result.failures)}/{result.cases} cases passed in {result.time_s:.1f} s")
         for failure in result.failures[:5]:
             print(f"  FAILED {failure}")

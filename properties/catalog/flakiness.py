@@ -12,13 +12,12 @@ Options: ``--seeds N`` (default 20), ``--first-seed S`` (default 1: seeds S … 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from properties.catalog import CORRECT, Entry
+from zoo.io.atomic import write_text
 from properties.catalog.run import run_all
 
 __all__ = ["SUBJECTS", "main"]
@@ -28,17 +27,21 @@ SUBJECTS: list[Entry] = [ZOO] + [e for e in CORRECT if e.name not in ("zoo math"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m properties.catalog.flakiness",
-                                     description="Run the suite on the correct implementations under many seeds.")
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--first-seed", type=int, default=1)
-    parser.add_argument("-n", "--jobs", type=int, default=2)
+    from zoo.cli_args import Parser, check_outputs, count
+    parser = Parser(prog="python -m properties.catalog.flakiness",
+                    description="Run the suite on the correct implementations under many seeds.")
+    parser.add_argument("--seeds", type=count(1), default=20, help="how many seeds (>= 1; default 20)")
+    parser.add_argument("--first-seed", type=count(0, 2**32 - 1), default=1)
+    parser.add_argument("-n", "--jobs", type=count(1, 64), default=2, help="suite runs in parallel (default 2)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these subjects (repeatable)")
     args = parser.parse_args(argv)
+    check_outputs(parser, json=args.json)
     subjects = [e for e in SUBJECTS if not args.only or e.name in args.only]
     if not subjects:
         parser.error(f"--only {args.only}: no such subject; the subjects are {[e.name for e in SUBJECTS]}")
+    if args.first_seed + args.seeds - 1 > 2**32 - 1:
+        parser.error(f"--first-seed {args.first_seed} --seeds {args.seeds}: seeds past 2**32 - 1")
 
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     start = time.perf_counter()
@@ -66,7 +69,11 @@ def main(argv=None) -> int:
     for f in failures:
         print(f"  seed {f['seed']} {f['subject']}: {f['nodeid']}: {f['message']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seeds": list(seeds), "runs": results, "failures": failures}, indent=1))
+        write_text(args.json, json.dumps({"seeds": list(seeds), "runs": results, "failures": failures}, indent=1))
+    if not results:   # every subject unavailable here: nothing was verified
+        print("flakiness: nothing verified: no subject could run here (their files are in a source checkout)",
+              file=sys.stderr)
+        return 2
     return 1 if failures else 0
 
 

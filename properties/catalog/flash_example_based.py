@@ -15,7 +15,6 @@ reference; kvcache: random ``cache_seqlens``, new keys appended, plain or paged 
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -222,12 +221,22 @@ def run(spec, api: str = "flash", name: str | None = None, *, device: str = "cpu
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from zoo.cli_args import Parser, device_problem
+    parser = Parser(prog="python -m properties.catalog.flash_example_based", description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", required=True)
     parser.add_argument("--kernel-api", default="flash", choices=("flash", "flash-varlen", "flash-kvcache"))
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    result = run(args.kernel, args.kernel_api, device=args.device)
+    problem = device_problem(args.device)   # else every case fails, blamed on the kernel
+    if problem:
+        parser.error(f"--device {args.device}: {problem}")
+    from zoo.plugins import PluginError
+    from zoo.nn.flash import resolve_flash_kernel
+    try:
+        kernel = resolve_flash_kernel(args.kernel, args.kernel_api)
+    except PluginError as exc:
+        parser.error(f"--kernel (--kernel-api {args.kernel_api}): {exc}")
+    result = run(kernel, args.kernel_api, args.kernel, device=args.device)
     print(f"{result.cases} cases, {len(result.failures)} failed" + "".join(f"\n  {f}" for f in result.failures[:5]))
     return 1 if result.failures else 0
 

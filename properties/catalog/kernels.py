@@ -21,7 +21,8 @@ __all__ = [
     "scale_by_value_width", "scale_by_head_count", "scale_argument_ignored", "causal_off_by_one",
     "causal_ignored", "causal_bottom_right", "bool_mask_inverted", "float_mask_ignored", "mask_after_softmax",
     "fully_masked_rows_nan", "finite_mask_fill", "mask_added_in_input_dtype", "masked_fill_minus_1e9", "softmax_without_max", "scores_in_input_dtype",
-    "dropout_always_on", "dropout_not_rescaled", "dropout_mask_shared", "batch_and_heads_mixed", "flash_attention_tiles_dropped",
+    "dropout_always_on", "dropout_not_rescaled", "dropout_mask_shared", "dropout_mask_shared_across_heads",
+    "batch_and_heads_mixed", "flash_attention_tiles_dropped",
     "gqa_heads_tiled", "output_in_compute_dtype",
 ]
 
@@ -236,6 +237,19 @@ class _DropoutMaskShared(StepwiseAttention):
         return weights * keep / (1.0 - p)
 
 
+class _DropoutMaskSharedAcrossHeads(StepwiseAttention):
+    """A 4-D (B, H, L, S) kernel whose dropout RNG offset advances per batch entry but not per head (the head's
+    offset left out of the Philox counter): every head of a batch entry drops the same weights. Rate and mean are
+    right, and the copies of a problem stacked on the batch axis are independent."""
+
+    def dropout(self, weights, p):
+        if p == 0.0:
+            return weights
+        shape = (*weights.shape[:-3], 1, *weights.shape[-2:]) if weights.dim() == 4 else weights.shape
+        keep = torch.rand(shape, device=weights.device) >= p
+        return weights * keep / (1.0 - p)
+
+
 # ------------------------------------------------------------------------------------- layout and heads
 class _BatchAndHeadsMixed(StepwiseAttention):
     """Keys and values flattened head-major, queries batch-major: (B, H, S, E) → ``transpose(0, 1)`` →
@@ -301,6 +315,7 @@ masked_fill_minus_1e9 = _MaskedFillMinus1e9()
 dropout_always_on = _DropoutAlwaysOn()
 dropout_not_rescaled = _DropoutNotRescaled()
 dropout_mask_shared = _DropoutMaskShared()
+dropout_mask_shared_across_heads = _DropoutMaskSharedAcrossHeads()
 batch_and_heads_mixed = _BatchAndHeadsMixed()
 gqa_heads_tiled = _GqaHeadsTiled()
 output_in_compute_dtype = _OutputInComputeDtype()

@@ -14,15 +14,14 @@ Options: ``--json PATH`` (every row, and the totals), ``--jobs N`` (suite runs i
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from properties.catalog import CATALOG, CORRECT, Entry
+from zoo.io.atomic import write_text
 from properties.catalog import example_based
 from properties.plugin import PROFILE_NAMES
 from properties.catalog.run import Run, run_all
@@ -120,16 +119,18 @@ def summary(t: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m properties.catalog.mutation_report",
+    from zoo.cli_args import Parser, check_outputs, count
+    parser = Parser(prog="python -m properties.catalog.mutation_report",
                                      description="Run the spec suite on the bug catalog and the correct implementations.")
     parser.add_argument("--json", metavar="PATH", help="write every row and the totals as JSON")
-    parser.add_argument("--jobs", type=int, default=2, help="suite runs in parallel (default 2)")
+    parser.add_argument("--jobs", type=count(1, 64), default=2, help="suite runs in parallel (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="--hypothesis-seed of every run (default 0)")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these entries (repeatable)")
     parser.add_argument("--profile", default="default", choices=PROFILE_NAMES,
                         help="Hypothesis profile of every run; 'pinned' runs only the @example cases, and shows "
                              "which bugs a run catches whatever it draws (default: default)")
     args = parser.parse_args(argv)
+    check_outputs(parser, json=args.json)
 
     entries = [e for e in CATALOG + CORRECT if not args.only or e.name in args.only]
     if not entries:
@@ -145,6 +146,10 @@ def main(argv=None) -> int:
           file=sys.stderr, flush=True)
     runs = run_all(entries, jobs=args.jobs, progress=progress, seed=args.seed,
                    extra=["--hypothesis-profile", args.profile])
+    if all(run.unavailable for run in runs):   # nothing verified: never a pass
+        print(f"mutation_report: nothing verified: none of the {len(runs)} entries could run here "
+              f"({runs[0].unavailable})", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     examples = {e.name: example_based.run(_kernel_callable(e), e.name) for e in entries if e.option == "--kernel"}
     rows = rows_for(runs, examples)
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
     print(summary(t))
     print(f"(total {time.perf_counter() - start:.0f} s with --jobs {args.jobs})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seed": args.seed, "rows": rows, "totals": t}, indent=1))
+        write_text(args.json, json.dumps({"seed": args.seed, "rows": rows, "totals": t}, indent=1))
     bad = t["broken"] - t["caught"] + t["false_alarms"]
     return 1 if bad else 0
 

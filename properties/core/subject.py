@@ -6,6 +6,7 @@ model from Hydra overrides. Everything a user can get wrong here is a one-line `
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -19,7 +20,13 @@ from zoo.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched"]
+__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched",
+           "same_draws", "moved", "FACTORY_SEED", "called_dtypes"]
+
+# Every factory (--model, --reference) is called with torch's generator seeded with this, so that one factory called
+# twice builds the same weights: the float64 twin is the model under test cast, and `--model F:f --reference F:f`
+# compares a model with itself (MODEL-DIFF-* must pass; tests/test_robust_runs.py).
+FACTORY_SEED = 0
 
 KINDS = FAMILIES  # a subject's kind is one of the zoo's model families
 ZOO_MODELS = (EncoderOnly, DecoderOnly, EncoderDecoder)
@@ -246,6 +253,23 @@ def as_subject(obj: object, origin: str = "the factory") -> Subject:
                        f"(zoo.nn.models.EncoderOnly, DecoderOnly or EncoderDecoder) or a properties.Subject")
 
 
+@contextlib.contextmanager
+def same_draws():
+    """torch's global generators seeded with ``FACTORY_SEED`` inside, and restored after (the CPU's; a CUDA
+    generator is seeded lazily, as torch.manual_seed does, and not restored)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FACTORY_SEED)
+        yield
+
+
+def moved(module: nn.Module, plugin: str, *args, **kwargs) -> nn.Module:
+    """``module.to(*args, **kwargs)`` as one call of the code under test: a user's ``_apply`` or ``to`` may hang or
+    exit (properties/core/watchdog.py)."""
+    words = [str(a).removeprefix("torch.") for a in args] + [f"{k}={str(v).removeprefix('torch.')}" for k, v in kwargs.items()]
+    with user_call(plugin, f"module.to({', '.join(words)})"):
+        return module.to(*args, **kwargs)
+
+
 def load_subject(spec: str) -> Subject:
     """``--model pkg.module:factory`` or ``path/to/file.py:factory`` -> a validated Subject."""
     try:
@@ -257,7 +281,7 @@ def load_subject(spec: str) -> Subject:
         raise SubjectError(f"--model {spec!r}: {type(factory).__name__} is not callable; expected a factory "
                            f"returning a zoo model or a properties.Subject")
     try:
-        with user_call(f"model {spec}", "its factory"):
+        with user_call(f"model {spec}", "its factory"), same_draws():
             obj = factory()
     except SubjectError as exc:
         raise SubjectError(f"--model {spec!r}: {exc}") from exc
@@ -267,20 +291,47 @@ def load_subject(spec: str) -> Subject:
     return as_subject(obj, origin=f"--model {spec!r}")
 
 
+_CALLED: set[str] = set()   # the floating dtypes of the model's outputs since the last called_dtypes()
+
+
+def _note_dtype(out) -> None:
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if torch.is_tensor(first) and first.is_floating_point():
+        _CALLED.add(str(first.dtype).removeprefix("torch."))
+
+
+def called_dtypes() -> list[str]:
+    """The dtypes of the outputs of every watched call since the last call of this (then forgotten): what the
+    report names as the precisions the model was run in."""
+    found = sorted(_CALLED)
+    _CALLED.clear()
+    return found
+
+
 def watched(subject: Subject, plugin: str) -> Subject:
     """The same subject, its forward and decode_step each run as one call of the code under test (a time limit,
     and a record of the call: properties/core/watchdog.py)."""
-    forward, decode_step = subject.forward, subject.decode_step
+    forward, decode_step, shifted = subject.forward, subject.decode_step, subject.shifted
 
     def watched_forward(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} forward", args, {})):
-            return forward(*args)
+            out = forward(*args)
+        _note_dtype(out)
+        return out
 
     def watched_decode_step(*args):
         with user_call(plugin, lambda: describe_args(f"{subject.kind} decode_step", args[:-1], {})):
-            return decode_step(*args)
+            out = decode_step(*args)
+        _note_dtype(out)
+        return out
+    def watched_shifted(*args):
+        with user_call(plugin, lambda: describe_args(f"{subject.kind} shifted", args, {})):
+            out = shifted(*args)
+        _note_dtype(out)
+        return out
     return replace(subject, forward=watched_forward,
-                   decode_step=None if decode_step is None else watched_decode_step)
+                   decode_step=None if decode_step is None else watched_decode_step,
+                   shifted=None if shifted is None else watched_shifted)
 
 
 def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subject:

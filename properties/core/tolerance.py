@@ -23,6 +23,13 @@ Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them)
    factor within 1 +- gamma(2S + 6).  A weight may also underflow: +- finfo.tiny absolute.
 5. Output.  sum_j w_j v_j costs gamma(S + 2) * sum_j w_j |v_j| (S products, S - 1 sums, the final
    rounding to the dtype).
+6. Half precision at length.  A kernel keeps its running state (maximum, row sum, accumulator) in float32, as
+   FlashAttention and PyTorch's backends do; what it stores in the dtype is counted, not guessed per S: a weight
+   at most ``STORED_WEIGHT_ROUNDINGS`` times (P before P.V; a math backend's normalized weight; read through
+   V = I, the output it becomes) and the output ``STORED_OUTPUT_ROUNDINGS`` time.  The float32 terms grow as
+   gamma_32(2S), below one rounding of the dtype up to S = 2^15, so the bound follows the error of a
+   float32-state computation at every length; a kernel that rounds its state once per key tile adds S / 64
+   roundings of the dtype and leaves it at S = 1024 (SPEC.md, "Tolerance model", step 6).
 
 The oracle itself runs in float64, so the same model with u = 2^-53 is added on top: for float64 inputs
 the oracle is no more exact than the kernel, and both errors count.  The bounds are worst cases: never
@@ -38,9 +45,15 @@ import torch
 from properties.core.oracle import Reference, expand_kv_heads, reference_attention, to_float64
 
 __all__ = ["unit_roundoff", "gamma", "accumulation_roundoff", "rounding_error", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
-           "output_bound"]
+           "output_bound", "STORED_WEIGHT_ROUNDINGS", "STORED_OUTPUT_ROUNDINGS"]
 
 _F64 = torch.float64
+
+
+# Step 6: roundings to the dtype itself of a weight on its way to the output, and of the output (float32 and float64
+# count them with the accumulation's).
+STORED_WEIGHT_ROUNDINGS = 2
+STORED_OUTPUT_ROUNDINGS = 1
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -68,8 +81,10 @@ def rounding_error(n: int, c: int, dtype: torch.dtype) -> float:
 
 
 def evaluation_error(s: int, dtype: torch.dtype) -> float:
-    """Step 4: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's)."""
-    return rounding_error(2 * s + 2, 4, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
+    """Steps 4 and 6: relative error of evaluating a softmax over s keys in ``dtype`` (plus the oracle's): exp, the
+    row sum and the online rescaling, the division (2s + 4 roundings of the accumulation type) and the weight's
+    own storage in the dtype."""
+    return rounding_error(2 * s + 4, STORED_WEIGHT_ROUNDINGS, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
 
 
 def rowsum_error(s: int, dtype: torch.dtype) -> float:
@@ -231,13 +246,13 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
     deviation = torch.maximum(bounds.upper - w, w - bounds.lower)
     has_key = bounds.admissible.any(dim=-1, keepdim=True)
     if value is None:
-        bound = weight_factor * (deviation + rounding_error(s + extra_roundings, 2, bounds.dtype) * bounds.upper
+        bound = weight_factor * (deviation + rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype) * bounds.upper
                                  + gamma(s + 1, u64) * w)
         return bound + torch.where(has_key, bounds.tiny, 0.0)
     v = to_float64(value).abs()
     if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
         v = expand_kv_heads(v, w.shape[-3])
     bound = weight_factor * (deviation @ v
-                             + rounding_error(s + extra_roundings, 2, bounds.dtype) * (bounds.upper @ v)
+                             + rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype) * (bounds.upper @ v)
                              + gamma(s + 1, u64) * (w @ v))
     return bound + torch.where(has_key, bounds.tiny, 0.0)

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-__all__ = ["DEFAULT_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
+__all__ = ["DEFAULT_TIMEOUT", "MIN_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
            "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
 
 # One call of the code under test may take this long (seconds; the option --call-timeout, properties/plugin/
@@ -37,6 +37,9 @@ __all__ = ["DEFAULT_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", 
 # most on a loaded 2-core CPU; 60 s leaves room for a first call that compiles (Triton, torch.compile) and still
 # names a hang within a minute.
 DEFAULT_TIMEOUT = 60.0
+# The least limit --call-timeout accepts (0 aside): importing torch-using code or a kernel's first call takes some
+# tenths of a second on a loaded machine even when nothing is wrong, so a smaller limit would only stop correct code.
+MIN_TIMEOUT = 1.0
 
 
 class CallTimeout(BaseException):

@@ -24,9 +24,11 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from einops import einsum
 from hypothesis import strategies as st
 
 from properties.kernel.gradients import Gradients, gradient_oracle, softcap_slope
+from properties.kernel.magnitudes import TYPICAL, Scores, score_shapes
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.strategies import derived_generator, on, require_dtype, seeds
 from properties.kernel.cases import dtypes
@@ -161,6 +163,7 @@ class FlashCase:
     spread: int = 0
     strided: bool = False
     seed: int = 0
+    scores: Scores = TYPICAL         # peaked or very negative rows (properties/kernel/magnitudes.py)
 
     @property
     def heads(self) -> int:
@@ -170,7 +173,7 @@ class FlashCase:
         parts = [f"b={self.b}", f"lq={self.lq}", f"lk={self.lk}", f"kv_heads={self.kv_heads}", f"group={self.group}",
                  f"d={self.d}", f"dtype={self.dtype}"]
         defaults = {"causal": False, "window": (-1, -1), "softcap": 0.0, "alibi": "none", "scale": None,
-                    "spread": 0, "strided": False}
+                    "spread": 0, "strided": False, "scores": TYPICAL}
         parts += [f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
                   if getattr(self, name) != default]
         return f"FlashCase({', '.join(parts)}, seed={self.seed})"
@@ -213,6 +216,14 @@ class FlashCase:
         q = torch.randn(self.b, self.lq, self.heads, self.d, generator=g, dtype=_F64) * 2.0**self.spread
         k = torch.randn(self.b, self.lk, self.kv_heads, self.d, generator=g, dtype=_F64)
         v = torch.randn(self.b, self.lk, self.kv_heads, self.d, generator=g, dtype=_F64)
+        if self.scores != TYPICAL:
+            q, k = self.scores.directions(q, k, derived_generator(self.seed, 3))
+            # one factor for q and k: the largest scaled partial sum over every query head and its key head
+            sigma = self.scale if self.scale is not None else 1 / math.sqrt(self.d)
+            k_heads = k.repeat_interleave(self.group, dim=2)
+            current = abs(sigma) * einsum(q.abs(), k_heads.abs(), "b i h d, b j h d -> b h i j").max().item()
+            factor = math.sqrt(self.scores.target(self.dtype)) / math.sqrt(current)
+            q, k = q * factor, k * factor
         return q, k, v
 
     def place(self, t: torch.Tensor, device) -> torch.Tensor:
@@ -280,10 +291,10 @@ def windows(draw, lk: int, *, bounded: bool | None = None) -> tuple[int, int]:
 @st.composite
 def flash_cases(draw, *, max_b: int = 2, min_lq: int = 1, max_lq: int = 7, min_lk: int = 1, max_lk: int = 9,
                 max_d: int = 8, causal=None, window=None, softcap=None, alibi=None, group=None, scale="draw",
-                spread=None, strided=None, dtype=None) -> FlashCase:
+                spread=None, strided=None, dtype=None, scores=False) -> FlashCase:
     """Drawn ``flash_attn_func`` problems. Each feature argument fixes it (``window``/``softcap``: True = on,
     False = off; ``alibi``: 'none', 'heads', 'batch'; ``scale``: a value or None for the default); None (for
-    ``scale``: 'draw') draws it."""
+    ``scale``: 'draw') draws it. ``scores``: also draw peaked and very negative rows (properties/kernel/magnitudes.py)."""
     lq, lk = draw(st.integers(min_lq, max_lq)), draw(st.integers(min_lk, max_lk))
     kv_heads = draw(st.integers(1, 2))
     the_group = draw(st.integers(1, 3)) if group is None else group
@@ -298,4 +309,5 @@ def flash_cases(draw, *, max_b: int = 2, min_lq: int = 1, max_lq: int = 7, min_l
         alibi=draw(st.sampled_from(["none", "heads", "batch"])) if alibi is None else alibi,
         scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))) if scale == "draw" else scale,
         spread=draw(st.integers(-2, 3)) if spread is None else spread,
-        strided=draw(st.booleans()) if strided is None else strided, seed=draw(seeds))
+        strided=draw(st.booleans()) if strided is None else strided, seed=draw(seeds),
+        scores=draw(score_shapes()) if scores else TYPICAL)

@@ -13,6 +13,7 @@ from hypothesis import assume, example, given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_all, assert_identical, assert_within, fmt
 from properties.kernel.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
+from properties.kernel.magnitudes import Scores
 from properties.kernel.flash_guard import flash_weights, skip_unsupported
 from properties.core.oracle import to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
@@ -107,7 +108,8 @@ def test_flash_causal_is_bottom_right_aligned(flash_kernel, device, case):
 @example(case=FlashCase(1, 5, 3, 1, 1, 4, F32, window=(1, -1)))   # Lq > Lk, unbounded right
 @example(case=FlashCase(1, 5, 5, 1, 1, 4, F32, causal=True, window=(2, -1)))   # Mistral's causal sliding window
 @example(case=FlashCase(1, 3, 5, 1, 1, 4, F32, window=(-1, 0)))
-@given(case=flash_cases(window=True, softcap=False, alibi="none"))
+@example(case=FlashCase(1, 65, 65, 1, 1, 64, F32, causal=True, window=(32, -1), scores=Scores("negative", 1.0)))
+@given(case=flash_cases(window=True, softcap=False, alibi="none", scores=True))
 def test_flash_window_admits_exactly_its_band(flash_kernel, device, case):
     flash_kernel.require(device, "window")
     case = _supported(flash_kernel, device, case)

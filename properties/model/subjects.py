@@ -22,10 +22,10 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core.subject import Subject, SubjectError, as_subject, load_subject, watched, zoo_subject
+from properties.core.subject import Subject, SubjectError, as_subject, load_subject, moved, watched, zoo_subject
 
-__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "build_model_under_test", "ModelUnderTest",
-           "ZOO_TINY"]
+__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
+           "ModelUnderTest", "ZOO_TINY"]
 
 # Small enough that all twelve zoo models run every clause in seconds (task=verify: the suite checks models,
 # not a task, and verify has no sequence length of its own to contradict max_len); two layers so that a
@@ -67,9 +67,15 @@ class _Source:
     make: Callable[[], Subject]                   # a fresh subject each call
     plugin: str                                   # how the watchdog names it (properties/core/watchdog.py)
     built: ModelUnderTest | None = field(default=None)
+    # A subject never called before (MODEL-HISTORY): a factory call, or a copy of a zoo model taken before its
+    # first call. None: the same as make.
+    pristine: Callable[[], Subject] | None = field(default=None)
 
     def watched(self) -> Subject:
         return watched(self.make(), self.plugin)
+
+    def fresh(self) -> Subject:
+        return watched((self.pristine or self.make)(), self.plugin)
 
 
 def add_options(parser) -> None:
@@ -117,18 +123,23 @@ def configure(config) -> None:
             spec = config.getoption("model")
             first = load_subject(spec)
             made = iter([first])
-            sources["model"] = _Source(lambda: next(made, None) or load_subject(spec), f"model {spec}")
+            sources["model"] = _Source(lambda: next(made, None) or load_subject(spec), f"model {spec}",
+                                       pristine=lambda: load_subject(spec))
         run = zoo_run(config)   # the zoo's size check included: a model that cannot fit is one line here
         if run is not None:
-            first = zoo_subject(run.cfg, device=device, dtype=dtype, origin=run.origin)
-            sources["zoo"] = _Source(_zoo_maker(first.module), f"model built by {run.origin}")
+            # The config's own dtype (dtype=bfloat16 in --zoo or the saved config) unless --dtype says otherwise.
+            own = dtype if config.getoption("--dtype", None) else None
+            first = zoo_subject(run.cfg, device=device, dtype=own, origin=run.origin)
+            rebuilt = lambda: zoo_subject(run.cfg, device=device, dtype=own, origin=run.origin)  # noqa: E731
+            sources["zoo"] = _Source(_zoo_maker(first.module), f"model built by {run.origin}", pristine=rebuilt)
     except SubjectError as exc:
         raise pytest.UsageError(str(exc)) from None
     if not sources:
         for family in FAMILIES:
             for pos in POSITIONS:
                 overrides = (f"model={family}", f"pos={pos}", *ZOO_TINY)
-                sources[f"{family}-{pos}"] = _Source(_lazy_zoo(overrides, device, dtype), f"model {family}-{pos}")
+                make, pristine = _lazy_zoo(overrides, device, dtype)
+                sources[f"{family}-{pos}"] = _Source(make, f"model {family}-{pos}", pristine=pristine)
     config.stash[_KEY] = sources
 
 
@@ -138,22 +149,38 @@ def _zoo_maker(model) -> Callable[[], Subject]:
     return lambda: as_subject(next(made, None) or copy.deepcopy(model))
 
 
-def _lazy_zoo(overrides, device, dtype) -> Callable[[], Subject]:
+def _lazy_zoo(overrides, device, dtype) -> tuple[Callable[[], Subject], Callable[[], Subject]]:
+    """(make, pristine): the model built once (its first subject the model itself, later ones deep copies), and
+    copies of a copy taken when it was built, before any call."""
     built = []
 
-    def make() -> Subject:
+    def build() -> None:
         if not built:
             from zoo.config.builder import build_model
             built.append(build_model(list(overrides), device=device, dtype=dtype))
+            built.append(copy.deepcopy(built[0]))
+
+    def make() -> Subject:
+        if not built:
+            build()
             return as_subject(built[0])
         return as_subject(copy.deepcopy(built[0]))
-    return make
+
+    def pristine() -> Subject:
+        build()
+        return as_subject(copy.deepcopy(built[1]))
+    return make, pristine
 
 
 def subject_ids(config) -> list:
     if config.stash.get(_SKIP, ""):
         return [pytest.param("none", marks=pytest.mark.skip(reason=config.stash[_SKIP]))]
     return list(config.stash[_KEY])
+
+
+def fresh_subject(config, key: str) -> Subject:
+    """A subject of the model ``key`` that nothing has called yet (MODEL-HISTORY), under the watchdog."""
+    return config.stash[_KEY][key].fresh()
 
 
 def model_under_test(config, key: str) -> ModelUnderTest:
@@ -167,7 +194,7 @@ def build_model_under_test(make: Callable[[], Subject], name: str = "model", con
     """The subject ``make()`` returns, its float64 twin (a second call, cast) and what the suite measures of both."""
     native = make()
     device = _device_of(native, config)
-    precise, note = _float64_twin(make, device)
+    precise, note = _float64_twin(make, device, name if config is None else _source_plugin(config, name))
     precise = precise or native
     for subject in {id(native): native, id(precise): precise}.values():
         register_precision(subject, measure_precision(subject, device))
@@ -231,12 +258,18 @@ def _device_of(subject: Subject, config) -> torch.device:
     return _device_dtype(config)[0] if config is not None else torch.device("cpu")
 
 
-def _float64_twin(make: Callable[[], Subject], device: torch.device) -> tuple[Subject | None, str]:
+def _source_plugin(config, key: str) -> str:
+    source = config.stash.get(_KEY, {}).get(key)
+    return source.plugin if source is not None else f"model {key}"
+
+
+def _float64_twin(make: Callable[[], Subject], device: torch.device, plugin: str = "model"
+                  ) -> tuple[Subject | None, str]:
     """A second subject with its module in float64, checked on a tiny input; None if impossible."""
     subject = make()
     if subject.module is None:
         return None, "Subject.module is None: comparisons run in the model's own dtype"
-    subject.module.to(torch.float64)  # floating parameters and buffers only
+    moved(subject.module, plugin, torch.float64)  # floating parameters and buffers only
     tokens = torch.full((1, 2), (subject.pad_id + 1) % subject.vocab_size, dtype=torch.long, device=device)
     mask = torch.ones(1, 2, dtype=torch.bool, device=device)
     try:

@@ -145,7 +145,34 @@ def _loading(spec: str) -> str:
     return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
 
 
+# Options that shape the kernel clauses only, and their defaults: given where no kernel clause runs, they would be
+# accepted and ignored.
+_KERNEL_ONLY = {"--causal-alignment": "top-left", "--fully-masked": "zeros", "--finfo-min-rows": "softmax",
+                "--window-right-below-lk": False, "--reference-kernel": None,
+                **{name: None for name in limits.LIMIT_OPTIONS}}
+
+
+def _kernel_clauses_run(config) -> bool:
+    """Whether the kernel level is selected (``_levels_selected``), read from the options alone: before --zoo is
+    parsed, which may be refused."""
+    kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+    whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
+    return bool(kernel or whole or not config.getoption("--model", None))
+
+
+def _refuse_kernel_options_without_kernels(config) -> None:
+    """A kernel option where no kernel clause runs (--model alone) is a UsageError, not an option ignored."""
+    if _kernel_clauses_run(config):
+        return
+    given = [name for name, default in _KERNEL_ONLY.items() if config.getoption(name, default) not in (default, False)]
+    if given:
+        raise pytest.UsageError(f"{', '.join(given)}: {'a kernel option' if len(given) == 1 else 'kernel options'}, "
+                                f"but no kernel clause runs (--model alone checks the model clauses); add --kernel "
+                                f"SPEC to check a kernel, or leave {'it' if len(given) == 1 else 'them'} out")
+
+
 def _configure(config):
+    _refuse_kernel_options_without_kernels(config)
     configure_session(config)
     configure_report(config)
     configure_reproducers(config)
@@ -178,15 +205,17 @@ def _configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    for kernel in kernels:   # a kernel that declines the plainest problem: its limits now (properties/kernel/limits.py)
+    # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
+    # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
+    probed = kernels if _kernel_clauses_run(config) else []   # no kernel clause runs: no probe
+    for kernel in probed:
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
-            if kernel.plainest_declined(device):
-                try:
-                    kernel.learn(device)
-                except limits.LimitsError as exc:
-                    raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
-                                            f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
-                                            f"--kernel-equal-head-sizes)") from None
+            try:
+                kernel.learn(device)
+            except limits.LimitsError as exc:
+                raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
+                                        f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
+                                        f"--kernel-equal-head-sizes)") from None
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 

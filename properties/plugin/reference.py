@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from properties.core.strategies import required
-from properties.core.subject import Subject, SubjectError, as_subject, watched
+from properties.core.subject import Subject, SubjectError, as_subject, moved, same_draws, watched
 from properties.core.watchdog import raised, user_call
 from zoo.plugins import PluginError, load_object
 
@@ -119,7 +119,7 @@ def _takes_subject(factory, spec: str) -> bool:
 
 def _build(factory, spec: str, subject: Subject, takes: bool) -> Subject:
     try:
-        with user_call(f"reference model {spec}", "its factory"):
+        with user_call(f"reference model {spec}", "its factory"), same_draws():   # as --model's factory is called
             obj = factory(subject) if takes else factory()
     except SubjectError as exc:   # a Subject the factory built with an unusable field
         raise pytest.UsageError(f"--reference {spec!r}: {exc}") from None
@@ -140,11 +140,11 @@ def _check_compatible(spec: str, ref: Subject, under_test: Subject) -> None:
                                     f"same kind and vocabulary")
 
 
-def _float64(ref: Subject, device) -> tuple[Subject | None, str]:
+def _float64(ref: Subject, device, spec: str) -> tuple[Subject | None, str]:
     """``ref`` with its module cast to float64, checked on a tiny input (None and why when impossible)."""
     if ref.module is None:
         return None, "the reference has no Subject.module: it is compared as built"
-    ref.module.to(torch.float64)
+    moved(ref.module, f"reference model {spec}", torch.float64)
     tokens = torch.full((1, 2), (ref.pad_id + 1) % ref.vocab_size, dtype=torch.long, device=device)
     mask = torch.ones(1, 2, dtype=torch.bool, device=device)
     try:
@@ -183,7 +183,7 @@ def _model(config, spec: str) -> Reference | None:
     _check_compatible(spec, native, mut.native)
     precise, note = native, "the model under test has no float64 twin: both are compared as built"
     if mut.precise is not mut.native:
-        twin, note = _float64(_build(factory, spec, mut.precise, takes), mut.device)
+        twin, note = _float64(_build(factory, spec, mut.precise, takes), mut.device, spec)
         precise = twin or native
     for subject in {id(native): native, id(precise): precise}.values():
         register_precision(subject, subjects.measure_precision(subject, mut.device))

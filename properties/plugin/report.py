@@ -15,6 +15,7 @@ from properties.core import repro
 from properties.plugin.repro import reset as reset_reproducers, write as write_reproducer
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
+from properties.core.subject import called_dtypes
 from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
@@ -25,32 +26,9 @@ _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --repor
 
 
 def _report_path_problem(path: str) -> str | None:
-    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None. The
-    report is written beside PATH and renamed onto it (zoo.io.atomic), so a file is created and removed there now."""
-    import os
-    import tempfile
-    from pathlib import Path
-    if not path.strip():
-        return "the path is empty"
-    try:
-        target = Path(path).absolute()
-        if target.is_dir():
-            return "is a directory"
-        if target.exists() and not target.is_file():   # renaming a report over it would replace a FIFO or device
-            return "is not a regular file (a FIFO, device or socket)"
-        ancestor = next((p for p in target.parents if p.exists()), None)
-        if ancestor is not None and not ancestor.is_dir():
-            return f"{ancestor} is not a directory"
-        if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
-            return f"{ancestor} is not writable"
-        if target.exists() and not os.access(target, os.W_OK):
-            return "is not writable"
-        if ancestor == target.parent:
-            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=f".{target.name[:64]}.", suffix=".probe"):
-                pass
-    except OSError as exc:   # a name too long, a file system that refuses new files (/sys, /proc), ...
-        return exc.strerror or str(exc)
-    return None
+    """Why --report-json PATH could not be written at the end of the run (checked before it starts), or None."""
+    from zoo.io.atomic import unwritable_file
+    return unwritable_file(path)
 
 
 def configure_report(config) -> None:
@@ -71,6 +49,7 @@ def pytest_runtest_makereport(item, call):
     ids = clause_ids(item) if in_suite(item) else []
     report.level = level_of(item)
     report.clauses = ids  # survives pytest-xdist's report serialization (plain attribute)
+    report.subject = _subject(item, report.level) if ids else ""
     mut = getattr(item, "funcargs", {}).get("mut")
     report.resolution = mut.resolution if mut is not None and hasattr(mut, "resolution") else ""
     # A model clause that ran in the model's own precision because its float64 twin departs says so (model/twin.py).
@@ -78,7 +57,10 @@ def pytest_runtest_makereport(item, call):
     # Where its comparisons ran: the float64 twin, or the model's own precision and why (model/twin.py).
     report.precision = pop_precision() if call.when == "call" and mut is not None else ""
     report.coverage = coverage.record_of(item.nodeid) if call.when == "call" else None
+    # The dtypes the model was called in during this test (its float64 twin's and its own), for the report.
+    report.model_dtypes = called_dtypes() if call.when == "call" and mut is not None else []
     report.repro = None
+    report.repro_missing = ""
     if call.when == "setup":
         repro.clear()
     if report.failed and ids:
@@ -86,7 +68,13 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
         if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
-            report.repro = write_reproducer(clauses[ids[0]], item.nodeid, _counterexample(report))
+            from properties.core.watchdog import CallTimeout
+            if call.excinfo is not None and call.excinfo.errisinstance(CallTimeout):   # its script would hang too
+                repro.clear()
+                report.repro_missing = "a call did not return within --call-timeout; a script would hang too"
+            else:
+                report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
+                                                                      _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
@@ -95,7 +83,21 @@ def pytest_runtest_makereport(item, call):
             item.user_properties.append(("coverage", json.dumps(report.coverage)))
         if report.repro:
             item.user_properties.append(("repro", report.repro))
+        elif report.repro_missing:
+            item.user_properties.append(("repro_missing", report.repro_missing))
     return report
+
+
+def _subject(item, level: str | None) -> str:
+    """What a clause test verifies, as the verdict names it: 'kernel NAME', 'model KEY', 'modules' ('' for a test
+    of no subject, such as an SDPA clause's placeholder under a flash API)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if level == "kernel":
+        kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
+        return f"kernel {kernel.name}" if kernel is not None else ""
+    if level == "model":
+        return f"model {params['mut']}" if isinstance(params.get("mut"), str) else ""
+    return "the zoo's modules" if level == "module" else ""
 
 
 _HYPOTHESIS_MARKERS = ("Falsifying example:", "Failing explicit example:", "Failing test case:")  # its wordings
@@ -135,7 +137,9 @@ def pytest_runtest_logreport(report):
                                                 "status": "passed", "duration_s": 0.0,
                                                 "message": "", "counterexample": "",
                                                 "resolution": getattr(report, "resolution", ""), "note": "",
-                                                "precision": ""})
+                                                "precision": "", "subject": getattr(report, "subject", ""),
+                                                "model_dtypes": []})
+    record["model_dtypes"] = sorted(set(record["model_dtypes"]) | set(getattr(report, "model_dtypes", None) or ()))
     record["duration_s"] += report.duration
     record["note"] = record["note"] or getattr(report, "note", "")
     record["precision"] = record["precision"] or getattr(report, "precision", "")
@@ -143,6 +147,8 @@ def pytest_runtest_logreport(report):
         record["coverage"] = report.coverage
     if getattr(report, "repro", None):
         record["repro"] = report.repro
+    if getattr(report, "repro_missing", ""):
+        record["repro_missing"] = report.repro_missing
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -162,6 +168,37 @@ def write_coverage(terminalreporter) -> None:
         terminalreporter.write_sep("=", "kernel clause coverage (problems run and declined; largest L, S, E; dtypes)")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def unverified() -> str:
+    """'' when a test of some subject of the run ran (passed or failed); when every one was skipped (each problem
+    declined, each clause skipped, the device absent), one line naming each subject and its most frequent reason.
+    A run that verified one subject and not another passes: its coverage report names what was not covered."""
+    from collections import Counter, defaultdict
+    statuses, reasons = defaultdict(Counter), defaultdict(Counter)
+    for record in _records.values():
+        if record.get("subject"):
+            statuses[record["subject"]][record["status"]] += 1
+            if record["status"] == "skipped":
+                reasons[record["subject"]][record["message"]] += 1
+    if not statuses or any(set(count) != {"skipped"} for count in statuses.values()):
+        return ""
+    parts = []
+    for name, count in statuses.items():
+        reason, _ = reasons[name].most_common(1)[0]
+        reason = reason if len(reason) <= 240 else reason[:237] + "..."
+        parts.append(f"{name}: all {count['skipped']} of its tests skipped ({reason})")
+    return "; ".join(parts)
+
+
+def _nothing_verified(session) -> None:
+    """A run that verified nothing never passes: one line, exit status 5 (pytest's "no tests ran"), unless the run
+    already failed."""
+    line = unverified()
+    if line and session.exitstatus == pytest.ExitCode.OK:
+        import sys
+        sys.stderr.write(f"ERROR: nothing verified for {line}\n")
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 LACKS = "Subject."   # a model clause skipped because the subject leaves an optional field None ("Subject.X is None")
@@ -218,10 +255,13 @@ def write_model_basis(terminalreporter) -> None:
 def write_reproducers(terminalreporter) -> None:
     """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
-    if written:
+    missing = [(nodeid, r["repro_missing"]) for nodeid, r in _records.items() if r.get("repro_missing")]
+    if written or missing:
         terminalreporter.write_sep("=", f"reproducers ({len(written)}; each exits 1 while its failure is there)")
         for ids, path in written:
             terminalreporter.write_line(f"{', '.join(ids)}: python {path}")
+        for nodeid, why in missing:   # never silently missing
+            terminalreporter.write_line(f"no reproducer for {nodeid}: {why}")
 
 
 def configure_reproducers(config) -> None:
@@ -231,19 +271,23 @@ def configure_reproducers(config) -> None:
         from zoo.io.atomic import unwritable
         if problem := unwritable(directory):
             raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
-    repro.activate(directory, config.getoption("--model", None))
+    repro.activate(directory, config.getoption("--model", None), config.getoption("--causal-alignment", "top-left"))
     reset_reproducers()
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller judges and writes
+        return
+    _nothing_verified(session)
     path = session.config.getoption("--report-json")
-    if not path or hasattr(session.config, "workerinput"):  # pytest-xdist: only the controller writes
+    if not path:
         return
     clauses = load_clauses()
     rows = [{"clause": cid, "title": clauses[cid].title, "level": r["level"], "status": r["status"], "nodeid": nodeid,
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
-             "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro")}
+             "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro"),
+             "repro_missing": r.get("repro_missing", ""), "model_dtypes": r["model_dtypes"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))

@@ -37,7 +37,7 @@ import time
 import pytest
 
 from properties.core import watchdog
-from properties.core.watchdog import DEFAULT_TIMEOUT, Record
+from properties.core.watchdog import DEFAULT_TIMEOUT, MIN_TIMEOUT, Record
 
 __all__ = ["add_options", "configure"]
 
@@ -55,7 +55,8 @@ def add_options(group) -> None:
     group.addoption("--call-timeout", "--kernel-timeout", dest="call_timeout", default=None, metavar="SECONDS",
                     help=f"time limit for one call of the code under test (a kernel call or its backward pass, a "
                          f"module's or model's forward or decode step, importing a plug-in, a factory); a call past it "
-                         f"fails its test and that code is not called again; 0: no limit; default {DEFAULT_TIMEOUT:g}")
+                         f"fails its test and that code is not called again; 0: no limit, else at least "
+                         f"{MIN_TIMEOUT:g}; default {DEFAULT_TIMEOUT:g}")
 
 
 def _timeout(config) -> float:
@@ -68,6 +69,11 @@ def _timeout(config) -> float:
         seconds = float("nan")
     if not math.isfinite(seconds) or not 0 <= seconds <= 1e6:
         raise pytest.UsageError(f"--call-timeout {text!r}: expected a number of seconds in [0, 1e6] (0: no limit)")
+    if 0 < seconds < MIN_TIMEOUT:   # a limit that stops correct code (importing torch) verifies nothing
+        given = getattr(getattr(config, "invocation_params", None), "args", ())
+        name = "--kernel-timeout" if any(str(a).startswith("--kernel-timeout") for a in given) else "--call-timeout"
+        raise pytest.UsageError(f"{name} {text!r}: expected 0 (no limit) or at least {MIN_TIMEOUT:g} s: "
+                                f"importing a plug-in or a first kernel call takes that long when nothing is wrong")
     return seconds
 
 
@@ -100,6 +106,11 @@ def _may_fork(config) -> bool:
         return False
     if config.getoption("help", False) or config.getoption("version", False):
         return False
+    return _command_line()
+
+
+def _command_line() -> bool:
+    """Whether pytest runs as the command line's program (not pytest.main() inside another program)."""
     frame = sys._getframe()
     while frame is not None:   # pytest's command line entry point, not pytest.main() inside another program
         if frame.f_code.co_name in ("_console_main", "console_main") and \
@@ -217,9 +228,13 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
     if _BEFORE in config.stash:
         watchdog.restore(config.stash[_BEFORE])
+    status = getattr(_session, "exitstatus", None)
     if _shared is not None:
-        status = getattr(_session, "exitstatus", None)
         _HEADER.pack_into(_shared, 0, _MAGIC, 1, -1 if status is None else int(status))
+    if _BEFORE in config.stash and (_shared is not None or _command_line()):
+        # the report is written: processes and threads the code under test left running do not keep the run alive
+        from zoo.leftovers import end_leftovers
+        end_leftovers(1 if status is None else int(status))
 
 
 # ------------------------------------------------------------------------------------------------ the parent

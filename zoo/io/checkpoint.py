@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zoo.io.weights import StateDictMismatch, load_state_dict_checked, read_checkpoint, save_checkpoint
+from zoo.io.weights import StateDictMismatch, load_state_dict_checked, save_checkpoint, state_from_bytes
 from zoo.io.checkpoint_read import (_COVERED, _FILES, FORMAT, MANIFEST, CheckpointError, _manifest, _sha256,
                                     check_config, checkpoints_in, latest_checkpoint, read_state, resolve_checkpoint)
 
@@ -173,11 +173,22 @@ def _one_line(error: StateDictMismatch) -> str:
     return "; ".join(line.strip() for line in str(error).splitlines())
 
 
-def load_weights(model: nn.Module, checkpoint: str | os.PathLike) -> nn.Module:
-    """Load model.safetensors of a checkpoint (checksum verified by read_state first)."""
+def _verified(checkpoint: Path, state: dict | None) -> dict[str, bytes]:
+    """The checkpoint's files as read_state read and checked them (read and checked now when ``state`` is not
+    read_state's)."""
+    files = getattr(state, "files", None)
+    return files if files is not None else read_state(checkpoint).files
+
+
+def load_weights(model: nn.Module, checkpoint: str | os.PathLike, state: dict | None = None) -> nn.Module:
+    """Load model.safetensors of a checkpoint from the very bytes whose checksum read_state verified (``state``,
+    read_state's result; without it the checkpoint is read and verified here)."""
     path = Path(checkpoint) / "model.safetensors"
     try:
-        return load_state_dict_checked(model, read_checkpoint(path), source=str(path))
+        data = _verified(Path(checkpoint), state)["model.safetensors"]
+        return load_state_dict_checked(model, state_from_bytes(data, f"checkpoint {str(path)!r}"), source=str(path))
+    except CheckpointError:
+        raise
     except StateDictMismatch as exc:
         raise CheckpointError(_one_line(exc)) from exc
     except Exception as exc:
@@ -188,10 +199,10 @@ def load_training_state(checkpoint: str | os.PathLike, state: dict, model: nn.Mo
                         optimizer: torch.optim.Optimizer) -> int:
     """Restore weights, optimizer and RNG states; return the step to continue from."""
     checkpoint = Path(checkpoint)
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, state)
     path = checkpoint / "train_state.safetensors"
     try:
-        tensors = read_checkpoint(path)
+        tensors = state_from_bytes(_verified(checkpoint, state)["train_state.safetensors"], f"checkpoint {str(path)!r}")
     except Exception as exc:
         raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from exc
     saved = state["optimizer"]

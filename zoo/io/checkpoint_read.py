@@ -17,9 +17,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from zoo.io.bounded import InputTooLarge, read_json
+from zoo.io.bounded import InputTooLarge, loads_json, read_json
 
-__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "checkpoints_in", "latest_checkpoint", "resolve_checkpoint",
+__all__ = ["CheckpointError", "VerifiedState", "FORMAT", "MANIFEST", "checkpoints_in", "latest_checkpoint", "resolve_checkpoint",
            "read_state", "check_config"]
 
 FORMAT = "zoo-train-checkpoint/2"   # /2: manifest.json covers every file, state.json included
@@ -65,8 +65,16 @@ def _manifest(directory: Path) -> dict:
     return {**body, "sha256": _manifest_digest(body)}
 
 
-def _verify_files(checkpoint: Path) -> None:
-    """Every file of the checkpoint against manifest.json (which checks itself first)."""
+class VerifiedState(dict):
+    """state.json of a checkpoint (a dict), with ``files``: the bytes of every file the manifest covers, as read once
+    and checked against it. The weights are loaded from these bytes (zoo.io.checkpoint.load_weights), never read again:
+    a file replaced after the check cannot slip in unchecked."""
+    files: dict[str, bytes]
+
+
+def _verify_files(checkpoint: Path) -> dict[str, bytes]:
+    """Every file of the checkpoint against manifest.json (which checks itself first): each file's bytes, read once,
+    the checksums computed on what was read."""
     path = checkpoint / MANIFEST
     try:
         manifest = read_json(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
@@ -88,6 +96,7 @@ def _verify_files(checkpoint: Path) -> None:
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if manifest.get("sha256") != _manifest_digest(body):
         raise CheckpointError(f"{path} is damaged: its own sha256 does not match its contents")
+    files: dict[str, bytes] = {}
     for name in _COVERED:
         entry = manifest["files"].get(name)
         if not isinstance(entry, dict):
@@ -107,12 +116,18 @@ def _verify_files(checkpoint: Path) -> None:
             raise CheckpointError(f"{file} is damaged: {what} {size:,} bytes, {entry.get('bytes')!r} recorded at "
                                   f"save time")
         try:
-            digest = _sha256(file)
+            with open(file, "rb") as f:
+                data = f.read(size + 1)   # one byte more: a file that grew since its stat shows as damaged
         except OSError as exc:
             raise CheckpointError(f"{file} cannot be read: {exc.strerror}") from None
-        if digest != entry.get("sha256"):
+        if len(data) != size:
+            raise CheckpointError(f"{file} is damaged: it changed while it was read ({len(data):,} bytes read, "
+                                  f"{size:,} expected)")
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
             raise CheckpointError(f"{file} is damaged: its sha256 differs from the one recorded at save time "
                                   f"(an edited or corrupted file)")
+        files[name] = data
+    return files
 
 
 def checkpoints_in(out_dir: str | os.PathLike) -> list[Path]:
@@ -141,16 +156,19 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return latest
 
 
-def read_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+def read_state(checkpoint: str | os.PathLike) -> VerifiedState:
     """state.json of a checkpoint, after checking every file against the manifest and every entry's type.
 
     Nothing the file names is imported or called here; ``check_config`` judges the saved config."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"{checkpoint}: not a checkpoint directory")
-    _verify_files(checkpoint)
+    files = _verify_files(checkpoint)
     try:
-        state = read_json(checkpoint / "state.json", max_bytes=MAX_STATE_BYTES, what="checkpoint's state.json")
+        if len(files["state.json"]) > MAX_STATE_BYTES:
+            raise InputTooLarge(f"{checkpoint}/state.json: {len(files['state.json']):,} bytes, more than the "
+                                f"{MAX_STATE_BYTES:,} a checkpoint's state.json may have")
+        state = loads_json(files["state.json"].decode("utf-8"), where=f"{checkpoint}/state.json")
     except InputTooLarge as exc:
         raise CheckpointError(f"{exc} (not a state.json the zoo wrote)") from None
     except (OSError, ValueError) as exc:
@@ -159,7 +177,9 @@ def read_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
         found = state.get("format") if isinstance(state, dict) else None
         raise CheckpointError(f"{checkpoint}/state.json: not a {FORMAT} file" + (f" ({found})" if found else ""))
     _check_state(state, f"{checkpoint}/state.json", checkpoint)
-    return state
+    verified = VerifiedState(state)
+    verified.files = files
+    return verified
 
 
 def _check_state(state: dict, where: str, checkpoint: Path) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from zoo.io.atomic import replacing
 from zoo.io.bounded import loads_json
 
-__all__ = ["StateDictMismatch", "read_checkpoint", "load_state_dict_checked", "load_checkpoint", "save_checkpoint"]
+__all__ = ["StateDictMismatch", "read_checkpoint", "state_from_bytes", "load_state_dict_checked", "load_checkpoint", "save_checkpoint"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -87,54 +87,60 @@ def save_checkpoint(model: nn.Module | State, path: str | os.PathLike,
     return path
 
 
-def _is_safetensors(path: Path) -> bool:
+def _is_safetensors(data: bytes) -> bool:
     # Layout: an 8-byte little-endian header length, then a JSON header starting with '{'.
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if len(head) < 9:
+    if len(data) < 9:
         return False
-    size = int.from_bytes(head[:8], "little")
-    return head[8:9] == b"{" and 0 < size <= path.stat().st_size - 8
+    size = int.from_bytes(data[:8], "little")
+    return data[8:9] == b"{" and 0 < size <= len(data) - 8
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict in a safetensors file or a torch.save file, on the CPU.
+    """The state dict in a safetensors file or a torch.save file, on the CPU (``state_from_bytes`` of its bytes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    return state_from_bytes(path.read_bytes(), f"checkpoint {str(path)!r}")
+
+
+def state_from_bytes(data: bytes, where: str) -> dict[str, torch.Tensor]:
+    """The state dict that ``data`` (a safetensors or torch.save file's bytes) holds, on the CPU: what was read is what
+    is loaded, so a checksum of ``data`` covers the weights (zoo.io.checkpoint_read).
 
     torch.save files are read with ``weights_only=True``: tensors and plain containers only, never
     arbitrary pickled objects. A file holding {'state_dict': ...} or {'model': ...} is unwrapped.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if _is_safetensors(path):
-        from safetensors import safe_open
+    if _is_safetensors(data):
+        from safetensors.torch import load
 
-        with safe_open(str(path), framework="pt") as f:
-            state = {k: f.get_tensor(k) for k in f.keys()}
-            aliases = loads_json((f.metadata() or {}).get(_ALIASES, "{}"), where=f"checkpoint {str(path)!r}: "
-                                 f"metadata {_ALIASES}", max_depth=1)
+        state = load(data)
+        header = loads_json(data[8:8 + int.from_bytes(data[:8], "little")].decode("utf-8", "replace"),
+                            where=f"{where}: header")
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        aliases = loads_json((metadata or {}).get(_ALIASES, "{}"), where=f"{where}: metadata {_ALIASES}", max_depth=1)
         if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                     for k, v in aliases.items()):
-            raise ValueError(f"checkpoint {str(path)!r}: metadata {_ALIASES} is not a mapping of names to names")
+            raise ValueError(f"{where}: metadata {_ALIASES} is not a mapping of names to names")
         for alias, key in aliases.items():
             if key not in state:
-                raise ValueError(f"checkpoint {str(path)!r}: alias {alias!r} points to missing key {key!r}")
+                raise ValueError(f"{where}: alias {alias!r} points to missing key {key!r}")
             state[alias] = state[key]
         return state
+    import io
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # anything torch.load rejects: not a checkpoint we may open
-        raise ValueError(f"checkpoint {str(path)!r} is neither safetensors nor a weights-only torch.save file: "
+        raise ValueError(f"{where} is neither safetensors nor a weights-only torch.save file: "
                          f"{type(exc).__name__}: {exc}") from exc
     for wrapper in ("state_dict", "model"):
         if isinstance(obj, Mapping) and isinstance(obj.get(wrapper), Mapping):
             obj = obj[wrapper]
             break
     if not isinstance(obj, Mapping):
-        raise ValueError(f"checkpoint {str(path)!r} holds a {type(obj).__name__}, not a state dict")
+        raise ValueError(f"{where} holds a {type(obj).__name__}, not a state dict")
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
-        raise ValueError(f"checkpoint {str(path)!r}: entries that are not named tensors: {bad}")
+        raise ValueError(f"{where}: entries that are not named tensors: {bad}")
     return dict(obj)
 
 

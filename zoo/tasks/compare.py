@@ -53,6 +53,9 @@ def check_compare(preset: str | None, reference: str | None, task) -> None:
     if reference is not None and reference != REFERENCES[preset]:
         raise ConfigError(f"reference={reference}: preset={preset} is compared with reference={REFERENCES[preset]}")
     d, layers, vocab = task.d_model, task.layers, task.vocab_size
+    if vocab < 2:   # the inputs are ids 1 .. vocab_size - 1 (0 pads)
+        raise ConfigError(f"task.vocab_size={vocab}: task=compare needs at least 2 token ids (0 pads, the inputs "
+                          f"draw from 1 .. vocab_size - 1)")
     decoders = 2 if preset == "vaswani_base" else 1
     parameters = decoders * layers * (4 * d * d + 8 * d * d) + vocab * d + task.max_len * d
     free = available_memory("cpu")

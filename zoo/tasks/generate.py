@@ -57,7 +57,10 @@ def pick_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None 
     """Next token ids (b,) from last-position logits (b, vocab): argmax at temperature 0, else a sample."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Shifted so that the largest logit is 0 before the division: no temperature, however small, overflows to inf
+    # (inf - inf is NaN); a temperature far below the logits' gaps samples the argmax, as the limit T -> 0 does.
+    logits = logits.double()   # a float32 division would round a temperature below 1e-45 to 0 (0 / 0: NaN)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -181,7 +184,7 @@ def generate_task(cfg: DictConfig) -> None:
     saved = saved_config(state, checkpoint, allow_plugins=bool(cfg.get("allow_plugins", False)), device=cfg.device)
     check_fits(saved, device=cfg.device)
     model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, state)
     model.eval()
     data = task_from_config(saved.data)
     if model.kind == "encoder_only":

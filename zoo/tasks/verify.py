@@ -68,7 +68,7 @@ runpy.run_module("pytest", run_name="__main__", alter_sys=True)
 """
 
 PYTEST_STATUS = {0: "all tests passed", 1: "tests failed", 2: "interrupted", 3: "pytest internal error",
-                 4: "pytest usage error", 5: "no tests collected"}
+                 4: "pytest usage error", 5: "no tests collected, or every test skipped: nothing verified"}
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -79,6 +79,15 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _end_group(group: int) -> None:
+    """SIGKILL what is left of the suite's process group (processes a plug-in started and left running)."""
+    import signal
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:   # nothing left
+        pass
 
 
 def _child_env() -> dict[str, str]:
@@ -117,18 +126,35 @@ def run_suite(config_path: Path, kernel: str | None, *, device: str, profile: st
     start = time.perf_counter()
     tail = bytearray()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # Its own process group: what a plug-in starts and leaves running (a child process holding the output pipe) is
+    # ended with it, and the output is read until pytest itself ends, not until every holder of the pipe closes it.
     process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, env=_child_env())
+                               stdin=subprocess.DEVNULL, env=_child_env(), start_new_session=True)
+    import select
+
+    def take(chunk: bytes) -> None:
+        if echo:
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+        tail.extend(chunk)
+        del tail[:-6000]
     try:
-        while chunk := os.read(process.stdout.fileno(), 1 << 16):
-            if echo:
-                sys.stdout.write(decoder.decode(chunk))
-                sys.stdout.flush()
-            tail += chunk
-            del tail[:-6000]
+        fd, ended_at = process.stdout.fileno(), None
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            chunk = os.read(fd, 1 << 16) if ready else None
+            if chunk:
+                take(chunk)
+            elif chunk == b"":   # end of output: every holder closed it
+                break
+            if process.poll() is not None:   # pytest ended; what it wrote is read in the next 0.5 s at most
+                ended_at = ended_at or time.monotonic()
+                if not ready and time.monotonic() - ended_at > 0.5:
+                    break
         status = process.wait()
     finally:  # Ctrl-C, SIGTERM (zoo.tasks.interrupts) or an error here: the suite stops too
         _stop(process)
+        _end_group(process.pid)
         process.stdout.close()
     text = tail.decode("utf-8", errors="replace")
     return status, report, junit, time.perf_counter() - start, "\n".join(text.splitlines()[-40:])
@@ -197,6 +223,8 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
     where = out_dir if not suffix else f"{out_dir} ({_suffixed('report.md', suffix)}: the directory already held a report)"
     print(f"\n{totals['passed']} clauses passed, {totals['failed'] + totals['error']} failed, "
           f"{totals['skipped']} skipped in {seconds:.1f} s; reports in {where}")
+    if report.get("model_dtypes"):
+        print(f"the model clauses ran the model in {', '.join(report['model_dtypes'])}")
     for title, note in notes.items():
         print(f"(picture not drawn: {title}: {note})")
     if not figures and not notes:

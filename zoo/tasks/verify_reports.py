@@ -44,6 +44,11 @@ def summarize(records: list[dict]) -> "OrderedDict[str, dict]":
     return rows
 
 
+def model_dtypes(records: list[dict]) -> list[str]:
+    """The dtypes the model clauses called the model in, over every test (its outputs' dtypes)."""
+    return sorted({d for record in records for d in record.get("model_dtypes") or ()})
+
+
 def group_of(clause_id: str) -> str:
     """The clause group: the ID's first word (ATTN, MASK, MODEL, MHA, ...)."""
     return clause_id.split("-")[0]
@@ -67,11 +72,15 @@ def _table(rows) -> str:
 
 
 def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overrides: list[str], *,
-              notes: dict[str, str] | None = None, problem: str = "", output_tail: str = "") -> str:
+              notes: dict[str, str] | None = None, problem: str = "", output_tail: str = "",
+              called: list[str] = ()) -> str:
     out = ["# Verification report", "",
            f"`python -m zoo {' '.join(overrides)}` — "
            f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped "
            f"in {totals['seconds']:.1f} s (torch {torch.__version__}).", ""]
+    if called:
+        out += [f"The model clauses ran the model in {', '.join(called)} (its own dtype, and float64 where a clause "
+                f"compares with its float64 twin).", ""]
     if problem:
         out += [f"**The run broke: {problem}.** The table holds what was recorded before it did.", ""]
         if output_tail:
@@ -109,12 +118,13 @@ def write_reports(out_dir: Path, *, cfg: DictConfig, overrides: list[str], recor
     `status` is the exit status of the run: 0 passed, 1 clauses failed, 2 the run broke (`problem` says how)."""
     rows = summarize(records)
     totals = {s: sum(1 for r in rows.values() if r["status"] == s) for s in STATUS_ORDER}
+    called = model_dtypes(records)
     totals["seconds"] = round(seconds, 2)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=False)
     report = {
         "overrides": overrides, "config": OmegaConf.to_container(cfg, resolve=False),
         "status": "passed" if status == 0 else "failed" if status == 1 else "broken", "exit_status": status,
-        "problem": problem, "totals": totals,
+        "problem": problem, "totals": totals, "model_dtypes": called,
         "clauses": list(rows.values()), "tests": records, "figures": figures, "figure_notes": notes or {},
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "suite": _suite_version()},
@@ -126,7 +136,7 @@ def write_reports(out_dir: Path, *, cfg: DictConfig, overrides: list[str], recor
         write_text(out_dir / _suffixed("junit.xml", suffix), junit.read_text(encoding="utf-8"))
     write_text(out_dir / _suffixed("report.md", suffix),
                _markdown(cfg_yaml, rows, totals, figures, overrides, notes=notes, problem=problem,
-                         output_tail=output_tail))
+                         output_tail=output_tail, called=called))
     write_text(out_dir / _suffixed("report.json", suffix), json.dumps(report, indent=1, default=str))
     return report
 

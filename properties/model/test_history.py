@@ -1,0 +1,103 @@
+"""MODEL-HISTORY (SPEC.md, "Integrity, history and layouts"): a model's output for an input does not depend on the
+calls made before it. Run on a fresh instance each example (``subjects.fresh_subject``: a second factory call, or a
+copy of a zoo model taken before its first call), never on the session's model, which every other clause has
+called already: a model that keeps state from one long call would be wrong in both calls compared."""
+from __future__ import annotations
+
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+from properties import clause
+from properties.core.assertions import assert_identical
+from properties.kernel.integrity import bitwise_equal
+from properties.model.checks import (EXAMPLES, Batch, DRAW_LEN, batches, call_subject, draw_len, draw_pair, forward,
+                                     model_settings, subject_args)
+from properties.model.precision import OWN_NOISE, precision_of
+from properties.model.subjects import fresh_subject
+from properties.model.test_models import PAIR, pinned
+
+HISTORY = ("long", "batch", "decode")
+
+
+def _pair(data, s, device, label: str, **options):
+    """(src, (tokens, mask), Batch) drawn under labels of its own (``label``, ``label source``): a pinned example
+    fixes them apart from the input x."""
+    tgt = data.draw(batches(draw_len(s), **options), label=label)
+    src = None
+    if s.kind == "encoder_decoder":
+        b = data.draw(batches(draw_len(s), size=tgt.size, padding=options.get("padding", True)),
+                      label=f"{label} source")
+        src = (b.tokens(s, device), b.mask(device))
+    return src, (tgt.tokens(s, device), tgt.mask(device)), tgt
+
+
+def _long(data, s, device) -> None:
+    """One sample of a drawn length up to max_len (pinned: max_len itself), all real."""
+    n = data.draw(st.integers(min(DRAW_LEN, s.max_len), s.max_len), label="long length")
+    b = Batch(1, n, (n,), seed=n)
+    tokens, mask = b.tokens(s, device), b.mask(device)
+    forward(s, (tokens, mask) if s.kind == "encoder_decoder" else None, (tokens, mask))
+
+
+def _batch(data, s, device) -> None:
+    """Another batch: other size, lengths and padding."""
+    src, tgt, _ = _pair(data, s, device, "other batch", max_size=4)
+    forward(s, src, tgt)
+
+
+def _decode(data, s, device) -> None:
+    """A decoding session (a prefill, then one token), its state dropped afterwards."""
+    if s.decode_step is None or s.kind == "encoder_only":
+        return
+    src, (tokens, mask), b = _pair(data, s, device, "decode batch", min_len=2, padding=False, max_size=2)
+    state = None
+    for start, end in ((0, b.length - 1), (b.length - 1, b.length)):
+        def step(*args):
+            nonlocal state
+            logits, state = s.decode_step(*args, state)
+            return logits
+        with torch.no_grad():
+            call_subject(s, *subject_args(src, tokens[:, start:end], mask[:, :end]), fn=step)
+
+
+_CALLS = {"long": _long, "batch": _batch, "decode": _decode}
+
+
+def _scale(y: torch.Tensor) -> float:
+    return float(y.double().abs().nan_to_num(0, 0, 0).max()) or 1.0
+
+
+def _max_len(low: int, high: int) -> int:
+    """max_len"""
+    return high
+
+
+@clause("MODEL-HISTORY")
+@settings(model_settings, max_examples=max(1, EXAMPLES // 6))   # one draw after the pin by default
+@example(data=pinned(PAIR | {"history": ["long", "batch", "decode"], "long length": _max_len,
+                             "other batch": Batch(4, 6, (6, 2, 1, 6), seed=11),
+                             "other batch source": Batch(4, 5, (5, 5, 3, 1), seed=12),
+                             "decode batch": Batch(2, 4, (4, 4), seed=13), "decode batch source": Batch(2, 3, (3, 3), seed=14)}))
+@given(data=st.data())
+def test_output_does_not_depend_on_earlier_calls(mut, pytestconfig, data):
+    s = fresh_subject(pytestconfig, mut.name)
+    src, x = draw_pair(data, s, mut.device)
+    first, again = forward(s, src, x), forward(s, src, x)
+    history = data.draw(st.lists(st.sampled_from(HISTORY), min_size=1, max_size=3), label="history")
+    for call in history:
+        _CALLS[call](data, s, mut.device)
+    after = forward(s, src, x)
+    what = f"the output for the same input after the calls {history} (a fresh instance)"
+    if bitwise_equal(again, first):   # the instance repeats x bitwise: no rounding excuse
+        assert_identical(after, first, what=what, reference="its output before them",
+                         note=" (the model repeats this input bitwise)")
+        return
+    # ρ: the larger of the model's measured noise and the two first calls' difference, relative to max|y|
+    real = x[1] if x[1] is not None else torch.ones(x[0].shape, dtype=torch.bool, device=x[0].device)
+    measured = precision_of(mut.native).noise if precision_of(mut.native) is not None else 0.0
+    rho = max(measured, float((again - first).double().abs()[real].max()) / _scale(first[real]))
+    tolerance = OWN_NOISE * rho * _scale(first[real])
+    diff = (after.double() - first.double()).abs()[real].nan_to_num(float("inf"))
+    assert float(diff.max()) <= tolerance, (
+        f"{what} differs from its output before them by {float(diff.max()):.3e} at real positions > {OWN_NOISE} ρ "
+        f"max|y| = {tolerance:.3e} (ρ = {rho:.1e}: the model does not repeat this input bitwise)")
