@@ -23,15 +23,17 @@ from pathlib import Path
 from bench.common import ROOT
 
 BACKENDS = "examples/torch_cuda_backends.py"
-# (row name, pytest arguments after `pytest`): the zoo at every level, then SDPA as dispatched and each backend forced.
+# (row name, pytest arguments after `pytest`): the zoo at every level, then SDPA as dispatched and each backend forced,
+# each with the conventions docs/kernels.md says to declare for it ("What to declare for each of PyTorch's backends").
 RUNS = [
     ("zoo (every level: math, torch, memory_efficient kernels; modules; models)", ["properties/"]),
     ("F.scaled_dot_product_attention (PyTorch's dispatch)",
-     ["properties/kernel", "--kernel", "torch.nn.functional:scaled_dot_product_attention", "--finfo-min-rows", "masked"]),
+     ["properties/kernel", "--kernel", "torch.nn.functional:scaled_dot_product_attention", "--finfo-min-rows", "masked",
+      "--fully-masked", "any"]),
     ("flash (SDPBackend.FLASH_ATTENTION)", ["properties/kernel", "--kernel", f"{BACKENDS}:flash"]),
     ("memory-efficient (SDPBackend.EFFICIENT_ATTENTION)",
      ["properties/kernel", "--kernel", f"{BACKENDS}:efficient", "--finfo-min-rows", "masked"]),
-    ("cuDNN (SDPBackend.CUDNN_ATTENTION)", ["properties/kernel", "--kernel", f"{BACKENDS}:cudnn"]),
+    ("cuDNN (SDPBackend.CUDNN_ATTENTION)", ["properties/kernel", "--kernel", f"{BACKENDS}:cudnn", "--fully-masked", "any"]),
     ("math (SDPBackend.MATH)", ["properties/kernel", "--kernel", f"{BACKENDS}:math"]),
     ("Triton, FlashAttention-2 style (examples/triton_attention.py)",
      ["properties/kernel", "--kernel", "examples/triton_attention.py:attention"]),

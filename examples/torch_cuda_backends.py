@@ -2,7 +2,7 @@
 
     pytest properties/ --device cuda --kernel examples/torch_cuda_backends.py:flash
     pytest properties/ --device cuda --kernel examples/torch_cuda_backends.py:efficient --finfo-min-rows masked
-    pytest properties/ --device cuda --kernel examples/torch_cuda_backends.py:cudnn
+    pytest properties/ --device cuda --kernel examples/torch_cuda_backends.py:cudnn --fully-masked any
     pytest properties/ --device cuda --kernel examples/torch_cuda_backends.py:math
 
 Each runs its backend alone (``torch.nn.attention.sdpa_kernel``). A problem the backend cannot run — a dtype it
@@ -11,7 +11,9 @@ kernel", which the suite counts as a decline (properties/kernel/limits.py): the 
 accepts, and the coverage report says what was declined. flash, efficient and cudnn are CUDA kernels and decline any
 other device (so on a machine without CUDA their clauses are skipped with that reason); math runs everywhere.
 The memory-efficient kernel treats a float-mask row of finfo.min as fully masked (float32, bfloat16:
-examples/repro_mem_efficient_finfo_min.py), which ``--finfo-min-rows masked`` declares. ``python -m bench.cuda_backends``
+examples/repro_mem_efficient_finfo_min.py), which ``--finfo-min-rows masked`` declares; the cuDNN kernel, with a bool mask,
+gives a query whose mask admits no key neither zeros nor the mean of the values (examples/repro_cudnn_bool_mask_rows.py),
+which ``--fully-masked any`` accepts (docs/kernels.md). ``python -m bench.cuda_backends``
 runs the suite on each of them and on the zoo and writes docs/kernels.md's CUDA table.
 """
 import torch

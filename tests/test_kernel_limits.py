@@ -86,11 +86,16 @@ def test_pinned_problems_are_fitted_into_the_limits():
     limits = Limits(dtypes=(torch.float16,), head_sizes=(16, 64, 128), equal_lengths=True, equal_head_sizes=True,
                     ranks=(2,), strided=False, explicit_scale=False)
     case = limits.fit(Case(lead=(3,), l=65, s=130, e=80, ev=5, dtype=torch.float32, seed=0))
-    assert case == Case(lead=(1, 3), l=65, s=65, e=128, ev=128, dtype=torch.float16, seed=0)
+    assert case == Case(lead=(1, 3), l=130, s=130, e=128, ev=128, dtype=torch.float16, seed=0)   # long rows stay
     grad = limits.fit(GradCase(1, 1, 2, 4, 6, 3, 3, torch.float32, "bool", True, 0.5, True, 0))
     assert (grad.dtype, grad.l, grad.s, grad.e, grad.ev, grad.scale, grad.strided) == (
-        torch.float16, 4, 4, 16, 16, None, False)
+        torch.float16, 6, 6, 16, 16, None, False)
     assert (grad.mask, grad.causal, grad.group) == ("bool", True, 2)   # the clause's own features stay
+    # a test that adds a head axis (GQA-HEADS) or a stack of draws (dropout) keeps its rank among the accepted ones
+    four_d = Limits(ranks=(2,))
+    assert four_d.fit(Case(lead=(1,), l=1, s=1, e=1, ev=1, dtype=torch.float32, seed=0, axes=1)).lead == (1,)
+    assert four_d.fit(Case(lead=(), l=1, s=1, e=1, ev=1, dtype=torch.float32, seed=0, axes=1)).lead == (1,)
+    assert Limits(ranks=(1,)).fit(Case(lead=(1,), l=1, s=1, e=1, ev=1, dtype=torch.float32, seed=0, axes=1)).lead == ()
 
 
 def test_declared_limits_are_enforced_before_the_kernel_is_called():
@@ -187,3 +192,14 @@ def test_kernels_that_decline_pass_with_coverage_or_are_skipped_with_the_reason(
     assert flex_grad["status"] == "skipped" and "does not support backward on CPU" in flex_grad["message"], flex_grad
     assert ("ATTN-ORACLE", flex) not in rows                        # (eager flex_attention is slow on the CPU)
     assert "kernel clause coverage" in proc.stdout and "MASK-BOOL [skipped]" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_grouped_heads_decline_is_not_taken_for_a_gradient_decline():
+    from properties.catalog.declining import causal_only, grouped_heads_declined
+    kernel = GuardedKernel("grouped_heads_declined", grouped_heads_declined)
+    q, kv = torch.randn(1, 4, 3, 8, requires_grad=True), torch.randn(1, 2, 5, 8, requires_grad=True)
+    with pytest.raises(KernelDeclined, match="grouped-query attention is not supported"):   # rejected, not skipped
+        kernel(q, kv, kv, enable_gqa=True)
+    assert not kernel.limits("cpu").gqa
+    limits = GuardedKernel("causal_only", causal_only).learn("cpu")       # usable: it accepts causal problems
+    assert not limits.unusable and limits.causal_only and limits.masks == () and "causal only" in limits.describe()

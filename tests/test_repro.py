@@ -53,17 +53,11 @@ def _script(out, clause):
     return path
 
 
-def _execute(path, *subject, block_properties=False):
-    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site); with
-    block_properties, `import properties` fails there."""
+def _execute(path, *subject):
+    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    if block_properties:
-        code = ("import runpy, sys; sys.modules['properties'] = None; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
-        cmd = [sys.executable, "-I", "-c", code, str(path), *subject]
-    else:
-        cmd = [sys.executable, "-I", str(path), *subject]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=path.parent.parent, timeout=300)
+    return subprocess.run([sys.executable, "-I", str(path), *subject], capture_output=True, text=True, env=env,
+                          cwd=path.parent.parent, timeout=300)
 
 
 def test_kernel_reproducers_run_without_the_suite(tmp_path):
@@ -77,12 +71,9 @@ def test_kernel_reproducers_run_without_the_suite(tmp_path):
         masking="scores.masked_fill(~attn_mask, -math.inf)")).replace(
         "return (scores.softmax(-1)", "return (scores.softmax(-1).nan_to_num(0.0)"))
     run, out = _run(tmp_path, "--kernel", f"{tmp_path}/leaky.py:attention", ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"))
-    for clause in ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED"):
-        path = _script(out, clause)
-        broken = _execute(path, block_properties=True)
-        assert broken.returncode == 1 and broken.stdout.startswith(f"FAIL {clause}:"), broken.stdout + broken.stderr
-        fixed = _execute(path, f"{tmp_path}/fixed.py:attention", block_properties=True)
-        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    paths = [str(_script(out, clause)) for clause in ("MASK-NO-INFLUENCE", "MASK-FULLY-MASKED")]
+    assert _exit_codes(tmp_path, [[p] for p in paths] + [[p, f"{tmp_path}/fixed.py:attention"] for p in paths]) == [
+        1, 1, 0, 0]
     rows = [r for r in run.rows if r["status"] == "failed"]
     assert rows and all(r["repro"] and r["repro"].startswith(str(out)) for r in rows), rows   # --report-json links
 
@@ -110,3 +101,91 @@ def test_catalog_reproducer_fails_and_its_twin_passes(tmp_path, option, spec, cl
     assert properties["failure"] and properties["failure"][:60] in case.find("failure").get("message"), properties
     if option == "--kernel":
         assert json.loads(properties["coverage"])["run"] >= 1, properties
+
+
+_CONTRACT_BUGS = '''
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+
+def correct(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+
+
+def raises_on_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if is_causal:
+        raise IndexError("the causal path indexes one key past the end")
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def drops_last_query(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    out = correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return out[..., :-1, :] if attn_mask is not None else out
+
+
+def not_normalised(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) * 1.01
+
+
+def dropout_not_rescaled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) * (1 - dropout_p)
+'''
+
+_DRIVER = '''import json, runpy, sys
+sys.modules["properties"] = None   # the scripts need torch and the subject's module only
+codes = {}
+for n, (path, *subject) in enumerate(json.loads(sys.argv[1])):
+    sys.argv = [path, *subject]
+    try:
+        runpy.run_path(path, run_name="__main__")
+        codes[n] = 0
+    except SystemExit as exit_:
+        codes[n] = exit_.code
+print(json.dumps(codes))
+'''
+
+
+def test_contract_fallback_and_statistical_reproducers(tmp_path):
+    """One session, four broken kernels: a raise, a wrong output shape (the calling contract), a clause whose own
+    comparison records nothing (ATTN-ROWSUM: the last call against the oracle) and DROPOUT-EXPECTATION; every
+    failure leaves a script that exits 1, and 0 on the correct kernel, in one isolated interpreter."""
+    (tmp_path / "bugs.py").write_text(_CONTRACT_BUGS)
+    bugs = [f"{tmp_path}/bugs.py:{name}" for name in ("raises_on_causal", "drops_last_query", "not_normalised",
+                                                      "dropout_not_rescaled")]
+    kernels = [word for spec in bugs[1:] for word in ("--kernel", spec)]
+    run, out = _run(tmp_path, "--kernel", bugs[0], ("CAUSAL-ZERO-ABOVE", "MASK-BOOL", "ATTN-ROWSUM",
+                                                    "DROPOUT-EXPECTATION"), *kernels)
+    failed = [r for r in run.rows if r["status"] == "failed"]
+    assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= {
+        ("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
+        ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled")}, failed
+    assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed]
+    for r in failed:
+        _script(out, r["repro"].rsplit("/", 1)[1].rsplit("-", 1)[0])
+    jobs = [[r["repro"]] for r in failed] + [[r["repro"], f"{tmp_path}/bugs.py:correct"] for r in failed]
+    assert _exit_codes(tmp_path, jobs) == [1] * len(failed) + [0] * len(failed)
+
+
+def _exit_codes(cwd, jobs) -> list:
+    """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
+    interpreter (one torch import) where `import properties` fails: their exit statuses."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
+    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs)], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
+
+
+def test_a_failure_without_a_script_says_why(tmp_path):
+    """A failing test that recorded nothing rebuildable: no file, and the reason for the summary and --report-json."""
+    from properties.core import repro
+    from properties.core.spec import load_clauses
+    from properties.plugin.repro import write
+    repro.activate(str(tmp_path / "repro"))
+    try:
+        path, why = write(load_clauses()["ATTN-ROWSUM"], "test_x", "")
+    finally:
+        repro.activate(None)
+    assert path is None and "records no comparison" in why and not (tmp_path / "repro").exists()

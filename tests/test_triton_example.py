@@ -195,8 +195,9 @@ def test_the_kernels_compile_for_an_h100_without_one(tmp_path, monkeypatch):
 
 
 # The suite's run under the interpreter, as docs/kernels.md shows it. Each interpreted launch costs milliseconds per
-# program, so the run is bounded by declaring the kernel's limits (draws start inside them: no learning probes, no draw spent
-# on a decline) and by the `pinned` profile: every clause on its pinned problems, which include the tile pins
+# program, so the run is bounded by declaring the kernel's limits (draws start inside them, and the start-up probes of
+# its limits only confirm them: one small program each; no draw spent on a decline) and by the `pinned` profile: every
+# clause on its pinned problems, which include the tile pins
 # (L = S = 65 causal, S = 1024 in bfloat16, E = 128). The kernel declines dropout; the suite confirms such a
 # decline on the first batch and head of the clause's stack, one interpreted program, and skips the dropout clauses.
 SUITE_UNDER_THE_INTERPRETER = [

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["activate", "active", "directory", "model_spec", "record", "clear", "take", "flat_index", "view_index",
-           "observe_call"]
+__all__ = ["activate", "active", "directory", "model_spec", "record", "record_call", "observe_kernel_call", "clear", "take",
+           "take_kernel_call", "flat_index",
+           "view_index", "observe_call"]
 
-_state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None}
+_state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None, "kernel_call": None,
+                "alignment": "top-left"}
 
 
-def activate(directory: str | None, model_spec: str | None = None) -> None:
-    _state.update(dir=directory, evidence=None, calls=[], model_spec=model_spec)
+def activate(directory: str | None, model_spec: str | None = None, causal_alignment: str = "top-left") -> None:
+    _state.update(dir=directory, evidence=None, calls=[], model_spec=model_spec, kernel_call=None,
+                  alignment=causal_alignment)
 
 
 def active() -> bool:
@@ -38,14 +41,37 @@ def record(kind: str, **evidence) -> None:
         _state["evidence"] = {"kind": kind, **evidence}
 
 
+def record_call(subject: str, args: tuple, kwargs: dict, *, shape, nan_rows, first_of_tuple: bool = False) -> None:
+    """A kernel call that broke the calling contract (it raised; its output's shape, dtype or device was wrong; it
+    was not finite outside ``nan_rows``): the reproducer makes the same call and checks the same contract."""
+    if _state["dir"] is not None:
+        _state["evidence"] = {"kind": "call", "subject": subject, "device": str(args[0].device), "args": list(args),
+                              "kwargs": dict(kwargs), "shape": tuple(shape), "nan_rows": nan_rows,
+                              "first_of_tuple": first_of_tuple}
+
+
+def observe_kernel_call(subject: str, query, key, value, kwargs: dict) -> None:
+    """A kernel call (SDPA signature) of the running test that kept the calling contract: the last one is the
+    fallback of a failing clause whose own comparison records nothing (properties/plugin/repro.py: last_call)."""
+    if _state["dir"] is not None:
+        _state["kernel_call"] = (subject, query, key, value, dict(kwargs))
+
+
 def clear() -> None:
     _state["evidence"] = None
+    _state["kernel_call"] = None
     _state["calls"].clear()
 
 
 def take() -> dict | None:
     evidence, _state["evidence"] = _state["evidence"], None
     return evidence
+
+
+def take_kernel_call():
+    """(subject, query, key, value, kwargs) of the running test's last kernel call, and the run's causal alignment."""
+    call, _state["kernel_call"] = _state["kernel_call"], None
+    return call, _state["alignment"]
 
 
 def flat_index(shape, select) -> torch.Tensor:

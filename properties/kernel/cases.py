@@ -37,6 +37,11 @@ class Case:
     ev: int
     dtype: torch.dtype
     seed: int
+    axes: int = 0   # leading dims the test adds in front of ``lead`` (a head axis, a stack of draws): see Limits.fit
+
+    def __repr__(self) -> str:
+        return (f"Case(lead={self.lead}, l={self.l}, s={self.s}, e={self.e}, ev={self.ev}, dtype={self.dtype}, "
+                f"seed={self.seed}{f', axes={self.axes}' if self.axes else ''})")
 
     def generator(self, stream: int = 0) -> torch.Generator:
         """A CPU generator for this case; ``stream`` gives independent draws for the same case."""
@@ -57,15 +62,18 @@ class Case:
 
 @st.composite
 def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=8, min_s=1, max_s=8,
-          max_e=16, max_ev=8, dtype=None, tiles=True, weights=False) -> Case:
-    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads). With ``tiles``,
-    one draw in TILE_SHARE is at kernel scale (``tile_shape``); ``weights``: the test reads the weights through
-    V = I (its cost grows as L S^2). Every draw stays inside the limits of the kernel under test."""
+          max_e=16, max_ev=8, dtype=None, tiles=True, weights=False, axes=0) -> Case:
+    """Attention problems; ``lead`` fixes the number of leading dims (0, 1 or 2: batch and heads), ``axes`` counts
+    those the test adds in front of them (then ``lead`` is the preferred number, moved into the kernel's ranks).
+    With ``tiles``, one draw in TILE_SHARE is at kernel scale (``tile_shape``); ``weights``: the test reads the
+    weights through V = I (its cost grows as L S^2). Every draw stays inside the limits of the kernel under test."""
     limits = kernel_limits()
     if lead is not None:
         n_lead = lead
+        if limits.ranks is not None and lead + axes not in limits.ranks:
+            n_lead = len(limits.fit(Case((1,) * lead, 1, 1, 1, 1, torch.float64, 0, axes)).lead)
     else:
-        ranks = [r for r in range(min_lead, max_lead + 1) if limits.ranks is None or r in limits.ranks]
+        ranks = limits.ranks_with(axes, min_lead, max_lead)
         n_lead = draw(st.sampled_from(ranks)) if ranks else draw(st.integers(min_lead, max_lead))
     big = tiles and draw(st.integers(0, TILE_SHARE - 1)) == TILE_SHARE - 1
     dims = tuple(draw(st.integers(1, 2 if big else max_dim)) for _ in range(n_lead))
@@ -79,37 +87,38 @@ def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=
             l = s = max(l, s)
         l, s = limits.length(l), limits.length(s)
     return Case(lead=dims, l=l, s=s, e=e, ev=ev, dtype=draw(dtype if dtype is not None else dtypes()),
-                seed=draw(seeds))
+                seed=draw(seeds), axes=axes)
 
 
-def pinned_cases(n_lead: int = 2, tiles: bool = True) -> list[Case]:
+def pinned_cases(n_lead: int = 2, tiles: bool = True, axes: int = 0) -> list[Case]:
     """Shapes every property also runs on, in the first selected dtype: L = 1, S = 1, odd head sizes, and
     B == L (a kernel that swaps the batch and query axes raises no shape error there, so the values are
     what catch it); with ``tiles``, the kernel-scale ones (``TILE_PINS``).  ``n_lead`` keeps that many leading dims."""
     dtype = selected_dtypes()[0]
     shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
               ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
-    small = [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0) for lead, l, s, e, ev in shapes]
-    return small + (tile_pins(n_lead) if tiles else [])
+    small = [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0, axes=axes)
+             for lead, l, s, e, ev in shapes]
+    return small + (tile_pins(n_lead, axes) if tiles else [])
 
 
-def tile_pins(n_lead: int = 2) -> list[Case]:
+def tile_pins(n_lead: int = 2, axes: int = 0) -> list[Case]:
     """The kernel-scale shapes pinned in every kernel clause: L = S = 65 (one query and one key past a 64-tile:
     partial last tiles on both axes, causal in the causal clauses); L = 65, S = 130 with E = 128 (L != S, a
     two-row last key tile of 64, a head size past 64; the mask clauses add their float mask); S = 1024 in
     bfloat16 (long rows: 16 full tiles of 64, 8 of 128); L = S = 129 with E = 96 (one past a 128-tile, for kernels
     whose query tiles are 128 rows; a head size that is no power of two)."""
     first = selected_dtypes()[0]
-    return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0)
+    return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0, axes=axes)
             for l, s, e, ev, dtype in ((65, 65, 64, 64, first), (65, 130, 128, 64, first),
                                        (3, 1024, 64, 64, torch.bfloat16), (129, 129, 96, 96, first))]
 
 
-def with_pinned_cases(argname: str = "case", n_lead: int = 2, tiles: bool = True, **other_args):
-    """Decorator: run the test on :func:`pinned_cases` as explicit examples; ``other_args`` give the
-    test's other drawn arguments."""
+def with_pinned_cases(argname: str = "case", n_lead: int = 2, tiles: bool = True, axes: int = 0, **other_args):
+    """Decorator: run the test on :func:`pinned_cases` as explicit examples (``axes``: as in ``cases``);
+    ``other_args`` give the test's other drawn arguments."""
     def decorate(test):
-        for case in pinned_cases(n_lead, tiles):
+        for case in pinned_cases(n_lead, tiles, axes):
             test = example(**{argname: case}, **other_args)(test)
         return test
     return decorate

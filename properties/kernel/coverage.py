@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-__all__ = ["Coverage", "counting", "ran", "declined", "compared", "record_of", "GIVE_UP", "declined_summary"]
+__all__ = ["Coverage", "counting", "ran", "declined", "compared", "specialisation", "length_class", "record_of",
+           "GIVE_UP", "declined_summary"]
 
 GIVE_UP = 25   # drawn examples declined, none run: every problem this clause poses lies outside the kernel's limits
 
@@ -33,11 +34,13 @@ class Coverage:
     max_s: int = 0
     max_e: int = 0
     dtypes: set = field(default_factory=set)
+    specialisations: set = field(default_factory=set)   # ``specialisation`` of every call that returned
     comparisons: Counter = field(default_factory=Counter)   # how two calls were compared (core/repeats.py)
 
     def as_dict(self) -> dict:
         return {"kernel": self.kernel, "device": self.device, "run": self.run, "declined": self.declined, "reasons": dict(self.reasons.most_common()),
                 "max_l": self.max_l, "max_s": self.max_s, "max_e": self.max_e, "dtypes": sorted(self.dtypes),
+                "specialisations": sorted(self.specialisations),
                 **({"comparisons": dict(self.comparisons)} if self.comparisons else {})}
 
 
@@ -46,10 +49,24 @@ _current: list = [None]                       # the Coverage of the test now run
 _example: dict = {"calls": [], "decline": None}
 
 
-def ran(l: int, s: int, e: int, dtype) -> None:
+def length_class(n: int) -> str:
+    """How a compiler specialises a length: Triton compiles an integer argument anew for 1, a multiple of 16 and any
+    other value (triton.jit's default specialisation); the suite uses the same classes for every kernel."""
+    return "1" if n == 1 else "16k" if n % 16 == 0 else "n"
+
+
+def specialisation(dtype, e: int, ev: int, causal: bool, l: int, s: int) -> str:
+    """The compile-relevant parameters of a call: what a compiled kernel (Triton, a template library) may build a
+    separate binary for: the dtype, the head sizes, the causal flag and the lengths' classes (``length_class``)."""
+    return (f"{str(dtype).removeprefix('torch.')} E={e} Ev={ev}{' causal' if causal else ''} "
+            f"L:{length_class(l)} S:{length_class(s)}")
+
+
+def ran(l: int, s: int, e: int, dtype, ev: int | None = None, causal: bool = False) -> None:
     """A kernel call of the running example returned (the guard calls this)."""
     if _current[0] is not None:
         _example["calls"].append((l, s, e, str(dtype).removeprefix("torch.")))
+        _current[0].specialisations.add(specialisation(dtype, e, e if ev is None else ev, causal, l, s))
 
 
 def declined(reason: str) -> None:
@@ -175,8 +192,10 @@ def summary_lines(rows: list[dict], verbose: bool = False) -> list[str]:
         run, declined = sum(c["run"] for c in cs), sum(c["declined"] for c in cs)
         top = {key: max(c[key] for c in cs) for key in ("max_l", "max_s", "max_e")}
         dtypes = sorted({d for c in cs for d in c["dtypes"]})
+        compiled = len({k for c in cs for k in c.get("specialisations", ())})
         lines.append(f"kernel {kernel} on {device}: {len(group)} tests, {run} problems run, "
-                     f"{declined or 'none'} declined; largest {_dims({**top, 'dtypes': dtypes})}")
+                     f"{declined or 'none'} declined; largest {_dims({**top, 'dtypes': dtypes})}; "
+                     f"{compiled} specialisations (dtype, E, Ev, causal, L and S classes: 1, 16k, other)")
         for row in group:
             c = row["coverage"]
             if not (verbose or c["declined"] or c["run"] < THIN or _not_bitwise(c)):

@@ -23,6 +23,7 @@ import torch
 
 from properties.kernel import coverage
 from properties.kernel.limits import decline_reason
+from properties.core import repro
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel.guard import KernelContractError, check_output, describe_call
 
@@ -88,15 +89,20 @@ class FlashKernel:
         __tracebackhide__ = True
         call = describe_call(q, key, value, kwargs)
         try:
-            with user_call(self.plugin, call):
-                out = self.fn(q, key, value, *args, **kwargs)
-        except Exception as exc:  # any failure of user code is a finding, unless it declines a feature
-            if _is_unsupported(exc):
-                raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
-            raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
-        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            out = out[0]
-        out = check_output(self.name, out, q, value, call, nan_rows)
+            try:
+                with user_call(self.plugin, call):
+                    out = self.fn(q, key, value, *args, **kwargs)
+            except Exception as exc:  # any failure of user code is a finding, unless it declines a feature
+                if _is_unsupported(exc):
+                    raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
+                raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+                out = out[0]
+            out = check_output(self.name, out, q, value, call, nan_rows)
+        except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
+            repro.record_call(self.name, (q, key, value, *args), kwargs, shape=(*q.shape[:-1], value.shape[-1]),
+                              nan_rows=nan_rows, first_of_tuple=True)
+            raise
         coverage.ran(q.shape[-3], key.shape[-3], q.shape[-1], q.dtype)   # (B, L, H, D); varlen: L = total tokens
         return out
 

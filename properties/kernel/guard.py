@@ -17,7 +17,7 @@ import torch
 from properties.kernel import coverage
 from properties.core import repro
 from properties.core.assertions import assert_all, assert_within, fmt
-from properties.kernel.limits import Limits, LimitsError, Probe, decline_reason, learn_limits
+from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
@@ -25,7 +25,7 @@ from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, o
                                        softmax_bounds, unit_roundoff)
 from properties.core.watchdog import cause, raised, user_call
 
-__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "FINFO_MIN_ROWS", "FULLY_MASKED_CONVENTIONS",
+__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "FINFO_MIN_ROWS", "FULLY_MASKED_CONVENTIONS",
            "fully_masked_mean", "describe_call", "check_output", "check_against_oracle",
            "check_dropout_rate"]
 
@@ -75,7 +75,7 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
 class GuardedKernel:
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
-    (properties/kernel/limits.py); what the kernel accepts on each device is learned at its first decline there."""
+    (properties/kernel/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
 
     name: str
     fn: Callable
@@ -101,13 +101,6 @@ class GuardedKernel:
             self._limits[device] = learn_limits(self._probe_fn, device, self.declared, selected_dtypes())
         return self._limits[device]
 
-    def plainest_declined(self, device) -> str:
-        """The kernel's reason for declining the plainest problem inside the declared limits on ``device`` ('')."""
-        from properties.core.strategies import selected_dtypes
-        dtypes = self.declared.dtypes_among(selected_dtypes())
-        return Probe(dtypes[0], e=min(self.declared.head_sizes or (16,), key=lambda n: (n < 16, n))).call(
-            self._probe_fn, device) or ""
-
     # ------------------------------------------------------------------------------------------- calls
     def __call__(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``kwargs`` go to the kernel unchanged (only those given, so minimal signatures work);
@@ -119,15 +112,22 @@ class GuardedKernel:
         if outside:
             self._reject(f"outside the declared limits: {outside}", query, key, value, kwargs)
         try:
-            with user_call(self.plugin, call):
-                out = self.fn(query, key, value, **kwargs)
-        except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
-            reason = decline_reason(exc)
-            if reason is None:
-                raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
-            self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
-        out = check_output(self.name, out, query, value, call, nan_rows)
-        coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype)
+            try:
+                with user_call(self.plugin, call):
+                    out = self.fn(query, key, value, **kwargs)
+            except Exception as exc:  # any failure of user code is a finding, not a crash of the suite ...
+                reason = decline_reason(exc)
+                if reason is None:
+                    raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
+                self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
+            out = check_output(self.name, out, query, value, call, nan_rows)
+        except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
+            repro.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
+                              nan_rows=nan_rows)
+            raise
+        repro.observe_kernel_call(self.name, query, key, value, kwargs)
+        coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype, value.shape[-1],
+                     bool(kwargs.get("is_causal")))
         return out
 
     def _watched_fn(self, query, key, value, **kwargs):
@@ -142,11 +142,17 @@ class GuardedKernel:
             return self.fn(query, key, value, **kwargs)
 
     def _accepts(self, query, key, value, kwargs) -> bool:
-        """Whether the kernel accepts the problem, asked of its first batch and head only: a decline is about the
-        problem's kind (dtype, sizes, keywords), and a stack of thousands of copies (the dropout clauses) would
-        cost a slow kernel minutes for a skip."""
+        """Whether the kernel accepts the problem, asked of a slice of it: a stack of thousands of copies (the dropout
+        clauses) would cost a slow kernel minutes for a skip. The slice keeps every feature a kernel may decline: the
+        rank, the lengths, the head sizes, the mask, the layout, and the head axis whole where key and value have
+        fewer heads than the query (grouped heads); it drops only batch entries."""
+        grouped = query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]
+
         def first(t):
-            return t[tuple(slice(0, 1) for _ in t.shape[:-2])] if isinstance(t, torch.Tensor) else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            batch_dims = t.dim() - 2 - (1 if grouped and t.dim() >= 3 else 0)
+            return t[tuple(slice(0, 1) for _ in range(max(batch_dims, 0)))]
         try:
             self._watched_fn(first(query), first(key), first(value), **{k: first(v) for k, v in kwargs.items()})
         except Exception as exc:  # only a decline counts
@@ -154,10 +160,18 @@ class GuardedKernel:
         return True
 
     def _declined(self, reason: str, query, key, value, kwargs):
-        """A decline of dropout, or of inputs that require grad, skips the clause (that feature is optional); any
-        other is a problem outside the kernel's limits: learn them (first time on this device), record, reject."""
+        """A decline of dropout by a kernel without dropout, or of inputs that require grad, skips the clause (those
+        features are optional); any other is a problem outside the kernel's limits: record, reject. (The limits are
+        learned at start-up; a kernel built outside the plugin learns them here, at its first decline.)"""
         import pytest
-        if kwargs.get("dropout_p", 0.0) and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
+        try:
+            limits = self.learn(query.device)
+        except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
+            limits = self._limits[str(query.device)] = self.declared
+        p = kwargs.get("dropout_p", 0.0)
+        # a kernel with dropout that declines this rate or problem (cuDNN: rates in steps of 1/16, L > 1) has the
+        # example rejected; one without dropout (its probes say so) has the dropout clauses skipped
+        if p and not limits.dropout and self._accepts(query, key, value, {**kwargs, "dropout_p": 0.0}):
             pytest.skip(f"kernel {self.name} declines dropout_p > 0 ({reason}): the dropout clauses do not apply")
         tensors = (query, key, value, kwargs.get("attn_mask"))
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -165,10 +179,6 @@ class GuardedKernel:
             if self._accepts(query.detach(), key.detach(), value.detach(), detached):
                 pytest.skip(f"kernel {self.name} declines a forward whose inputs require grad ({reason}): "
                             f"the gradient clauses do not apply")
-        try:
-            self.learn(query.device)
-        except LimitsError:   # the plainest problem was accepted at start-up: keep the declared limits
-            self._limits[str(query.device)] = self.declared
         self._reject(reason, query, key, value, kwargs)
 
     def _reject(self, reason: str, query, key, value, kwargs):
@@ -187,18 +197,20 @@ class GuardedKernel:
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
         """The kernel's attention weights: its output for V = I_S (attention is linear in V); for a kernel that
-        accepts only Ev = E, V = I read E columns at a time (the last slice padded with zero columns)."""
+        accepts only Ev = E, or only some head sizes, V = I read ``width`` columns at a time (an accepted value
+        head size; the last slice padded with zero columns)."""
         __tracebackhide__ = True
         lead, s, e = tuple(key.shape[:-2]), key.shape[-2], query.shape[-1]
-        if s == e or not self.limits(key.device).equal_head_sizes:
+        width = identity_width(self.limits(key.device), s, e)
+        if width == s:
             return self(query, key, identity_values(lead, s, key.dtype, key.device), **kwargs)
         columns = []
-        for c0 in range(0, s, e):
-            width = min(e, s - c0)
-            eye = torch.zeros(s, e, dtype=torch.float64)
-            eye[c0:c0 + width, :width] = torch.eye(width, dtype=torch.float64)
-            value = eye.to(key.dtype).to(key.device).expand(*lead, s, e).contiguous()
-            columns.append(self(query, key, value, **kwargs)[..., :width])
+        for c0 in range(0, s, width):
+            n = min(width, s - c0)
+            eye = torch.zeros(s, width, dtype=torch.float64)
+            eye[c0:c0 + n, :n] = torch.eye(n, dtype=torch.float64)
+            value = eye.to(key.dtype).to(key.device).expand(*lead, s, width).contiguous()
+            columns.append(self(query, key, value, **kwargs)[..., :n])
         return torch.cat(columns, dim=-1)
 
     def rejects_keyword(self, keyword: str, query, key, value, **kwargs) -> bool:
@@ -211,6 +223,16 @@ class GuardedKernel:
         except Exception:
             return False
         return False
+
+
+def identity_width(limits: Limits, s: int, e: int) -> int:
+    """The value head size through which a kernel with ``limits`` reads the weights of S keys: S itself (V = I_S)
+    where it accepts Ev = S, else E (a kernel that takes only Ev = E) or the accepted head size nearest S."""
+    if limits.equal_head_sizes:
+        return e
+    if limits.head_sizes is not None and s not in limits.head_sizes:
+        return nearest_size(limits.head_sizes, s)
+    return s
 
 
 def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_masked: str = "zeros",
@@ -229,6 +251,12 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
     out = (kernel(query, key, value, nan_rows=nan_rows, **contract) if value is not None
            else kernel.weights(query, key, nan_rows=nan_rows, **contract))
     actual = to_float64(out)
+    bound = output_bound(bounds, value)   # 0 at a query without an admissible key: its 0 is exact
+    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
+                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
+                 fully_masked=fully_masked)
+    if fully_masked == "zeros" and bool(no_key.any()):
+        check_no_key_rows_are_zero(actual, no_key, mask)
     if fully_masked != "zeros" and bool(no_key.any()):
         if fully_masked == "nan":
             assert_all(torch.isnan(actual[no_key]), actual[no_key],
@@ -238,12 +266,25 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
             nan_rows = torch.isnan(actual).any(-1) if float_mask else torch.zeros_like(actual[..., 0], dtype=torch.bool)
             check_fully_masked_mean(actual, value, no_key & ~nan_rows, query.dtype)
         actual = torch.where(no_key[..., None], bounds.reference.output, actual)
-    bound = output_bound(bounds, value)
-    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
-                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
-                 fully_masked=fully_masked)
     assert_within(actual, bounds.reference.output, bound, what=what)
     return out, bounds
+
+
+def no_key_symptom(mask) -> str:
+    """The start of the message for a query without admissible key whose output breaks the zeros convention."""
+    kind = "causal mask" if mask is None else f"{'bool' if mask.dtype == torch.bool else 'float'} mask"
+    return f"a query whose {kind} admits no key does not come out as 0"
+
+
+def check_no_key_rows_are_zero(actual: torch.Tensor, no_key: torch.Tensor, mask) -> None:
+    """MASK-FULLY-MASKED, zeros: the rows of queries without an admissible key are exactly 0; the message names the
+    symptom (PyTorch's cuDNN backend with a bool mask, docs/kernels.md) and the conventions a user may declare."""
+    __tracebackhide__ = True
+    rows = torch.broadcast_to(no_key.cpu(), actual.shape[:-1])
+    values = actual.cpu()[rows]
+    assert_all(values == 0, values, what=no_key_symptom(mask),
+               note=" (MASK-FULLY-MASKED: zeros, PyTorch's math backend; a kernel that documents another value "
+                    "declares it with --fully-masked nan, mean or any; examples/repro_cudnn_bool_mask_rows.py)")
 
 
 def check_dropout_rate(w: torch.Tensor, positive: torch.Tensor, p: float, note: str = "") -> None:

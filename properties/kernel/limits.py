@@ -7,9 +7,10 @@ use ("not supported", "does not support", "only supports", "unsupported", "No av
 ``TypeError`` for an optional keyword its signature lacks (``enable_gqa``, ``scale``, ``dropout_p``, as before
 PyTorch 2.5 / 2.1). Any other exception (an IndexError, a CUDA error, a wrong shape) is a failure, as before.
 
-A declined problem is discarded (a Hypothesis reject) and recorded (properties/kernel/coverage.py); the first decline
-on a device makes the suite **learn** the kernel's limits there, by probing one attribute at a time from the
-plainest problem it accepts, and every later draw (``cases``, ``grad_cases``) stays inside them. Limits may also
+A declined problem is discarded (a Hypothesis reject) and recorded (properties/kernel/coverage.py). The suite
+**learns** the kernel's limits on each device at start-up, before any test draws (so that no strategy changes what it
+draws in the middle of a test), by probing one attribute at a time from the plainest problem it accepts (a
+non-causal one, else a causal one), and every draw (``cases``, ``grad_cases``) stays inside them. Limits may also
 be **declared** up front (``--dtype``, ``--kernel-head-size``, ``--kernel-no-mask``, ``--kernel-equal-lengths``,
 ``--kernel-equal-head-sizes``): the draws then start inside them, and a kernel that declines the plainest problem
 inside its declared limits while it accepts another is a one-line usage error. A kernel that declines every
@@ -66,7 +67,9 @@ class Limits:
     ranks: tuple[int, ...] | None = None              # numbers of leading (batch, head) dims accepted; None: 0, 1, 2
     length_multiple: int = 1                          # L and S multiples of this
     causal: bool = True
+    causal_only: bool = False                         # is_causal=True only (no plainer problem is accepted)
     gqa: bool = True
+    dropout: bool = True                              # dropout_p > 0 (at the plain rate 0.5) on the plainest problem
     explicit_scale: bool = True
     strided: bool = True                              # non-contiguous (transposed) inputs
     learned: bool = False
@@ -93,7 +96,9 @@ class Limits:
             parts.append(f"L, S multiples of {self.length_multiple}")
         if self.ranks is not None:
             parts.append("leading dims " + ", ".join(map(str, self.ranks)))
-        for flag, text in (("causal", "no is_causal"), ("gqa", "no enable_gqa"), ("explicit_scale", "no scale="),
+        if self.causal_only:
+            parts.append("is_causal only")
+        for flag, text in (("causal", "no is_causal"), ("gqa", "no enable_gqa"), ("dropout", "no dropout"), ("explicit_scale", "no scale="),
                            ("strided", "contiguous inputs only")):
             if not getattr(self, flag):
                 parts.append(text)
@@ -110,9 +115,11 @@ class Limits:
 
     def fit(self, problem):
         """A pinned problem (a dataclass with some of dtype, lead, l, s, e, ev, strided, scale) moved inside these
-        limits: an accepted dtype, the nearest accepted head size, L = S (the shorter), lengths rounded up to the
-        multiple, the leading dims padded or dropped, contiguous, the default scale. The clause's own features
-        (masks, is_causal, grouped heads) are left alone: a kernel that declines them declines the problem."""
+        limits: an accepted dtype, the nearest accepted head size, L = S (the longer: a long-row pin stays long),
+        lengths rounded up to the multiple, the leading dims padded or dropped, contiguous, the default scale. A
+        problem whose ``axes`` says how many leading dims its test adds (a head axis of grouped heads, a stack of
+        dropout draws) keeps ``len(lead) + axes`` among the accepted ranks. The clause's own features (masks,
+        is_causal, grouped heads) are left alone: a kernel that declines them declines the problem."""
         if not dataclasses.is_dataclass(problem) or not hasattr(problem, "dtype") or not hasattr(problem, "e"):
             return problem
         from properties.core.dtypes import selected_dtypes
@@ -121,26 +128,31 @@ class Limits:
             changes["dtype"] = self.dtypes_among(selected_dtypes())[0]
         e = problem.e
         if self.head_sizes is not None and e not in self.head_sizes:
-            e = changes["e"] = min(self.head_sizes, key=lambda n: (n < e, abs(n - e)))
+            e = changes["e"] = nearest_size(self.head_sizes, e)
         if self.equal_head_sizes and problem.ev != e:
             changes["ev"] = e
         elif self.head_sizes is not None and problem.ev not in self.head_sizes:
-            changes["ev"] = min(self.head_sizes, key=lambda n: (n < problem.ev, abs(n - problem.ev)))
+            changes["ev"] = nearest_size(self.head_sizes, problem.ev)
         l, s = problem.l, problem.s
         if self.equal_lengths and l != s:
-            l = s = min(l, s)
+            l = s = max(l, s)
         l, s = self.length(l), self.length(s)
         if (l, s) != (problem.l, problem.s):
             changes["l"], changes["s"] = l, s
-        lead = getattr(problem, "lead", None)
-        if lead is not None and self.ranks is not None and len(lead) not in self.ranks:
-            rank = min(self.ranks, key=lambda r: abs(r - len(lead)))
+        lead, axes = getattr(problem, "lead", None), getattr(problem, "axes", 0)
+        if lead is not None and self.ranks is not None and len(lead) + axes not in self.ranks:
+            fitting = [r - axes for r in self.ranks if r >= axes] or [0]
+            rank = min(fitting, key=lambda r: abs(r - len(lead)))
             changes["lead"] = tuple(lead[len(lead) - rank:]) if rank < len(lead) else (1,) * (rank - len(lead)) + lead
         if getattr(problem, "strided", False) and not self.strided:
             changes["strided"] = False
         if getattr(problem, "scale", None) is not None and not self.explicit_scale:
             changes["scale"] = None
         return dataclasses.replace(problem, **changes) if changes else problem
+
+    def ranks_with(self, axes: int, low: int = 0, high: int = 2) -> list[int]:
+        """The numbers of leading dims in [low, high] a draw may give a problem whose test adds ``axes`` more."""
+        return [r for r in range(low, high + 1) if self.ranks is None or r + axes in self.ranks]
 
     def violation(self, query, key, value, kwargs) -> str:
         """Why a call lies outside these limits ('' if it does not): the declared ones are enforced before the
@@ -163,13 +175,18 @@ class Limits:
                 and (rank is None or self.ranks is None or rank in self.ranks))
 
 
+def nearest_size(sizes, n: int) -> int:
+    """The accepted head size nearest ``n`` from above (the largest if none is)."""
+    return min(sizes, key=lambda m: (m < n, abs(m - n)))
+
+
 # ---------------------------------------------------------------------------------- the active limits
 _active: list = [None, "cpu"]
 
 
 def set_active(limits, device: str = "cpu") -> None:
     """The limits of the kernel and device of the test now running (set by the plugin around each test): a
-    ``Limits``, a function returning the current ones (they are learned at the first decline), or None."""
+    ``Limits``, a function returning the current ones (learned at start-up), or None."""
     _active[:] = [limits, str(device)]
 
 
@@ -197,6 +214,7 @@ class Probe:
     gqa: bool = False
     scale: float | None = None
     strided: bool = False
+    dropout: float = 0.0
 
     def call(self, fn, device) -> str | None:
         """The kernel's decline reason for this problem, or None (it ran, or failed otherwise: the clauses'
@@ -223,6 +241,8 @@ class Probe:
             kwargs["enable_gqa"] = True
         if self.scale is not None:
             kwargs["scale"] = self.scale
+        if self.dropout:
+            kwargs["dropout_p"] = self.dropout
         try:
             fn(q, k, v, **kwargs)
         except Exception as exc:  # only a decline counts here
@@ -245,16 +265,17 @@ def _base(fn, device, declared: Limits, selected) -> tuple[Probe | None, str, bo
     sizes = sorted(declared.head_sizes, key=lambda n: (n < 16, n)) if declared.head_sizes else [16, 64, 128, 32, 8]
     extra_sizes = [n for n in (16, 64, 128, 32, 8) if n not in sizes]
     first_reason = ""
-    for inside, dtype_list, size_list in ((True, dtypes, sizes), (False, dtypes + others, sizes + extra_sizes)):
-        for dtype in dtype_list:
-            for e in size_list:
-                for n in (16, 64, 128):
-                    for rank in (2, 1, 0) if declared.ranks is None else declared.ranks:
-                        probe = Probe(dtype, l=n, s=n, e=e, rank=rank)
-                        reason = probe.call(fn, device)
-                        if reason is None:
-                            return probe, first_reason, inside
-                        first_reason = first_reason or reason
+    for causal in (False, True):   # a kernel that runs only causal problems (no plainer one) is usable all the same
+        for inside, dtype_list, size_list in ((True, dtypes, sizes), (False, dtypes + others, sizes + extra_sizes)):
+            for dtype in dtype_list:
+                for e in size_list:
+                    for n in (16, 64, 128):
+                        for rank in (2, 1, 0) if declared.ranks is None else declared.ranks:
+                            probe = Probe(dtype, l=n, s=n, e=e, rank=rank, causal=causal)
+                            reason = probe.call(fn, device)
+                            if reason is None:
+                                return probe, first_reason, inside
+                            first_reason = first_reason or reason
     return None, first_reason, False
 
 
@@ -294,10 +315,15 @@ def learn_limits(fn, device, declared: Limits, selected) -> Limits:
     ranks = tuple(r for r in (0, 1, 2) if r == base.rank or not declines("leading dims", rank=r))
     if len(ranks) < 3:
         limits.ranks = ranks if declared.ranks is None else tuple(r for r in ranks if r in declared.ranks)
-    limits.masks = tuple(kind for kind in declared.masks if not declines(f"{kind} mask", mask=kind))
+    # (a mask with is_causal is a usage error in SDPA: the masks are probed without it)
+    limits.masks = tuple(kind for kind in declared.masks if not declines(f"{kind} mask", mask=kind, causal=False))
     limits.causal = declared.causal and not declines("is_causal", causal=True)
+    if base.causal:
+        limits.causal_only = True
+        reasons.setdefault("is_causal only", plainest)
     limits.gqa = declared.gqa and not (base.rank and declines("enable_gqa", gqa=True))
     limits.explicit_scale = declared.explicit_scale and not declines("scale", scale=0.5)
+    limits.dropout = not declines("dropout", dropout=0.5)
     limits.strided = declared.strided and not (base.rank == 2 and declines("strided", strided=True))
     return limits
 

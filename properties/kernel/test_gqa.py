@@ -23,16 +23,17 @@ def gqa_kernel(kernel, device):
 
 
 @clause("GQA-HEADS")
-@with_pinned_cases(n_lead=1, kv_heads=2, group=2)  # the smallest shape where head i's kv head is observable
-@given(case=cases(lead=1), kv_heads=st.integers(1, 3), group=st.integers(1, 3))
+@with_pinned_cases(n_lead=1, axes=1, kv_heads=2, group=2)  # the smallest shape where head i's kv head is observable
+@given(case=cases(lead=1, axes=1), kv_heads=st.integers(1, 3), group=st.integers(1, 3))
 def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case, kv_heads, group):
-    """case.lead is the batch; the query has kv_heads * group heads, key and value kv_heads."""
+    """case.lead holds the batch dims (one, or as many as the kernel's ranks leave beside the head axis); the query
+    has kv_heads * group heads, key and value kv_heads."""
     require_dtype(device, case.dtype)
     if case.l * case.s > 4096:   # a kernel-scale draw: at most 2 x 2 heads, within the problem budget
         kv_heads, group = min(kv_heads, 2), min(group, 2)
     g = case.generator()
-    (b,), h = case.lead, kv_heads * group
-    q = gaussian(g, b, h, case.l, case.e)
-    k, v = gaussian(g, b, kv_heads, case.s, case.e), gaussian(g, b, kv_heads, case.s, case.ev)
+    h = kv_heads * group
+    q = gaussian(g, *case.lead, h, case.l, case.e)
+    k, v = gaussian(g, *case.lead, kv_heads, case.s, case.e), gaussian(g, *case.lead, kv_heads, case.s, case.ev)
     q, k, v = (on(t, case.dtype, device) for t in (q, k, v))
     check_against_oracle(gqa_kernel, q, k, v, enable_gqa=True, what=f"out (H={h}, H_kv={kv_heads})")

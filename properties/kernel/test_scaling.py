@@ -12,7 +12,7 @@ from properties.core.assertions import assert_within, fmt
 from properties.core.strategies import require_dtype
 from properties.core.oracle import default_scale, to_float64
 from properties.kernel.statistics import FALSE_ALARM, weighted_chi_square_interval
-from properties.core.strategies import on, seeds
+from properties.core.strategies import on, required, seeds
 from properties.kernel.cases import cases, dtypes, with_pinned_cases
 from properties.kernel.tiles import head_sizes_up_to, kernel_limits
 from properties.core.tolerance import gamma, softmax_bounds, unit_roundoff
@@ -81,9 +81,14 @@ def test_scaling_brings_score_variance_from_d_to_one(kernel, device, d, dtype, u
     scale = 1.0 if unscaled else default_scale(d)
     q, k = on(q64, dtype, device), on(k64, dtype, device)
 
-    if kernel_limits().equal_lengths:   # a kernel that takes only L = S: the same query twice, row 0 read
+    limits = kernel_limits()
+    if limits.equal_lengths:   # a kernel that takes only L = S: the same query twice, row 0 read
         q = q.expand(-1, 2, -1).contiguous()
-    w = to_float64(kernel.weights(q, k, **({"scale": 1.0} if unscaled else {})))[:, 0, :]
+    # the samples on the first leading axis, padded with unit axes to a rank the kernel accepts (4-D only, say)
+    rank = min(required([r for r in (1, 2) if limits.ranks is None or r in limits.ranks] or None,
+                        "the kernel accepts no leading dims: this clause poses a batch of samples"))
+    posed = (t.reshape(SAMPLES, *(1,) * (rank - 1), *t.shape[1:]) for t in (q, k))
+    w = to_float64(kernel.weights(*posed, **({"scale": 1.0} if unscaled else {}))).reshape(SAMPLES, -1, 2)[:, 0, :]
     recovered = torch.log(w[:, 1]) - torch.log(w[:, 0])
 
     # Exact sampling distribution of the ideal scores x_m = scale q_m.k_m given the keys (float64 draws).

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from properties.kernel.limits import Limits, active, active_device
 
-__all__ = ["kernel_limits", "TILE_SHARE", "TILE_LENGTHS", "TILE_HEAD_SIZES", "BUDGET", "problem_budget",
+__all__ = ["kernel_limits", "set_run_seed", "run_choice", "RUN_HEAD_SIZES", "TILE_SHARE", "TILE_LENGTHS", "TILE_HEAD_SIZES", "BUDGET", "problem_budget",
            "tile_shape", "drawn_head_size", "head_sizes_up_to"]
 
 
@@ -44,12 +44,34 @@ def head_sizes_up_to(draw, high: int) -> int:
     return draw(drawn_head_size(kernel_limits(), 1, high))
 
 
+# Each head size a compiled kernel meets costs it a compile (Triton: one binary per HEAD constexpr). A run draws its
+# head sizes from a few chosen for it (from the run's Hypothesis seed: every test of the run, and its replay, sees the
+# same ones; another seed, others) and varies everything else; the pinned problems keep theirs.
+RUN_HEAD_SIZES = {"small": 4, "tile": 3}
+_run = {"seed": None}
+
+
+def set_run_seed(seed: int | None) -> None:
+    """The seed of this run's choice of head sizes (the plugin sets the run's Hypothesis seed; None: no choice)."""
+    _run["seed"] = seed
+
+
+def run_choice(candidates, kind: str) -> list:
+    """The ``RUN_HEAD_SIZES[kind]`` of ``candidates`` this run draws from (all of them outside a suite run)."""
+    candidates = sorted(candidates)
+    if _run["seed"] is None or len(candidates) <= RUN_HEAD_SIZES[kind]:
+        return candidates
+    import random
+    chooser = random.Random(f"{_run['seed']} {kind} {candidates}")
+    return sorted(chooser.sample(candidates, RUN_HEAD_SIZES[kind]))
+
+
 def drawn_head_size(limits: Limits, low: int, high: int) -> st.SearchStrategy[int]:
-    """A head size in [low, high], or the smallest the kernel accepts above (all of them, small first)."""
+    """A head size in [low, high] (among this run's: ``run_choice``), or the smallest the kernel accepts above."""
     if limits.head_sizes is None:
-        return st.integers(low, high)
+        return st.sampled_from(run_choice(range(low, high + 1), "small"))
     inside = [n for n in limits.head_sizes if low <= n <= high]
-    return st.sampled_from(inside or sorted(limits.head_sizes))
+    return st.sampled_from(run_choice(inside, "small") if inside else sorted(limits.head_sizes))
 
 
 @st.composite
@@ -60,7 +82,7 @@ def tile_shape(draw, lead_size: int = 1, *, min_l: int = 1, min_s: int = 1, weig
     limits = kernel_limits()
     budget, top = problem_budget()
     sizes = [n for n in TILE_HEAD_SIZES if limits.head_sizes is None or n in limits.head_sizes]
-    sizes = sizes or sorted(limits.head_sizes, reverse=True)[:1]
+    sizes = run_choice(sizes, "tile") or sorted(limits.head_sizes, reverse=True)[:1]
     e = draw(st.sampled_from(sizes))
     ev = e if limits.equal_head_sizes or draw(st.booleans()) else draw(st.sampled_from(sizes))
 

@@ -205,16 +205,17 @@ def _configure(config):
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
+    # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
+    # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
     probed = kernels if _kernel_clauses_run(config) else []   # no kernel clause runs: no probe
-    for kernel in probed:   # a kernel that declines the plainest problem: its limits now (properties/kernel/limits.py)
+    for kernel in probed:
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
-            if kernel.plainest_declined(device):
-                try:
-                    kernel.learn(device)
-                except limits.LimitsError as exc:
-                    raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
-                                            f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
-                                            f"--kernel-equal-head-sizes)") from None
+            try:
+                kernel.learn(device)
+            except limits.LimitsError as exc:
+                raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
+                                        f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
+                                        f"--kernel-equal-head-sizes)") from None
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
 

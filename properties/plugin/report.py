@@ -60,6 +60,7 @@ def pytest_runtest_makereport(item, call):
     # The dtypes the model was called in during this test (its float64 twin's and its own), for the report.
     report.model_dtypes = called_dtypes() if call.when == "call" and mut is not None else []
     report.repro = None
+    report.repro_missing = ""
     if call.when == "setup":
         repro.clear()
     if report.failed and ids:
@@ -67,7 +68,13 @@ def pytest_runtest_makereport(item, call):
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
         if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
-            report.repro = write_reproducer(clauses[ids[0]], item.nodeid, _counterexample(report))
+            from properties.core.watchdog import CallTimeout
+            if call.excinfo is not None and call.excinfo.errisinstance(CallTimeout):   # its script would hang too
+                repro.clear()
+                report.repro_missing = "a call did not return within --call-timeout; a script would hang too"
+            else:
+                report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
+                                                                      _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
@@ -76,6 +83,8 @@ def pytest_runtest_makereport(item, call):
             item.user_properties.append(("coverage", json.dumps(report.coverage)))
         if report.repro:
             item.user_properties.append(("repro", report.repro))
+        elif report.repro_missing:
+            item.user_properties.append(("repro_missing", report.repro_missing))
     return report
 
 
@@ -138,6 +147,8 @@ def pytest_runtest_logreport(report):
         record["coverage"] = report.coverage
     if getattr(report, "repro", None):
         record["repro"] = report.repro
+    if getattr(report, "repro_missing", ""):
+        record["repro_missing"] = report.repro_missing
     if report.failed:
         status = "failed" if report.when == "call" else "error"
         if record["status"] not in ("failed", "error"):
@@ -244,10 +255,13 @@ def write_model_basis(terminalreporter) -> None:
 def write_reproducers(terminalreporter) -> None:
     """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
-    if written:
+    missing = [(nodeid, r["repro_missing"]) for nodeid, r in _records.items() if r.get("repro_missing")]
+    if written or missing:
         terminalreporter.write_sep("=", f"reproducers ({len(written)}; each exits 1 while its failure is there)")
         for ids, path in written:
             terminalreporter.write_line(f"{', '.join(ids)}: python {path}")
+        for nodeid, why in missing:   # never silently missing
+            terminalreporter.write_line(f"no reproducer for {nodeid}: {why}")
 
 
 def configure_reproducers(config) -> None:
@@ -257,7 +271,7 @@ def configure_reproducers(config) -> None:
         from zoo.io.atomic import unwritable
         if problem := unwritable(directory):
             raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
-    repro.activate(directory, config.getoption("--model", None))
+    repro.activate(directory, config.getoption("--model", None), config.getoption("--causal-alignment", "top-left"))
     reset_reproducers()
 
 
@@ -273,7 +287,7 @@ def pytest_sessionfinish(session):
              "duration_s": round(r["duration_s"], 6), "message": r["message"],
              "counterexample": r["counterexample"], "resolution": r["resolution"], "note": r["note"],
              "precision": r["precision"], "coverage": r.get("coverage"), "repro": r.get("repro"),
-             "model_dtypes": r["model_dtypes"]}
+             "repro_missing": r.get("repro_missing", ""), "model_dtypes": r["model_dtypes"]}
             for nodeid, r in _records.items() for cid in r["clauses"]]
     try:
         write_text(path, json.dumps(rows, indent=1))

@@ -2,7 +2,8 @@
 the float64 oracle in plain torch, then one body per kind of comparison: ``oracle`` (a call against the oracle and
 the clause's bound), ``two-calls`` (two calls compared bitwise or within a bound; forward and, when recorded,
 backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule), ``dropout-rate`` (the statistical test over
-the same number of draws) and ``model`` (two forward passes of a model compared within the clause's tolerance).'''
+the same number of draws), ``model`` (two forward passes of a model compared within the clause's tolerance) and
+``call`` (a call that broke the calling contract: it raised, or its output's shape, dtype, device or finiteness).'''
 from __future__ import annotations
 
 import os
@@ -111,6 +112,13 @@ def worst(excess, *named):
     return f"at index {{index}}: " + ", ".join(f"{{n}} = {{float(t.reshape(-1)[i]):.6g}}" for n, t in named)
 
 
+def copies(n, *tensors):
+    """n copies of each tensor in one call (n independent dropout draws): on a new leading axis of a 2-D problem,
+    else on its batch axis, copy-major (a 4-D problem stays 4-D), as the suite stacked them."""
+    return [t.expand(n, *t.shape).contiguous() if t.dim() == 2 else t.repeat(n, *[1] * (t.dim() - 1))
+            for t in tensors]
+
+
 subject = load(sys.argv[1] if len(sys.argv) > 1 else SUBJECT)
 '''
 
@@ -188,12 +196,53 @@ query, key, positive = on_device(DATA["query"]), on_device(DATA["key"]), DATA["p
 eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    w = subject(*(t.expand(n, *t.shape).contiguous() for t in (query, key, eye)), dropout_p=p).double().cpu()
+    w = subject(*copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
+w = w.reshape(n, *w.shape[1:]) if query.dim() == 2 else w.reshape(n, -1, *w.shape[1:])   # the copies first
 count = n * int(positive.sum())
 dropped = float((w[:, positive] == 0).sum()) / count
 halfwidth = math.sqrt(math.log(2 / {false_alarm!r}) / (2 * count))
 verdict(abs(dropped - p) > halfwidth, f"fraction of dropped weights = {{dropped:.6g}}, dropout_p = {{p:.6g}}: "
         f"|difference| > {{halfwidth:.6g}} (Hoeffding, n = {{count}} weights, false-alarm probability <= {false_alarm:g})")
+''',
+    "dropout-mean": '''
+# Statistical: the mean over n independent dropout draws is compared with the oracle without dropout; the bound is
+# Hoeffding's at false-alarm probability {false_alarm:g} shared over the coordinates, plus rounding.
+n, p, seed = DATA["copies"], DATA["p"], DATA["seed"]
+query, key, value = (on_device(DATA[name]) for name in ("query", "key", "value"))
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(seed)
+    out = subject(*copies(n, query, key, value), dropout_p=p).double().cpu()
+mean = (out if query.dim() == 2 else out.reshape(n, -1, *out.shape[1:])).mean(dim=0)
+expected, _ = oracle(query, key, value)
+excess = torch.nan_to_num((mean - expected).abs() - DATA["bound"], nan=math.inf)
+verdict((excess > 0).any(), f"mean over {{n}} dropout draws (p = {{p:.6g}}) of out departs from the oracle without "
+        f"dropout at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
+        worst(excess, ("mean", mean), ("oracle", expected), ("bound", DATA["bound"].expand_as(mean))))
+''',
+    "dropout-gradient": '''
+# V = I: the output is the realised weight matrix (dropped and rescaled), so the dropout mask the forward drew is
+# read from it, and dQ, dK, dV are compared with the float64 chain rule through that same mask.
+p, contract = DATA["p"], {{name: on_device(x) for name, x in DATA["contract"].items()}}
+query, key = on_device(DATA["query"]), on_device(DATA["key"])
+eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
+leaves = [t.detach().clone().requires_grad_() for t in (query, key, eye.contiguous())]
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(DATA["seed"])
+    out = subject(*leaves, dropout_p=p, **contract)
+grads = torch.autograd.grad(out, leaves, on_device(DATA["upstream"]))
+keep = out.detach().double().cpu() != 0
+leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
+weights, _ = oracle(leaves64[0], leaves64[1], leaves64[2].detach(), **contract)
+expected = (weights * keep / (1 - p)) @ leaves64[2]
+grads64 = torch.autograd.grad(expected, leaves64, DATA["upstream"].double())
+for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):
+    bound = DATA["bound"][name]
+    excess = torch.nan_to_num((grad.double().cpu() - grad64).abs() - bound, nan=math.inf)
+    if (excess > 0).any():
+        verdict(True, f"d{{name}} with dropout departs from the chain rule with the forward's realised mask "
+                f"(p={{p:.3g}}) at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
+                worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64), ("bound", bound.expand_as(grad64))))
+verdict(False, "")
 ''',
     "model": '''
 built = subject()   # the factory, as --model called it
@@ -209,6 +258,29 @@ with torch.no_grad():
 diff = torch.nan_to_num((second - first).abs(), nan=math.inf)
 verdict((diff > DATA["tolerance"]).any(), f"{{WHAT}}: differs by {{float(diff.max()):.3e}} from {{REFERENCE}} at "
         f"{{int((diff > DATA['tolerance']).sum())}} of {{diff.numel()}} entries (tolerance {{DATA['tolerance']:.3e}})")
+''',
+    "call": '''
+args = [on_device(x) for x in DATA["args"]]
+kwargs = {{name: on_device(x) for name, x in DATA["kwargs"].items()}}
+try:
+    out = subject(*args, **kwargs)
+except Exception as exc:   # the calling contract: a call inside the kernel's limits returns
+    verdict(True, f"the kernel raised {{type(exc).__name__}}: {{exc}}")
+if DATA["first_of_tuple"] and isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+    out = out[0]   # FlashAttention's API: (out, softmax_lse, ...)
+query, expected = args[0], tuple(DATA["shape"])
+if not torch.is_tensor(out):
+    verdict(True, f"the kernel returned {{type(out).__name__}}, not a tensor")
+if tuple(out.shape) != expected:
+    verdict(True, f"output shape {{tuple(out.shape)}} != expected {{expected}} (query's leading dims, value's last dim)")
+if out.dtype != query.dtype or out.device != query.device:
+    verdict(True, f"output {{out.dtype}} on {{out.device}} != the query's {{query.dtype}} on {{query.device}}")
+finite = torch.isfinite(out).cpu()
+if DATA["nan_rows"] is not None:   # queries the clause allows to come out NaN
+    finite = finite | DATA["nan_rows"][..., None]
+first = tuple(int(i) for i in (~finite).nonzero()[0]) if not finite.all() else None
+verdict(first is not None, f"output is not finite at {{int((~finite).sum())}} of {{finite.numel()}} entries; "
+        f"first at index {{first}}: {{float(out[first]) if first else 0.0}}")
 ''',
 }
 
@@ -238,17 +310,47 @@ def _cpu(value):
     return value
 
 
-def write(clause, nodeid: str, counterexample: str) -> str | None:
-    """Write the reproducer of the failing test's evidence for ``clause`` (a properties.core.spec.Clause); its path,
-    or None when the test recorded none (a failure outside the comparisons: an exception of the subject, a shape)."""
+def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
+    """Write the reproducer of the failing test for ``clause`` (a properties.core.spec.Clause) and run it once here:
+    (its path, '') when it exits 1 on the subject that failed, else (None, why no script is left).  The evidence
+    its comparison recorded comes first; then the test's last kernel call against the float64 oracle."""
     evidence = repro.take()
-    if repro.directory() is None or evidence is None:
+    last_call, alignment = repro.take_kernel_call()
+    if repro.directory() is None:
+        return None, ""
+    reasons = []
+    for candidate in (evidence, last_call_evidence(last_call, alignment)):
+        if candidate is not None:
+            path, why = _write_one(clause, dict(candidate), nodeid, counterexample)
+            if path:
+                return path, ""
+            reasons += [why] if why not in reasons else []
+    return None, "; ".join(reasons) or "the failing check records no comparison this writer can rebuild"
+
+
+def last_call_evidence(call, alignment: str) -> dict | None:
+    """The oracle check of a test's last kernel call (SDPA API) with ATTN-ORACLE's bound: the reproducer of a clause
+    whose own comparison (two calls related, a rule on the weights) records nothing, kept only where that call
+    departs from the oracle too.  Queries without an admissible key are not compared (their convention varies)."""
+    if call is None:
         return None
-    evidence = dict(evidence)
+    subject, query, key, value, kwargs = call
+    if kwargs.get("dropout_p", 0.0):   # a random output has no oracle
+        return None
+    from properties.core.tolerance import output_bound, softmax_bounds
+    query, key, value = (t.detach() for t in (query, key, value))
+    kwargs = {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items() if k != "dropout_p"}
+    bound = output_bound(softmax_bounds(query, key, value, causal_alignment=alignment, **kwargs), value)
+    return {"kind": "oracle", "subject": subject, "device": str(query.device), "bound": bound,
+            "what": "out of the failing test's last kernel call (ATTN-ORACLE's bound)", "alignment": alignment,
+            "inputs": dict(query=query, key=key, value=value, **kwargs), "fully_masked": "any"}
+
+
+def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tuple[str | None, str]:
     if evidence["kind"] == "model":
         evidence["subject"] = repro.model_spec()
-        if evidence["subject"] is None:   # a zoo family or --zoo: no factory for the script to import
-            return None
+        if evidence["subject"] is None:
+            return None, "a zoo family or --zoo model: no --model factory for the script to import"
     n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)
@@ -259,4 +361,34 @@ def write(clause, nodeid: str, counterexample: str) -> str | None:
     script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)
     write_text(directory / f"{stem}.py", script)
     os.chmod(directory / f"{stem}.py", 0o755)
-    return str(directory / f"{stem}.py")
+    status, printed = _rehearse(directory / f"{stem}.py")
+    if status == 1:
+        return str(directory / f"{stem}.py"), ""
+    for path in (directory / f"{stem}.py", directory / f"{stem}.pt"):   # a script that does not fail is no reproducer
+        path.unlink(missing_ok=True)
+    _counts[clause.id] -= 1
+    last = printed.strip().splitlines()[-1] if printed.strip() else ""
+    return None, (f"the {evidence['kind']} comparison recorded does not reproduce the failure (its script exited "
+                  f"{status}: {last})" if status == 0 else f"its script could not run here (exit {status}: {last})")
+
+
+def _rehearse(path: Path) -> tuple[object, str]:
+    """Run the script in this process, as `python path` would, leaving the random state as it was: its exit status
+    and what it printed (an exception of the script: its one-line description, status 'error')."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+    printed, argv = io.StringIO(), sys.argv
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), contextlib.redirect_stdout(printed):
+            sys.argv = [str(path)]
+            runpy.run_path(str(path), run_name="__main__")
+        return 0, printed.getvalue()   # a script that ends without verdict(): no departure found
+    except SystemExit as exit_:
+        return exit_.code, printed.getvalue()
+    except Exception as exc:   # noqa: BLE001 -- the script's own failure is reported, not raised into the suite
+        return "error", f"{printed.getvalue()}\n{type(exc).__name__}: {exc}"
+    finally:
+        sys.argv = argv

@@ -52,6 +52,8 @@ def _fix_seed(config) -> None:
         seed = random.SystemRandom().randrange(2**31)
         config.option.hypothesis_seed = seed   # Hypothesis' plugin reads it after this hook (tryfirst)
     config.stash[_SEED] = seed
+    from properties.kernel.tiles import set_run_seed
+    set_run_seed(seed)   # the run's head sizes (properties/kernel/tiles.py, run_choice)
 
 
 def pytest_report_header(config):

@@ -40,7 +40,7 @@ from zoo.plugins import PluginError, load_object
 from zoo.nn.flash import admissible_softmax, soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 
-__all__ = ["Kernel", "math_attention", "torch_attention", "resolve_kernel", "takes_softcap", "KERNELS"]
+__all__ = ["Kernel", "math_attention", "torch_attention", "sdpa_keeping_the_contract", "resolve_kernel", "takes_softcap", "KERNELS"]
 
 
 class Kernel(Protocol):
@@ -113,11 +113,32 @@ def _shift_overflowing_rows(attn_mask):
 
 def torch_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                     scale=None, enable_gqa=False):
-    """PyTorch's fused kernel, called with the same contract (a float mask's rows of finfo.min shifted first, so
-    that the memory-efficient CUDA kernel keeps them: ``_shift_overflowing_rows``)."""
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=_shift_overflowing_rows(attn_mask),
-                                          dropout_p=dropout_p, is_causal=is_causal,
-                                          scale=scale, enable_gqa=enable_gqa)
+    """PyTorch's fused kernel, called with the same contract: ``sdpa_keeping_the_contract`` of
+    ``F.scaled_dot_product_attention`` (looked up at each call, so that whatever PyTorch dispatches to is used)."""
+    return sdpa_keeping_the_contract(F.scaled_dot_product_attention, query, key, value, attn_mask=attn_mask,
+                                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def sdpa_keeping_the_contract(sdpa, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False):
+    """``sdpa`` (an SDPA function) made to keep the zoo's contract on every backend PyTorch may dispatch to:
+
+    - a float mask's rows of finfo.min are shifted first, so that the memory-efficient CUDA kernel keeps them
+      (``_shift_overflowing_rows``);
+    - a bool mask goes in as its additive −inf float mask, and a query it admits no key for comes out as zeros:
+      PyTorch's cuDNN backend, which the dispatcher picks for half-precision inputs with a bool mask on Hopper,
+      returns neither zeros nor the mean of the values there, with dK and dV reaching keys no query may attend
+      (docs/kernels.md; examples/repro_cudnn_bool_mask_rows.py), where a −inf float mask gives zeros.
+    """
+    no_key = None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        no_key = ~attn_mask.any(-1, keepdim=True)
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    out = sdpa(query, key, value, attn_mask=_shift_overflowing_rows(attn_mask), dropout_p=dropout_p,
+               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    # no sync with the device: the rows are zeroed whether or not there are any
+    return out if no_key is None else out.masked_fill(no_key, 0.0)
 
 
 KERNELS: dict[str, Callable] = {"math": math_attention, "torch": torch_attention,
