@@ -14,12 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # number are siblings: neither imports the other.
 FLOORS = {
     "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "adapters": 3, "plugin": 3, "catalog": 4},
-    "zoo": {"plugins": 0, "leftovers": 0, "nn": 1, "config": 2, "io": 3, "interop": 4, "tasks": 5, "cli_dirs": 6,
-            "cli_args": 6, "cli_checks": 7,
-            "cli": 8, "__main__": 9},
+    "zoo": {"leftovers": 0, "call_limit": 1, "plugins": 2, "nn": 3, "config": 4, "io": 5, "interop": 6, "tasks": 7,
+            "cli_dirs": 8, "cli_args": 8, "cli_checks": 9, "cli": 10, "__main__": 11},
 }
 # properties/__init__.py (clause, Subject) reads core/ only; zoo/__init__.py names zoo.config lazily, by string.
-FRONT = {"properties": 0, "zoo": 9}
+FRONT = {"properties": 0, "zoo": 11}
 
 
 def _module(path: Path) -> str:

@@ -12,12 +12,14 @@ from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from zoo.call_limit import (DEFAULT_TIMEOUT, CallLimitExceeded, bounded, parse_limit, reset_limit,
+                            set_limit)
 from zoo.cli_checks import Plan, plan
 from zoo.cli_dirs import discard
 from zoo.config.builder import model_from_config
 from zoo.config.sizing import ModelTooLarge, check_fits
 from zoo.config.composition import explain_composition_error, explain_config_error, validate_checked
-from zoo.config.schema import ConfigError
+from zoo.config.schema import ConfigError, plugin_in
 from zoo.io.checkpoint import CheckpointError
 from zoo.tasks.generate import generate_task
 from zoo.tasks.interrupts import Interrupted, stop_on_sigterm
@@ -93,6 +95,9 @@ def project_help() -> str:
         "                                           (also path/to/file.py:fn)",
         "  attention._target_=pkg.mod.MyAttention   your class in place of a part (likewise ffn., norm., pos._target_),",
         "                                           called with the node's keys plus device= and dtype=",
+        f"  call_timeout=SECONDS                     time limit for one call of a plug-in: importing it, building the",
+        f"                                           model, a forward pass, a decoding (default {DEFAULT_TIMEOUT:g}; 0: no",
+        "                                           limit); past it, one line and exit status 1, also when stuck in C",
         "  allow_plugins=true                       let task=generate / task.resume=true import the plug-in paths a",
         "                                           checkpoint names (by default only the zoo's own classes and kernels)",
         "",
@@ -121,14 +126,21 @@ def _verify(cfg: DictConfig, model, profile: str) -> None:
         raise _OwnExit(status)
 
 
+def _built(cfg: DictConfig):
+    """The model, its build bounded by call_timeout when a plug-in takes part."""
+    with bounded(plugin_in(cfg), "building the model"):
+        return model_from_config(cfg)
+
+
 def run(cfg: DictConfig) -> None:
     check_fits(cfg, batch=cfg.task.batch, length=cfg.task.seq_len)
     torch.manual_seed(cfg.seed)
-    model = model_from_config(cfg)
+    model = _built(cfg)
     print(model_card(cfg, model))
     inputs = random_inputs(model, cfg.task.batch, cfg.task.seq_len,
                            generator=torch.Generator().manual_seed(cfg.seed), device=cfg.device)
-    out, seconds = timed_forward(model, inputs)
+    with bounded(plugin_in(cfg), "the forward pass of task=run"):
+        out, seconds = timed_forward(model, inputs)
     shapes = " + ".join(str(tuple(t.shape)) for t in inputs)
     print(f"\nforward    {shapes} -> {tuple(out.shape)} {str(out.dtype).removeprefix('torch.')} "
           f"in {seconds * 1e3:.1f} ms (eval, no grad)\n")
@@ -139,7 +151,7 @@ def run(cfg: DictConfig) -> None:
 def verify_task(cfg: DictConfig) -> None:
     check_fits(cfg)
     torch.manual_seed(cfg.seed)
-    model = model_from_config(cfg)
+    model = _built(cfg)
     print(model_card(cfg, model) + "\n")
     _verify(cfg, model, cfg.task.profile)
 
@@ -178,10 +190,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         validate_checked(cfg)
     except ConfigError as error:
         _exit_with(error)
+    set_limit(parse_limit(cfg.call_timeout))
     try:  # a task finds some problems only once it runs (data vs model, a checkpoint): still one line
         TASKS[cfg.task.name](cfg)
     except _OwnExit:
         raise
+    except CallLimitExceeded as error:  # a plug-in's call interrupted past call_timeout
+        _refuse(str(error), status=1)
     except SystemExit as stop:  # code the run called (a plug-in's constructor, kernel or forward) ended it
         _refuse(f"zoo: the run was ended by sys.exit({stop.code!r}) in code it called (a plug-in?); nothing it "
                 f"was to do was finished")
@@ -266,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         raise
     finally:
+        reset_limit()   # main([...]) in another program leaves no limit and no SIGALRM handler behind
         if argv is None:   # as a command (tests call main([...]) in their own process): nothing a plug-in left
             from zoo.leftovers import end_leftovers
             end_leftovers(status, who="a plug-in")
@@ -273,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(arguments: list[str]) -> None:
     global _PLAN, _TASK_RAISED
+    set_limit(_limit_given(arguments))   # the checks below import the plug-ins
     try:  # Hydra's own errors span several lines and leave an output directory: check everything first
         checked = plan(arguments)
+    except CallLimitExceeded as error:
+        say(str(error))
+        sys.exit(1)
     except ModelTooLarge as error:
         say(f"zoo: model too large: {error}")
         sys.exit(2)
@@ -312,6 +332,17 @@ def _main(arguments: list[str]) -> None:
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
         _PLAN = None
+
+
+def _limit_given(arguments: list[str]) -> float:
+    """call_timeout as the command line gives it (the last one wins, as in Hydra), for the checks that import
+    plug-ins before the config is composed; DEFAULT_TIMEOUT when absent or not a valid limit (the config's check
+    then refuses it in one line)."""
+    given = [a.split("=", 1)[1] for a in arguments if a.lstrip("+").startswith("call_timeout=")]
+    try:
+        return parse_limit(given[-1]) if given else DEFAULT_TIMEOUT
+    except ValueError:
+        return DEFAULT_TIMEOUT
 
 
 def _rerun(path: str) -> None:

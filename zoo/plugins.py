@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from zoo.call_limit import CallLimitExceeded, bounded
+
 __all__ = ["PluginError", "load_object", "locate"]
 
 
@@ -35,12 +37,14 @@ def load_object(spec: str) -> object:
             module_spec = importlib.util.spec_from_file_location(name_in_sys, path)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name_in_sys] = module  # dataclasses and pickling look modules up here
-            module_spec.loader.exec_module(module)
+            with bounded(f"plug-in {spec!r}", f"importing {where!r}"):
+                module_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(where)
+            with bounded(f"plug-in {spec!r}", f"importing {where!r}"):
+                module = importlib.import_module(where)
     except PluginError:
         raise
-    except KeyboardInterrupt:   # Ctrl-C (or SIGTERM) while importing still stops the program
+    except (KeyboardInterrupt, CallLimitExceeded):   # Ctrl-C (or SIGTERM) while importing still stops the program
         raise
     except BaseException as exc:  # the user's module may fail in any way while importing, sys.exit() included
         raise PluginError(f"{spec!r}: cannot import {where!r}: {_raised(exc)}") from exc
@@ -57,12 +61,13 @@ def locate(dotted: str) -> object:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
+            with bounded(f"plug-in {dotted!r}", f"importing {'.'.join(parts[:cut])!r}"):
+                obj = importlib.import_module(".".join(parts[:cut]))
         except ModuleNotFoundError as exc:
             if exc.name is None or not ".".join(parts[:cut]).startswith(exc.name):
                 raise PluginError(f"{dotted!r}: importing it failed: {exc}") from exc
             continue
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, CallLimitExceeded):
             raise
         except BaseException as exc:  # the user's module may fail in any way while importing, sys.exit() included
             raise PluginError(f"{dotted!r}: importing it failed: {_raised(exc)}") from exc

@@ -29,10 +29,11 @@ from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
 from zoo.config.options import DTYPES, MAX_LAYERS, PARTS
 from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
+from zoo.call_limit import parse_limit
 from zoo.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 
-__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets",
+__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets", "plugin_in",
            "integral_overrides", "MAX_LAYERS", "check_seed"]
 
 
@@ -50,6 +51,7 @@ class ZooSchema:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    call_timeout: float = 60.0  # seconds one call of a plug-in may take (zoo/call_limit.py); 0: no limit
     reference: Optional[str] = None  # task=compare: hf (gpt2_small, bert_base) or torch (vaswani_base)
     model: Any = MISSING
     attention: Any = MISSING
@@ -252,6 +254,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.layers > MAX_LAYERS:
         _fail("layers", cfg.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
     check_seed("seed", cfg.seed)
+    try:
+        parse_limit(cfg.call_timeout)
+    except ValueError as exc:
+        _fail("call_timeout", cfg.call_timeout, str(exc))
     if cfg.d_model % cfg.heads:
         _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
     if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
@@ -320,6 +326,19 @@ def _check_zoo_parts_build(cfg: DictConfig) -> None:
                                     f"alone would hold 2^63 bytes or more, more than any device has") from None
             raise ConfigError(f"{part}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") \
                 from None
+
+
+def plugin_in(cfg: DictConfig) -> str | None:
+    """'attention.kernel=k.py:f' (or 'ffn._target_=pkg.Mine'): the first plug-in a config names, None if none; what
+    ``call_timeout`` bounds and names."""
+    kernel = cfg.attention.get("kernel")
+    if isinstance(kernel, str) and kernel not in KERNELS:
+        return f"attention.kernel={kernel}"
+    for part in ("model", *PARTS):
+        target = cfg[part].get("_target_")
+        if isinstance(target, str) and target not in zoo_targets():
+            return f"{part}._target_={target}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from zoo.call_limit import bounded
 from zoo.nn.cache import KVCache, PagedKVCache
 from zoo.nn.static_cache import StaticKVCache, refusal
 from zoo.config.builder import model_from_config
@@ -28,7 +29,7 @@ from zoo.config.sizing import check_fits
 from zoo.config.task_schemas import COMPILE_MODES
 from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
-from zoo.config.schema import ConfigError, ZooSchema, torch_dtype, validate
+from zoo.config.schema import ConfigError, ZooSchema, plugin_in, torch_dtype, validate
 
 __all__ = ["generate", "pick_next", "generate_task", "saved_config", "decode_step", "compiled_step"]
 
@@ -183,7 +184,9 @@ def generate_task(cfg: DictConfig) -> None:
     # checked before anything in it is imported: only the zoo's own classes and kernels, unless allow_plugins.
     saved = saved_config(state, checkpoint, allow_plugins=bool(cfg.get("allow_plugins", False)), device=cfg.device)
     check_fits(saved, device=cfg.device)
-    model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
+    plugin = plugin_in(saved)   # with allow_plugins: each call through it is bounded by call_timeout
+    with bounded(plugin, "building the model"):
+        model = model_from_config(saved, device=cfg.device, dtype=torch_dtype(saved.dtype))
     load_weights(model, checkpoint, state)
     model.eval()
     data = task_from_config(saved.data)
@@ -208,10 +211,11 @@ def generate_task(cfg: DictConfig) -> None:
         if model.kind == "encoder_decoder":
             src_mask = torch.arange(x.shape[1]) < lengths[:, None]
             prompt = torch.full((len(x), 1), BOS)
-            out = generate(model, prompt.to(cfg.device), max_new, src=x.to(cfg.device),
-                           src_mask=src_mask.to(cfg.device), temperature=opts.temperature, top_k=opts.top_k,
-                           use_cache=opts.cache, generator=generator, block_size=opts.block_size,
-                           compile_mode=opts.compile)
+            with bounded(plugin, "decoding (task=generate)"):
+                out = generate(model, prompt.to(cfg.device), max_new, src=x.to(cfg.device),
+                               src_mask=src_mask.to(cfg.device), temperature=opts.temperature, top_k=opts.top_k,
+                               use_cache=opts.cache, generator=generator, block_size=opts.block_size,
+                               compile_mode=opts.compile)
             outputs = list(out.cpu())
         else:
             # Prompts of one length share a batch: BOS x SEP, with no padding for positions to shift.
@@ -219,9 +223,10 @@ def generate_task(cfg: DictConfig) -> None:
                 rows = (lengths == n).nonzero().squeeze(1)
                 prompt = torch.cat([torch.full((len(rows), 1), BOS), x[rows, :n],
                                     torch.full((len(rows), 1), SEP)], dim=1)
-                out = generate(model, prompt.to(cfg.device), max_new, temperature=opts.temperature,
-                               top_k=opts.top_k, use_cache=opts.cache, generator=generator,
-                               block_size=opts.block_size, compile_mode=opts.compile)
+                with bounded(plugin, "decoding (task=generate)"):
+                    out = generate(model, prompt.to(cfg.device), max_new, temperature=opts.temperature,
+                                   top_k=opts.top_k, use_cache=opts.cache, generator=generator,
+                                   block_size=opts.block_size, compile_mode=opts.compile)
                 for row, tokens in zip(rows.tolist(), out.cpu()):
                     outputs[row] = tokens
     except ValueError as exc:  # a prompt/max_new the model's positions cannot hold

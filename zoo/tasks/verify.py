@@ -111,7 +111,7 @@ def absolute_kernel_path(kernel):
 
 
 def run_suite(config_path: Path, kernel: str | None, *, device: str, profile: str, workdir: Path,
-              echo=True) -> tuple[int, Path, Path, float, str]:
+              echo=True, call_timeout: float | None = None) -> tuple[int, Path, Path, float, str]:
     """Run pytest on the suite in a child process, echoing its output; returns (exit status, report json,
     junit xml, seconds, the last lines of its output). The child never outlives this call."""
     report, junit = workdir / "report.json", workdir / "junit.xml"
@@ -123,6 +123,8 @@ def run_suite(config_path: Path, kernel: str | None, *, device: str, profile: st
                "--report-json", str(report), "--junitxml", str(junit)]
     if kernel is not None:
         command += ["--kernel", kernel]
+    if call_timeout is not None:   # the suite's own limit, so the config's call_timeout holds in the suite too
+        command += ["--call-timeout", f"{call_timeout:g}"]
     start = time.perf_counter()
     tail = bytearray()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -189,7 +191,8 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
         OmegaConf.save({"hydra": {"runtime": {"choices": choices}}}, Path(scratch) / "hydra.yaml")
         # A KeyboardInterrupt (Ctrl-C, SIGTERM) propagates from here: an interrupted run writes no report.
         status, report_path, junit, seconds, tail = run_suite(config_path, kernel, device=cfg.device,
-                                                              profile=profile, workdir=Path(scratch))
+                                                              profile=profile, workdir=Path(scratch),
+                                                              call_timeout=float(cfg.get("call_timeout", 60.0)))
         records, problem = [], ""
         if report_path.exists():
             try:
@@ -204,7 +207,10 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
         exit_status = 2 if problem else status
         pictures = Path(scratch) / "pictures"
         pictures.mkdir()
-        drawn, notes = _draw(model, cfg.d_model, pictures)
+        from zoo.call_limit import bounded
+        from zoo.config.schema import plugin_in
+        with bounded(plugin_in(cfg), "drawing the attention pictures of task=verify"):   # the kernel runs here too
+            drawn, notes = _draw(model, cfg.d_model, pictures)
         with _reports_lock(out_dir):
             names = [*REPORT_FILES, *(path.name for path in drawn.values())]
             suffix = free_suffix(out_dir, names)
