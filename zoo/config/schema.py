@@ -281,7 +281,7 @@ def validate(cfg: DictConfig) -> None:
         try:
             function = resolve_kernel(kernel)
         except PluginError as exc:
-            _fail("attention.kernel", kernel, str(exc).split(": ", 1)[-1])
+            _fail("attention.kernel", kernel, str(exc).removeprefix(f"kernel {kernel!r} ").removeprefix(f"{kernel!r}: "))
         try:
             signature = inspect.signature(function)
         except (TypeError, ValueError):  # a builtin without a signature (F.scaled_dot_product_attention): trusted

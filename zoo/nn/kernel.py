@@ -181,6 +181,6 @@ def _signature_problem(fn: Callable) -> str:
     try:
         signature.bind(0, 0, 0)
     except TypeError:
-        return (f"cannot be called with the SDPA signature (query, key, value, attn_mask=None, dropout_p=0.0, "
-                f"is_causal=False, scale=None): its signature is {signature}")
+        return (f"does not take the arguments of the SDPA signature (query, key, value, attn_mask=None, "
+                f"dropout_p=0.0, is_causal=False, scale=None): its signature is {signature}")
     return ""
