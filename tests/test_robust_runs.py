@@ -125,6 +125,12 @@ def test_a_kernel_that_cannot_take_query_key_value_and_a_limit_that_cannot_bind_
         _timeout(_Config(call_timeout="1e-9"))
 
 
+def test_the_clis_call_limit_given_to_the_suites_zoo_is_refused_naming_the_suites_option():
+    from properties.core.zoo_config import zoo_run
+    with pytest.raises(pytest.UsageError, match="call_timeout is python -m zoo's limit.*--call-timeout"):
+        zoo_run(_Config(zoo="model=decoder_only call_timeout=5"))
+
+
 # ----------------------------------------------------------------------------------- what is checked is used
 def test_the_weights_loaded_are_the_bytes_whose_checksum_was_verified(tmp_path):
     from zoo.io.checkpoint import load_weights, read_state, save_training_checkpoint

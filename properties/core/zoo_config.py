@@ -126,6 +126,9 @@ def zoo_run(config) -> ZooRun | None:
         from zoo.plugins import PluginError
         from zoo.config.schema import ConfigError
         words = tuple(shlex.split(text))
+        if any(word.lstrip("+~").split("=", 1)[0] == "call_timeout" for word in words):   # the CLI's limit, not read here
+            raise pytest.UsageError(f"--zoo {' '.join(words)!r}: call_timeout is python -m zoo's limit; the suite's "
+                                    f"limit on each call is --call-timeout SECONDS")
         try:
             with user_call(f"model built by --zoo {' '.join(words)}", "importing the parts it names (validating it)"):
                 cfg, choices = compose(words)
