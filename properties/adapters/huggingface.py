@@ -245,8 +245,11 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         raise SubjectError(f"hf_subject: {type(config).__name__} names no maximum length (none of "
                            f"{', '.join(LENGTH_NAMES)}); pass max_len=")
     pad = getattr(config, "pad_token_id", None) if pad_id is None else pad_id
-    reached = reached_parameters(model, lambda tokens, mask: _probe_output(model, kind, tokens, mask),
-                                 min(8, max_len))
+    try:
+        reached = reached_parameters(model, lambda tokens, mask: _probe_output(model, kind, tokens, mask),
+                                     min(8, max_len))
+    except Exception:   # a forward the probe's plain call does not fit: every parameter counts as read, as declared
+        reached = {name for name, p in model.named_parameters() if p.requires_grad}
     if any(name in reached for name in absolute_position_tables(model)):
         # Positions of two kinds (MPNet: an absolute table added to the input and relative buckets): the absolute
         # table decides; shifted inputs differ and the table ends at max_len (unless it regrows).
