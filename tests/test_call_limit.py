@@ -5,6 +5,7 @@ start-up); the rest run in this process (tests/cli_harness.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,12 +39,25 @@ def test_help_states_the_limit_and_its_default(tmp_path):
     assert "call_timeout=SECONDS" in outcome.out and f"default {DEFAULT_TIMEOUT:g}" in outcome.out
 
 
-def test_a_kernel_looping_in_python_is_interrupted(tmp_path):
+def _host_handler(signum, frame):
+    raise AssertionError("the host's SIGALRM handler ran during the zoo's bounded call")
+
+
+@pytest.mark.parametrize("host_handler", [False, True], ids=["no handler", "host handler"])
+def test_a_kernel_looping_in_python_is_interrupted(tmp_path, host_handler):
+    """With a SIGALRM handler already installed (the spec suite's watchdog does so in every pytest-xdist worker that
+    collects properties/), the zoo still interrupts the loop with its own, and puts the host's back after: without
+    it only the hard stop remained, and that ends the host process (CI lost a worker to it)."""
     (tmp_path / "loop.py").write_text(KERNEL + "    while True:\n        try:\n            pass\n"
                                                "        except BaseException:\n            pass\n")
-    start = time.monotonic()
-    outcome = zoo_in_process(["attention.kernel=loop.py:attention", "call_timeout=1", "task.verify=false"],
-                             tmp_path, real_tasks=True)
+    before = signal.signal(signal.SIGALRM, _host_handler) if host_handler else signal.getsignal(signal.SIGALRM)
+    try:
+        start = time.monotonic()
+        outcome = zoo_in_process(["attention.kernel=loop.py:attention", "call_timeout=1", "task.verify=false"],
+                                 tmp_path, real_tasks=True)
+        assert signal.getsignal(signal.SIGALRM) is (_host_handler if host_handler else before)
+    finally:
+        signal.signal(signal.SIGALRM, before)
     assert outcome.status == 1, outcome.err[-3000:]
     line = _one_line(outcome.err)
     assert "attention.kernel=loop.py:attention did not return within 1 s (call_timeout) in the forward pass" in line

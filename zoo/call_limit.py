@@ -42,6 +42,7 @@ class _State:
     limit = 0.0              # seconds; 0: no limit
     active = None            # (plugin, call, start) of the outermost bounded call in progress
     alarm = False            # our SIGALRM handler is installed
+    previous = signal.SIG_DFL  # the SIGALRM handler it replaced, put back by reset_limit
     watcher = None           # the watchdog thread, started with the first bounded call
     wake = threading.Condition()
 
@@ -65,12 +66,13 @@ def parse_limit(text: object) -> float:
 
 
 def set_limit(seconds: float) -> None:
-    """The limit of every later bounded call (0: none); SIGALRM enforces it where this is the main thread."""
+    """The limit of every later bounded call (0: none); SIGALRM enforces it where this is the main thread. A
+    handler already there (a host program's, the suite's watchdog left by an embedding run) is replaced until
+    ``reset_limit``: without ours, a plug-in looping in Python would meet only the hard stop, which ends the host."""
     _State.limit = seconds
     if seconds > 0 and not _State.alarm and hasattr(signal, "setitimer") \
-            and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGALRM, _on_alarm)
+            and threading.current_thread() is threading.main_thread():
+        _State.previous = signal.signal(signal.SIGALRM, _on_alarm)
         _State.alarm = True
 
 
@@ -79,8 +81,8 @@ def reset_limit() -> None:
     _State.limit = 0.0
     if _State.alarm:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        _State.alarm = False
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if _State.previous is None else _State.previous)
+        _State.alarm, _State.previous = False, signal.SIG_DFL
 
 
 def _message(plugin: str, call: str, how: str) -> str:
