@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, forward,
-                                     model_property, model_settings, only, subject_args, real_tokens, requires)
+                                     model_property, model_settings, only, record_cached_decoding, subject_args,
+                                     real_tokens, requires)
 from properties.model.twin import twin_fallback
 from properties.model.test_models import FULL_PAIR, PAIR, pinned
 
@@ -46,6 +47,7 @@ def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
     at real positions with the full forward pass."""
     length = tokens.shape[1]
     full = forward(s, src, (tokens, mask))
+    record_cached_decoding(s, src, tokens, mask, cuts, full.dtype)
     state = None
     for start, end in zip([0, *cuts], [*cuts, length]):
         def step(*args):
