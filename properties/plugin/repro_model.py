@@ -91,11 +91,15 @@ def zoo_decode_step(model):
     return step
 
 
+def parts(built):
+    """(module, forward, decode_step): a zoo model's forward is the model, in eval mode; a Subject's are its fields."""
+    if isinstance(built, torch.nn.Module):
+        return built.eval(), built, zoo_decode_step(built)
+    return built.module, built.forward, built.decode_step
+
+
 built = built_model()
-if isinstance(built, torch.nn.Module):   # a zoo model: its forward is the model, in eval mode
-    module, forward, decode_step = built.eval(), built, zoo_decode_step(built)
-else:                                     # a Subject: its forward, module and decode_step
-    module, forward, decode_step = built.module, built.forward, built.decode_step
+module, forward, decode_step = parts(built)
 if DATA["float64"]:   # the clause compared the model's float64 twin (module.to(float64))
     module.to(torch.float64)
 
@@ -154,6 +158,100 @@ with torch.no_grad():
             verdict(True, f"cached decoding of positions {{start}}..{{end - 1}} (chunks {{bounds}}) "
                     f"vs the full forward pass: differs by {{float(diff.max()):.3e}} at "
                     f"{{int((diff > tolerance).sum())}} of {{diff.numel()}} real entries (tolerance {{tolerance:.3e}})")
+verdict(False, "")
+''',
+    "model-batched-decode": '''
+# Tolerance: the clause's, relative to the largest |logit| of the tensor compared with.
+prompts, prefill, offsets, relative = DATA["prompts"], DATA["prefill"], DATA["offsets"], DATA["relative"]
+
+
+def args(src, tokens, mask):
+    return (tokens, mask) if src is None else (on_device(src[0]), tokens, on_device(src[1]), mask)
+
+
+def decode(src, tokens, mask, cuts):
+    """Logits of each chunk [cuts[i], cuts[i + 1]), the mask covering every position so far."""
+    out, state = [], None
+    for start, end in zip(cuts, cuts[1:]):
+        logits, state = decode_step(*args(src, tokens[:, start:end], mask[:, :end]), state)
+        out.append(logits.double().cpu())
+    return out
+
+
+def differs(actual, expected):
+    finite = expected[torch.isfinite(expected)]
+    tolerance = relative * max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-300)
+    diff = torch.nan_to_num((actual - expected).abs(), nan=math.inf)
+    return float(diff.max()) if diff.numel() else 0.0, tolerance
+
+
+with torch.no_grad():
+    tokens, mask = on_device(DATA["tokens"]), on_device(DATA["mask"])
+    batched = decode(DATA["src"], tokens, mask, [0, *(prefill + o for o in offsets)])
+    for row, (p, ids, solo_src) in enumerate(zip(prompts, DATA["samples"], DATA["solo_src"])):
+        ids = on_device(ids)
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        alone = decode(solo_src, ids, ones, [0, *(p + o for o in offsets)])
+        full = forward(*args(solo_src, ids, ones))[0].double().cpu()
+        for step, (together, single) in enumerate(zip(batched, alone)):
+            start = 0 if step == 0 else p + offsets[step - 1]
+            mine = together[row, -single.shape[1]:]   # the prefill's real positions are its last p
+            for other, name in ((single[0], "the sample decoded alone"),
+                                (full[start:start + single.shape[1]], "its forward pass")):
+                diff, tolerance = differs(mine, other)
+                if not diff <= tolerance:
+                    what = "the prefill" if step == 0 else f"chunk {{step}} ({{single.shape[1]}} token(s))"
+                    verdict(True, f"sample {{row}} (prompt of {{p}}, {{prefill - p}} pads on the left) at {{what}}: the "
+                            f"batched cached logits differ by {{diff:.3e}} from {{name}} (tolerance {{tolerance:.3e}}) "
+                            f"[prompts {{tuple(prompts)}} left-padded to {{prefill}}, then chunks {{DATA['chunks']}}]")
+verdict(False, "")
+''',
+    "model-diff": '''
+# The reference as the run built it: its factory called with the model under test where it takes one argument (here
+# the Subject, or for a zoo model an object with its module, forward and decode_step), torch's generator seeded.
+import inspect
+import types
+
+factory = load(DATA["reference_factory"])
+takes = [p for p in inspect.signature(factory).parameters.values()
+         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+under_test = built if not isinstance(built, torch.nn.Module) else types.SimpleNamespace(
+    module=module, forward=forward, decode_step=decode_step)
+torch.manual_seed(FACTORY_SEED)
+ref_module, ref_forward, ref_decode_step = parts(factory(under_test) if takes else factory())
+if DATA["float64"]:
+    ref_module.to(torch.float64)
+bound, mask = DATA["bound"], DATA["mask"]   # the clause's: each model's own tolerance plus 16 x their noise here
+
+
+def chunks(step, src, tokens):
+    """The logits of each chunk [cuts[i], cuts[i + 1]) decoded with decode_step, the mask covering all so far."""
+    state, m = None, on_device(mask)
+    for start, end in zip(DATA["cuts"], DATA["cuts"][1:]):
+        args = (tokens[:, start:end], m[:, :end]) if src is None else (src[0], tokens[:, start:end], src[1], m[:, :end])
+        logits, state = step(*args, state)
+        yield logits.double().cpu()
+
+
+with torch.no_grad():
+    mine, theirs = [on_device(x) for x in DATA["first"]], [on_device(x) for x in DATA["second"]]
+    if DATA["cuts"] is None:   # MODEL-DIFF-FORWARD: one forward pass of each
+        pairs = [(forward(*mine).double().cpu(), ref_forward(*theirs).double().cpu())]
+    else:                      # MODEL-DIFF-DECODE: cached decoding of each, chunk by chunk
+        src_a, src_r = (None, None) if len(mine) == 2 else ((mine[0], mine[2]), (theirs[0], theirs[2]))
+        pairs = zip(chunks(decode_step, src_a, mine[-2]), chunks(ref_decode_step, src_r, theirs[-2]))
+    for step, (x, y) in enumerate(pairs):
+        diff = (x - y).abs().amax(-1)
+        if DATA["cuts"] is None:
+            diff = diff.masked_fill(~mask, 0)
+        over = (diff.nan_to_num(math.inf) > bound).nonzero()
+        if len(over):
+            first = tuple(int(i) for i in over[0])
+            where = (f"(sample, position) {{first}}" if DATA["cuts"] is None else
+                     f"step {{step}}, sample {{first[0]}}, position {{DATA['cuts'][step] + first[1]}}")
+            verdict(True, f"{{WHAT}} parts from the reference {{DATA['reference_factory']}} first at {{where}} by "
+                    f"{{float(diff[first]):.3e}}; bound {{bound:.3e}} (each model's own tolerance plus 16 x their noise "
+                    f"measured on this input)")
 verdict(False, "")
 ''',
 }
