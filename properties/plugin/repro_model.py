@@ -298,12 +298,24 @@ def _literal(text: str | None) -> str:
 
 # Why a failing test of these clauses leaves no script (the terminal summary's `no reproducer` line).
 _WHY_NOT = {
-    "MODEL-FACTORISATION": "log p(y_k | y_<k) of one pass against every prefix pass: a comparison of many forward "
-                           "passes through log_softmax that records nothing yet",
-    "MODEL-CAUSAL": "the gradient half (d logits / d embedding through a hook on Subject.embedding) records nothing; "
-                    "its perturbation half has a script",
-    "MODEL-DEPENDENCE": "a must-change clause (a change at or below the rounding threshold fails): not recorded",
-    "MODEL-PERMUTATION": "a must-change clause (a change at or below the rounding threshold fails): not recorded",
+    "MODEL-FACTORISATION": "log p(y_k | y_<k) of one pass against each prefix's pass, through log_softmax: not "
+                           "recorded",
+    "MODEL-CAUSAL": "its gradient half (d logits / d embedding through a forward hook on Subject.embedding) is not "
+                    "recorded; its perturbation half has a script",
+    "MODEL-WINDOW": "its gradient halves (d outputs / d embedding through a hook on Subject.embedding, per layer "
+                    "through Subject.attention_modules) are not recorded; its perturbation half has a script",
+    "MODEL-DEPENDENCE": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
+                        "sample alone vs in its batch fails): not recorded",
+    "MODEL-PERMUTATION": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
+                         "sample alone vs in its batch fails): not recorded",
+    "MODEL-DIFF-GRADIENT": "parameter gradients of both models matched by name, against a bound from each one's "
+                           "gradient noise over the batch's samples: not recorded",
+    "MODEL-SHIFT": "the outputs at positions shifted through Subject.shifted, against a bound from the float64 twin's "
+                   "forward error: not recorded",
+    "MODEL-HISTORY": "the same input before and after a drawn history of other calls (long inputs, other batches, "
+                     "cached decoding) on a fresh instance: not recorded",
+    "MODEL-ROUTING": "the router's logits and chosen experts read through Subject.routing, against a float64 top-k: "
+                     "not recorded",
 }
 
 
