@@ -111,12 +111,13 @@ def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
     return tuple(int(i) for i in over[0]) if len(over) else None
 
 
-def _record(mut, reference, arrangement: str, what: str, args_a, args_r, mask, bound: float, cuts) -> None:
-    """--repro-dir: both models' inputs, the bound, and the chunks decoded (None: one forward pass)."""
+def _record(mut, reference, arrangement: str, what: str, args_a, args_r, mask, bound: float, cuts, **more) -> None:
+    """--repro-dir: both models' inputs, the bound, and the chunks decoded (None: one forward pass; ``more``: the
+    gradient clause's loss weights and parameter names)."""
     if repro.active():
         repro.record("model-diff", device=str(mut.device), what=f"{arrangement}: {what}",
                      reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a), second=list(args_r), mask=mask,
-                     bound=float(bound), cuts=cuts)
+                     bound=float(bound), cuts=cuts, **more)
 
 
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD
@@ -193,6 +194,8 @@ def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
     dtype_a, dtype_r = next(iter(params_a.values())).dtype, next(iter(params_r.values())).dtype
     bound, how = _bound(a, r, torch.tensor([scale], dtype=dtype_a), torch.tensor([scale], dtype=dtype_r),
                         noise_a, noise_r)
+    _record(mut, reference, arrangement, "parameter gradients", subject_args(src_a, *tgt_a),
+            subject_args(src_r, *tgt_r), tgt_a[1], bound, None, weights=weights, names=common)
     worst = max(common, key=lambda n: float((ga[n] - gr[n]).abs().nan_to_num(float("inf")).max()) if ga[n].numel() else 0)
     for n in common:
         diff = (ga[n] - gr[n]).abs()

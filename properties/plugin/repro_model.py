@@ -233,8 +233,30 @@ def chunks(step, src, tokens):
         yield logits.double().cpu()
 
 
+def gradients(module, forward, args):
+    """d/d(parameters) of sum(out * weights) over the real positions (MODEL-DIFF-GRADIENT's loss)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n in DATA["names"]]
+    with torch.enable_grad():
+        out = forward(*args)
+        loss = (out * on_device(DATA["weights"])[:, :out.shape[1]].to(out))[on_device(mask)].sum()
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return {{n: (torch.zeros_like(p) if g is None else g).double().cpu() for (n, p), g in zip(named, grads)}}
+
+
+mine, theirs = [on_device(x) for x in DATA["first"]], [on_device(x) for x in DATA["second"]]
+if DATA.get("names"):   # MODEL-DIFF-GRADIENT: the parameters both models have, by name and shape
+    ga, gr = gradients(module, forward, mine), gradients(ref_module, ref_forward, theirs)
+    for name in DATA["names"]:
+        diff = (ga[name] - gr[name]).abs()
+        over = (diff.nan_to_num(math.inf) > bound).nonzero()
+        if len(over):
+            first = tuple(int(i) for i in over[0])
+            verdict(True, f"{{WHAT}}: the gradient of {{name}} parts from the reference's first at index {{first}}: "
+                    f"{{float(ga[name][first]):.6e}} vs {{float(gr[name][first]):.6e}} (difference "
+                    f"{{float(diff[first]):.3e}}); bound {{bound:.3e}} (each model's own tolerance plus 16 x their "
+                    f"gradient noise measured on this input)")
+    verdict(False, "")
 with torch.no_grad():
-    mine, theirs = [on_device(x) for x in DATA["first"]], [on_device(x) for x in DATA["second"]]
     if DATA["cuts"] is None:   # MODEL-DIFF-FORWARD: one forward pass of each
         pairs = [(forward(*mine).double().cpu(), ref_forward(*theirs).double().cpu())]
     else:                      # MODEL-DIFF-DECODE: cached decoding of each, chunk by chunk
@@ -308,8 +330,6 @@ _WHY_NOT = {
                         "sample alone vs in its batch fails): not recorded",
     "MODEL-PERMUTATION": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
                          "sample alone vs in its batch fails): not recorded",
-    "MODEL-DIFF-GRADIENT": "parameter gradients of both models matched by name, against a bound from each one's "
-                           "gradient noise over the batch's samples: not recorded",
     "MODEL-SHIFT": "the outputs at positions shifted through Subject.shifted, against a bound from the float64 twin's "
                    "forward error: not recorded",
     "MODEL-HISTORY": "the same input before and after a drawn history of other calls (long inputs, other batches, "
