@@ -103,6 +103,10 @@ def test_causal_gradient(mut, data):
     assume(bool(real.any()))
     weights = torch.randn(logits[:, i].shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
     weights = weights * real[:, None].to(weights)
+    if repro.active():   # --repro-dir: the same probe and weights, the exact zero checked again
+        repro.record("model-causal-gradient", device=str(tokens.device), position=i, tokens=tokens, weights=weights,
+                     real=real, args=list(subject_args(src, tokens, mask)),
+                     float64=any(p.dtype == torch.float64 for p in s.module.parameters()))
     (grad,) = torch.autograd.grad((logits[:, i] * weights.to(logits)).sum(), deltas[0])
     observe(s, grad, f"gradient of the logits at position {i}")
     bad = (~torch.isfinite(grad)).any(-1).nonzero().tolist()

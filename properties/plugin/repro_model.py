@@ -276,6 +276,34 @@ with torch.no_grad():
                     f"measured on this input)")
 verdict(False, "")
 ''',
+    "model-causal-gradient": '''
+# Exact: a masked score's weight is exactly 0, so every gradient path from a later position to position i is too.
+# The gradient with respect to the token embeddings is read by adding a zero tensor to the embedding's output.
+i, tokens, weights, real = DATA["position"], on_device(DATA["tokens"]), DATA["weights"], DATA["real"]
+embedding = built.decoder.embedding if isinstance(built, torch.nn.Module) else built.embedding
+deltas = []
+
+
+def probe(_module, args, kwargs, output):
+    given = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+    if given is not None and given.shape == tokens.shape and torch.equal(given, tokens):
+        deltas.append(torch.zeros_like(output, requires_grad=True))
+        return output + deltas[-1]
+    return None
+
+
+handle = embedding.register_forward_hook(probe, with_kwargs=True)
+with torch.enable_grad():
+    logits = forward(*(on_device(x) for x in DATA["args"]))
+handle.remove()
+if len(deltas) != 1:
+    verdict(True, f"the embedding was called {{len(deltas)}} times with the target tokens; expected once")
+(grad,) = torch.autograd.grad((logits[:, i] * on_device(weights).to(logits)).sum(), deltas[0])
+grad = grad.double().cpu()
+leaking = ((grad[:, i + 1:] != 0).any(dim=-1) & real[:, None]).nonzero().tolist()
+verdict(bool(leaking) or not torch.isfinite(grad).all(), f"d logits[:, {{i}}] / d embedding[:, j] != 0 (or not "
+        f"finite) for later positions (sample, j - {{i + 1}}) = {{leaking}}: position {{i}} sees the future")
+''',
 }
 KINDS = frozenset(_BODIES)
 
@@ -322,8 +350,6 @@ def _literal(text: str | None) -> str:
 _WHY_NOT = {
     "MODEL-FACTORISATION": "log p(y_k | y_<k) of one pass against each prefix's pass, through log_softmax: not "
                            "recorded",
-    "MODEL-CAUSAL": "its gradient half (d logits / d embedding through a forward hook on Subject.embedding) is not "
-                    "recorded; its perturbation half has a script",
     "MODEL-WINDOW": "its gradient halves (d outputs / d embedding through a hook on Subject.embedding, per layer "
                     "through Subject.attention_modules) are not recorded; its perturbation half has a script",
     "MODEL-DEPENDENCE": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
