@@ -23,7 +23,7 @@ from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDIN
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "record_model_comparison", "record_cached_decoding", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
+           "assert_same_output", "record_model_comparison", "record_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
            "register_precision", "precision_of"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
@@ -197,11 +197,16 @@ def record_model_comparison(actual, expected, what: str, tol: float, where=None,
                      **more)
 
 
+def is_float64_twin(s: Subject) -> bool:
+    """--repro-dir: whether ``s`` computes with float64 parameters (its float64 twin), which a script casts to."""
+    return s.module is not None and any(p.dtype == torch.float64 for p in s.module.parameters())
+
+
 def record_cached_decoding(s: Subject, src: tuple | None, tokens, mask, cuts, out_dtype: torch.dtype) -> None:
     """--repro-dir: MODEL-KV-CACHE's decoding in chunks ``cuts`` against the full pass, with its tolerance relative
     to max|y| (comparison_tolerance at max|y| = 1)."""
     if repro.active():
-        float64 = any(p.dtype == torch.float64 for p in s.module.parameters())   # the float64 twin
+        float64 = is_float64_twin(s)
         repro.record("model-decode", device=str(tokens.device), what="cached decoding", float64=float64,
                      src=None if src is None else src[0], src_mask=None if src is None else src[1], tokens=tokens,
                      mask=mask, cuts=list(cuts), relative=comparison_tolerance(torch.ones(1, dtype=out_dtype), s))

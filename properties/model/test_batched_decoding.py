@@ -18,6 +18,7 @@ from hypothesis import settings, given, strategies as st
 
 from properties import clause
 from properties.core import repro
+from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, call_subject, comparison_tolerance, forward, model_settings,
                                      only, real_tokens, requires, subject_args)
 from properties.model.scale import SLACK
@@ -146,7 +147,7 @@ def check_batched_decoding(s, plan: DecodePlan, device, note: str = "") -> None:
     batched = _decode(s, src, tokens, mask, [0, *(prefill + o for o in offsets)])
     if repro.active() and batched:   # --repro-dir: the batch, each sample alone, the tolerance relative to max|y|
         repro.record("model-batched-decode", device=str(device), what="batched cached decoding",
-                     float64=any(p.dtype == torch.float64 for p in s.module.parameters()), tokens=tokens, mask=mask,
+                     float64=is_float64_twin(s), tokens=tokens, mask=mask,
                      src=src, samples=samples, solo_src=solo_src, prompts=list(plan.prompts), prefill=prefill,
                      offsets=offsets, chunks=list(plan.chunks),
                      relative=comparison_tolerance(torch.ones(1, dtype=batched[0].dtype), s))

@@ -116,8 +116,8 @@ def _record(mut, reference, arrangement: str, what: str, args_a, args_r, mask, b
     gradient clause's loss weights and parameter names)."""
     if repro.active():
         repro.record("model-diff", device=str(mut.device), what=f"{arrangement}: {what}",
-                     reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a), second=list(args_r), mask=mask,
-                     bound=float(bound), cuts=cuts, **more)
+                     reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a),
+                     second=list(args_r), mask=mask, bound=float(bound), cuts=cuts, **more)
 
 
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD

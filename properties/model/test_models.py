@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.core import repro
 from properties.core.strategies import PinnedData
+from properties.model.checks import is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      difference_threshold, draw_pair, embedding_probe, forward,
                                      model_property, model_settings, only, record_model_comparison, subject_args,
@@ -106,7 +107,7 @@ def test_causal_gradient(mut, data):
     if repro.active():   # --repro-dir: the same probe and weights, the exact zero checked again
         repro.record("model-causal-gradient", device=str(tokens.device), position=i, tokens=tokens, weights=weights,
                      real=real, args=list(subject_args(src, tokens, mask)),
-                     float64=any(p.dtype == torch.float64 for p in s.module.parameters()))
+                     float64=is_float64_twin(s))
     (grad,) = torch.autograd.grad((logits[:, i] * weights.to(logits)).sum(), deltas[0])
     observe(s, grad, f"gradient of the logits at position {i}")
     bad = (~torch.isfinite(grad)).any(-1).nonzero().tolist()

@@ -201,8 +201,8 @@ with torch.no_grad():
                 diff, tolerance = differs(mine, other)
                 if not diff <= tolerance:
                     what = "the prefill" if step == 0 else f"chunk {{step}} ({{single.shape[1]}} token(s))"
-                    verdict(True, f"sample {{row}} (prompt of {{p}}, {{prefill - p}} pads on the left) at {{what}}: the "
-                            f"batched cached logits differ by {{diff:.3e}} from {{name}} (tolerance {{tolerance:.3e}}) "
+                    verdict(True, f"sample {{row}} (prompt of {{p}}, {{prefill - p}} pads on the left) at "
+                            f"{{what}}: the batched cached logits differ by {{diff:.3e}} from {{name}} (tolerance {{tolerance:.3e}}) "
                             f"[prompts {{tuple(prompts)}} left-padded to {{prefill}}, then chunks {{DATA['chunks']}}]")
 verdict(False, "")
 ''',
@@ -272,8 +272,8 @@ with torch.no_grad():
             where = (f"(sample, position) {{first}}" if DATA["cuts"] is None else
                      f"step {{step}}, sample {{first[0]}}, position {{DATA['cuts'][step] + first[1]}}")
             verdict(True, f"{{WHAT}} parts from the reference {{DATA['reference_factory']}} first at {{where}} by "
-                    f"{{float(diff[first]):.3e}}; bound {{bound:.3e}} (each model's own tolerance plus 16 x their noise "
-                    f"measured on this input)")
+                    f"{{float(diff[first]):.3e}}; bound {{bound:.3e}} (each model's own tolerance plus 16 x their "
+                    f"noise measured on this input)")
 verdict(False, "")
 ''',
     "model-causal-gradient": '''
@@ -303,6 +303,36 @@ grad = grad.double().cpu()
 leaking = ((grad[:, i + 1:] != 0).any(dim=-1) & real[:, None]).nonzero().tolist()
 verdict(bool(leaking) or not torch.isfinite(grad).all(), f"d logits[:, {{i}}] / d embedding[:, j] != 0 (or not "
         f"finite) for later positions (sample, j - {{i + 1}}) = {{leaking}}: position {{i}} sees the future")
+''',
+    "model-shift": '''
+def zoo_shifted(model):
+    """A zoo model's positions count columns: offset masked pad columns prepended shift every real position."""
+    def pad(tokens, mask, offset):
+        pads = torch.full((tokens.shape[0], offset), model.pad_id, dtype=tokens.dtype, device=tokens.device)
+        real = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
+        return torch.cat([pads, tokens], 1), torch.cat([torch.zeros_like(pads, dtype=torch.bool), real], 1)
+
+    def shifted(*args):
+        *args, offset = args
+        if hasattr(model, "encode"):
+            src, tgt, src_mask, tgt_mask = args
+            (src, src_mask), (tgt, tgt_mask) = pad(src, src_mask, offset), pad(tgt, tgt_mask, offset)
+            return model(src, tgt, src_mask, tgt_mask)[:, offset:]
+        return model(*pad(*args, offset))[:, offset:]
+    return shifted
+
+
+shifted = zoo_shifted(built) if isinstance(built, torch.nn.Module) else built.shifted
+args, offset, mask = [on_device(x) for x in DATA["args"]], DATA["offset"], DATA["mask"]
+with torch.no_grad():
+    base, moved = forward(*args).double().cpu(), shifted(*args, offset).double().cpu()
+if mask is not None:   # the real positions
+    base, moved = base[mask], moved[mask]
+diff = (moved - base).abs().amax(-1).nan_to_num(math.inf)
+worst = float(diff.max()) if diff.numel() else 0.0
+verdict(not worst <= DATA["bound"], f"shifting every position by {{offset}} (last position {{DATA['last']}}) changes "
+        f"the outputs by {{worst:.3e}} (bound {{DATA['bound']:.3e}} = {{DATA['how']}}) although the positions are "
+        f"{{WHAT}}: the outputs depend on where the sequence starts")
 ''',
 }
 KINDS = frozenset(_BODIES)
@@ -356,8 +386,8 @@ _WHY_NOT = {
                         "sample alone vs in its batch fails): not recorded",
     "MODEL-PERMUTATION": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
                          "sample alone vs in its batch fails): not recorded",
-    "MODEL-SHIFT": "the outputs at positions shifted through Subject.shifted, against a bound from the float64 twin's "
-                   "forward error: not recorded",
+    "MODEL-SHIFT": "its absolute-positions half is a must-change clause (outputs at two offsets that differ by at "
+                   "most a threshold including 8x the measured noise fail): not recorded",
     "MODEL-HISTORY": "the same input before and after a drawn history of other calls (long inputs, other batches, "
                      "cached decoding) on a fresh instance: not recorded",
     "MODEL-ROUTING": "the router's logits and chosen experts read through Subject.routing, against a float64 top-k: "
