@@ -380,14 +380,14 @@ def _literal(text: str | None) -> str:
 _WHY_NOT = {
     "MODEL-FACTORISATION": "log p(y_k | y_<k) of one pass against each prefix's pass, through log_softmax: not "
                            "recorded",
-    "MODEL-WINDOW": "its gradient halves (d outputs / d embedding through a hook on Subject.embedding, per layer "
-                    "through Subject.attention_modules) are not recorded; its perturbation half has a script",
-    "MODEL-DEPENDENCE": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
-                        "sample alone vs in its batch fails): not recorded",
-    "MODEL-PERMUTATION": "a must-change clause (a change at or below a threshold that includes 8x the noise measured "
-                         "sample alone vs in its batch fails): not recorded",
-    "MODEL-SHIFT": "its absolute-positions half is a must-change clause (outputs at two offsets that differ by at "
-                   "most a threshold including 8x the measured noise fail): not recorded",
+    "MODEL-WINDOW": "its gradient checks (d outputs / d embedding through a hook on Subject.embedding; per layer, "
+                    "through hooks on Subject.attention_modules) are not recorded; its perturbation half has a script",
+    "MODEL-DEPENDENCE": "a must-change clause (a change no larger than the rounding threshold, or 8x the noise measured "
+                        "sample alone vs in its batch, fails): not recorded",
+    "MODEL-PERMUTATION": "a must-change clause (a change no larger than the rounding threshold, or 8x the noise "
+                         "measured sample alone vs in its batch, fails): not recorded",
+    "MODEL-SHIFT": "its absolute-positions half is a must-change clause (outputs at two neighbouring offsets that "
+                   "differ by no more than the rounding threshold fail): not recorded; its relative half has a script",
     "MODEL-HISTORY": "the same input before and after a drawn history of other calls (long inputs, other batches, "
                      "cached decoding) on a fresh instance: not recorded",
     "MODEL-ROUTING": "the router's logits and chosen experts read through Subject.routing, against a float64 top-k: "
@@ -401,8 +401,8 @@ def unsupported(clause_id: str) -> str:
         return _WHY_NOT[clause_id]
     prefix = clause_id.split("-", 1)[0]
     if prefix in ("MHA", "FFN", "NORM", "POS", "LAYER"):
-        return ("a module clause: its oracle is the suite's error-carrying float64 model of the part "
-                "(properties/module/approx.py), not yet written inline in a script")
+        return ("a module clause: its checks (float64 oracles carrying error bounds, properties/module/approx.py, "
+                "or relations between calls of a part the suite redraws per example) record nothing yet")
     if prefix == "MODEL":
         return "this model clause's check (not two forward passes, not cached decoding) records nothing yet"
     return ""
