@@ -334,6 +334,32 @@ verdict(not worst <= DATA["bound"], f"shifting every position by {{offset}} (las
         f"the outputs by {{worst:.3e}} (bound {{DATA['bound']:.3e}} = {{DATA['how']}}) although the positions are "
         f"{{WHAT}}: the outputs depend on where the sequence starts")
 ''',
+    "model-factorisation": '''
+# log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
+src, y, mask = on_device(DATA["src"]), on_device(DATA["tokens"]), on_device(DATA["mask"])
+src_mask = on_device(DATA["src_mask"])
+
+
+def logits(k):
+    args = (y[:, :k], mask[:, :k]) if src is None else (src, y[:, :k], src_mask, mask[:, :k])
+    return forward(*args).double().cpu()
+
+
+def log_p(scores, next_tokens):
+    return torch.log_softmax(scores, -1).gather(-1, next_tokens[..., None])[..., 0]
+
+
+with torch.no_grad():
+    full = logits(y.shape[1])
+    one_pass = log_p(full[:, :-1], y[:, 1:].cpu())
+    steps = torch.stack([log_p(logits(k)[:, -1], y[:, k].cpu()) for k in range(1, y.shape[1])], dim=1)
+finite = full[torch.isfinite(full)]
+tolerance = 2 * DATA["relative"] * max(float(finite.abs().max()) if finite.numel() else 0.0, 1e-300)
+diff = (steps - one_pass).abs().nan_to_num(math.inf)
+verdict(not float(diff.max()) <= tolerance, f"log p(y_k | y_<k) from prefix y_<k differs from the one-pass value by "
+        f"{{float(diff.max()):.3e}} (tolerance {{tolerance:.1e}}); totals {{steps.sum(1).tolist()}} vs "
+        f"{{one_pass.sum(1).tolist()}}")
+''',
 }
 KINDS = frozenset(_BODIES)
 
@@ -378,8 +404,6 @@ def _literal(text: str | None) -> str:
 
 # Why a failing test of these clauses leaves no script (the terminal summary's `no reproducer` line).
 _WHY_NOT = {
-    "MODEL-FACTORISATION": "log p(y_k | y_<k) of one pass against each prefix's pass, through log_softmax: not "
-                           "recorded",
     "MODEL-WINDOW": "its gradient checks (d outputs / d embedding through a hook on Subject.embedding; per layer, "
                     "through hooks on Subject.attention_modules) are not recorded; its perturbation half has a script",
     "MODEL-DEPENDENCE": "a must-change clause (a change no larger than the rounding threshold, or 8x the noise measured "
