@@ -157,11 +157,12 @@ def difference_threshold(s: Subject, reference: torch.Tensor, src: tuple | None,
 
 def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, subject: Subject | None = None,
                        where: torch.Tensor | None = None) -> None:
-    """|actual - expected| <= comparison_tolerance(expected, subject) elementwise (at ``where`` only, a bool mask of
-    their shape, when given), else a readable failure."""
+    """|actual - expected| <= comparison_tolerance(expected, subject) elementwise (at ``actual[where]`` only, a bool
+    mask of their leading dims, when given), else a readable failure."""
     if where is not None:
-        if repro.active() and actual.shape == expected.shape == where.shape:
-            record_model_comparison(actual, expected, what, comparison_tolerance(expected[where], subject), where)
+        if repro.active() and actual.shape == expected.shape and actual.shape[:where.dim()] == where.shape:
+            every = where.reshape(*where.shape, *[1] * (actual.dim() - where.dim())).expand_as(actual)
+            record_model_comparison(actual, expected, what, comparison_tolerance(expected[where], subject), every)
         actual, expected = actual[where], expected[where]
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shapes differ, {tuple(actual.shape)} vs {tuple(expected.shape)}")

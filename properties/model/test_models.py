@@ -177,7 +177,7 @@ def test_batch_independence(mut, data):
         alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
         real = mask[k]
         assert_same_output(together[k], alone[0], f"sample {k} inside a batch of {b.size} vs alone (real positions)",
-                           subject=s, where=real[:, None].expand_as(alone[0]))
+                           subject=s, where=real)
 
 
 # -------------------------------------------------------------------------------------- MODEL-PADDING
@@ -203,7 +203,7 @@ def _padding_case(mut, data, left: bool):
     side = "prepending" if left else "appending"
     assert_same_output(after, before, f"real positions after {side} {k_tgt} padded positions"
                        + (f" to the target and {k_src} to the source" if src is not None else ""), subject=s,
-                       where=mask[..., None].expand_as(before))
+                       where=mask)
 
 
 # Two pads after a batch of mixed lengths (so its samples already end in different numbers of pads); an

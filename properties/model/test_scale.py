@@ -220,7 +220,7 @@ def test_window(mut, data):
     windows = f"windows {tuple(s.window)}: reach sum(W - 1) = {reach}"
     assert_same_output(after, before, f"outputs more than {reach} positions from the changed token "
                        f"{j} ({windows}) after changing it: a layer attends a key W or more positions back", subject=s,
-                       where=far[None, :, None].expand_as(before))
+                       where=far[None, :].expand(before.shape[0], -1))
     if s.embedding is None:   # the attended half needs the gradient: a key 15 positions back in each of two
         return                # layers may carry a weight of 1e-20, exactly non-zero and invisible in any output
     edge = (distance.abs() == reach).nonzero().flatten().tolist()
