@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["activate", "active", "directory", "model_spec", "set_model_recipes", "model_recipe", "record", "record_call", "observe_kernel_call", "clear", "take",
-           "take_kernel_call", "flat_index",
+__all__ = ["activate", "active", "directory", "set_model_recipes", "model_recipe", "record", "record_call",
+           "observe_kernel_call", "clear", "take", "take_kernel_call", "flat_index",
            "view_index", "observe_call"]
 
-_state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None, "kernel_call": None,
-                "alignment": "top-left", "recipes": {}}
+_state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "alignment": "top-left",
+                "recipes": {}}
 
 
-def activate(directory: str | None, model_spec: str | None = None, causal_alignment: str = "top-left") -> None:
-    _state.update(dir=directory, evidence=None, calls=[], model_spec=model_spec, kernel_call=None,
-                  alignment=causal_alignment)
+def activate(directory: str | None, causal_alignment: str = "top-left") -> None:
+    _state.update(dir=directory, evidence=None, calls=[], kernel_call=None, alignment=causal_alignment)
 
 
 def active() -> bool:
@@ -28,11 +27,6 @@ def active() -> bool:
 
 def directory() -> str | None:
     return _state["dir"]
-
-
-def model_spec() -> str | None:
-    """--model's factory, which a model clause's reproducer calls (None for the zoo's families and --zoo)."""
-    return _state["model_spec"]
 
 
 def set_model_recipes(recipes: dict) -> None:
