@@ -37,7 +37,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 def _run(tmp_path, option, spec, clauses, *extra):
     out = tmp_path / "repro"
-    run = run_entry(Entry(spec, "model" if option == "--model" else "kernel", spec, ("X",), option, spec,
+    run = run_entry(Entry(spec, "model" if option in ("--model", "--zoo") else "kernel", spec, ("X",), option, spec,
                           ("--repro-dir", str(out), "--device", "cpu", *extra)),
                     clauses=clauses, seed=0, extra=("--hypothesis-profile", "pinned"))
     assert run.returncode == 1, run.output[-3000:]
@@ -168,11 +168,34 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     assert _exit_codes(tmp_path, jobs) == [1] * len(failed) + [0] * len(failed)
 
 
-def _exit_codes(cwd, jobs) -> list:
+_ZOO_TINY = "model=decoder_only d_model=32 heads=2 layers=2 d_ff=64 vocab_size=64 max_len=16"
+
+
+def test_zoo_decoding_and_gradient_reproducers(tmp_path):
+    """--zoo with a broken attention part (the catalog's NoCausalMask, named by _target_): both halves of MODEL-CAUSAL
+    (two forward passes; the exact gradient zero through a probe on the embedding) and MODEL-KV-CACHE (cached decoding
+    against the full pass) leave scripts that rebuild the zoo model from the config the run composed (seeded as the
+    run built it) and exit 1, and 0 on the overrides without the broken part. The part lives in properties.catalog:
+    here `properties` is the subject's module, importable."""
+    run, out = _run(tmp_path, "--zoo", f"{_ZOO_TINY} attention._target_=properties.catalog.models.NoCausalMask",
+                    ("MODEL-CAUSAL", "MODEL-KV-CACHE"))
+    failed = [r for r in run.rows if r["status"] == "failed"]
+    scripts = sorted({r["repro"] for r in failed if r["repro"]})
+    assert {r["clause"] for r in failed} == {"MODEL-CAUSAL", "MODEL-KV-CACHE"} and len(failed) >= 4, failed
+    assert len(scripts) == len(failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
+    for path in scripts:
+        _script(out, path.rsplit("/", 1)[1].rsplit("-", 1)[0])
+    jobs = [[p] for p in scripts] + [[p, _ZOO_TINY] for p in scripts]
+    assert _exit_codes(tmp_path, jobs, block_suite=False) == [1] * len(scripts) + [0] * len(scripts)
+
+
+def _exit_codes(cwd, jobs, block_suite: bool = True) -> list:
     """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
-    interpreter (one torch import) where `import properties` fails: their exit statuses."""
+    interpreter (one torch import) where `import properties` fails (unless ``block_suite`` is False: a subject that
+    lives in the suite's catalog): their exit statuses."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs)], capture_output=True, text=True,
+    driver = _DRIVER if block_suite else _DRIVER.replace('sys.modules["properties"] = None', "")
+    ran = subprocess.run([sys.executable, "-I", "-c", driver, json.dumps(jobs)], capture_output=True, text=True,
                          env=env, cwd=cwd, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
