@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from properties.core import repro
+from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence
 from zoo.io.atomic import replacing, write_text
 
 __all__ = ["render", "write", "reset"]
@@ -260,7 +261,7 @@ verdict((diff > DATA["tolerance"]).any(), f"{{WHAT}}: differs by {{float(diff.ma
         f"{{int((diff > DATA['tolerance']).sum())}} of {{diff.numel()}} entries (tolerance {{DATA['tolerance']:.3e}})")
 ''',
     "call": '''
-args = [on_device(x) for x in DATA["args"]]
+args = [on_device(x).requires_grad_() if grad else on_device(x) for x, grad in zip(DATA["args"], DATA["requires_grad"])]
 kwargs = {{name: on_device(x) for name, x in DATA["kwargs"].items()}}
 try:
     out = subject(*args, **kwargs)
@@ -293,7 +294,7 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     header = _HEADER.format(what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement, nodeid=nodeid,
                             counterexample=counterexample or "(see the test's report)", stem=stem,
                             data_file=data_file, subject=evidence["subject"], device=evidence.get("device", "cpu"))
-    body = _BODIES[evidence["kind"]].format(false_alarm=FALSE_ALARM)
+    body = {**_BODIES, **KERNEL_BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)
     return header + body
 
 
@@ -319,7 +320,7 @@ def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
     if repro.directory() is None:
         return None, ""
     reasons = []
-    for candidate in (evidence, last_call_evidence(last_call, alignment)):
+    for candidate in (evidence, last_call_evidence(last_call, alignment), flash_call_evidence()):
         if candidate is not None:
             path, why = _write_one(clause, dict(candidate), nodeid, counterexample)
             if path:
@@ -355,7 +356,7 @@ def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tupl
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"{clause.id}-{n}"
-    data = {k: _cpu(v) for k, v in evidence.items() if k not in ("kind", "subject", "device", "what")}
+    data = {k: _cpu(v) for k, v in evidence.items() if k not in ("kind", "subject", "device", "what", "sticky")}
     with replacing(directory / f"{stem}.pt") as temporary:
         torch.save(data, temporary)
     script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)
