@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from properties.core import repro
-from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence
+from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, saved_tensor
 from zoo.io.atomic import replacing, write_text
 
 __all__ = ["render", "write", "reset"]
@@ -71,6 +71,8 @@ def load(spec):
 
 
 def on_device(x):
+    if isinstance(x, dict) and "view_of" in x:   # a view over a larger storage (stride 0, a slice), as the run had it
+        return torch.as_strided(x["view_of"].to(DEVICE), x["size"], x["stride"], x["offset"])
     return x.to(DEVICE) if torch.is_tensor(x) else x
 
 
@@ -301,7 +303,7 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
 # ------------------------------------------------------------------------------------------------- writing
 def _cpu(value):
     if torch.is_tensor(value):
-        return value.detach().cpu().clone()
+        return saved_tensor(value)
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

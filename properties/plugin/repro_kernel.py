@@ -15,7 +15,9 @@ import textwrap
 
 from properties.core import repro
 
-__all__ = ["KERNEL_BODIES", "flash_call_evidence"]
+import torch
+
+__all__ = ["KERNEL_BODIES", "flash_call_evidence", "saved_tensor"]
 
 _FLASH_ORACLE = '''
 def flash_call(q, k, v, kwargs):
@@ -262,3 +264,17 @@ def flash_call_evidence() -> dict | None:
     return {"kind": "flash-oracle", "subject": subject, "device": str(query.device), "query": query, "key": key,
             "value": value, "kwargs": kwargs, "bound": bounds.output_bound(),
             "what": "out of the failing test's last kernel call (FLASH-ORACLE's bound)"}
+
+
+def saved_tensor(t: torch.Tensor):
+    """A tensor as the ``.pt`` file keeps it: a copy with its strides where it is its whole storage, dense; else (a
+    key expanded with stride 0, a slice of a larger buffer) that storage and the view over it, which the script
+    rebuilds with ``torch.as_strided`` (its header's ``on_device``): a kernel that mishandles stride 0, or reads outside
+    the view, meets the same memory (ATTN-LAYOUT)."""
+    t = t.detach()
+    elements = t.untyped_storage().nbytes() // max(1, t.element_size())
+    if t.storage_offset() == 0 and elements == t.numel() and torch.empty_like(t).stride() == t.stride():
+        return t.cpu().clone()
+    storage = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (elements,), (1,))
+    return {"view_of": storage.cpu().clone(), "size": list(t.shape), "stride": list(t.stride()),
+            "offset": t.storage_offset()}
