@@ -15,6 +15,7 @@ True = real token is HF's attention_mask 1. Decoders get position ids counted ov
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
@@ -248,7 +249,11 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     try:
         reached = reached_parameters(model, lambda tokens, mask: _probe_output(model, kind, tokens, mask),
                                      min(8, max_len))
-    except Exception:   # a forward the probe's plain call does not fit: every parameter counts as read, as declared
+    except Exception as exc:   # a forward the probe's plain call does not fit: every parameter counts as read
+        warnings.warn(f"hf_subject: the parameter-reach probe could not call {type(model).__name__} "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); every parameter "
+                      f"counts as read (pass unused_parameters= if MODEL-GRADIENT names one the forward never uses)",
+                      stacklevel=2)
         reached = {name for name, p in model.named_parameters() if p.requires_grad}
     if any(name in reached for name in absolute_position_tables(model)):
         # Positions of two kinds (MPNet: an absolute table added to the input and relative buckets): the absolute
