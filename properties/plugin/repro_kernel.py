@@ -225,6 +225,29 @@ verdict((excess > 0).any(), f"{{WHAT}} departs from the flash oracle of each seq
         f"at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst (packed row, h, d) " +
         worst(excess, (WHAT, actual), ("oracle", expected), ("bound", DATA["bound"].expand_as(actual))))
 ''',
+    "flash-kvcache": _FLASH_ORACLE + '''
+caches = [k.clone(), v.clone()]   # flash_attn_with_kvcache writes the new keys and values into them
+out = flash_call(q, caches[0], caches[1], kwargs).double().cpu()
+alibi = kwargs.get("alibi_slopes")
+options = {{name: x for name, x in kwargs.items() if name in ("softmax_scale", "causal", "window_size", "softcap")}}
+# DATA["keys"][b], DATA["values"][b]: the keys entry b may see, as the run read them from the cache arguments: its
+# cache row (through cache_batch_idx or the block_table) from cache_leftpad[b] to cache_seqlens[b], then the new k, v
+for b, (keys, values, bound) in enumerate(zip(DATA["keys"], DATA["values"], DATA["bound"])):
+    row = {{**options, **({{"alibi_slopes": alibi[b] if alibi.dim() == 2 else alibi}} if alibi is not None else {{}})}}
+    expected = (flash_oracle(q[b:b + 1], keys, values, **row)[0][0] if keys.shape[1] else
+                torch.zeros_like(out[b]))
+    excess = torch.nan_to_num((out[b] - expected).abs() - bound, nan=math.inf)
+    if (excess > 0).any():
+        verdict(True, f"out of entry {{b}} departs from the flash oracle over the {{keys.shape[1]}} keys it may see at "
+                f"{{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst (i, h, d) " +
+                worst(excess, ("out", out[b]), ("oracle", expected), ("bound", bound.expand_as(expected))))
+for name, after, expected in zip(("k_cache", "v_cache"), caches, DATA["caches"]):
+    differs = after.double().cpu() != expected
+    if differs.any():
+        verdict(True, f"{{name}} after the call differs from the cache with the new keys written at cache_seqlens[b] "
+                f"and nothing else changed at {{int(differs.sum())}} entries; first at {{differs.nonzero()[0].tolist()}}")
+verdict(False, "")
+''',
     "flash-gradient": _FLASH_ORACLE + '''
 if "args" in DATA:   # flash_attn_varlen_func: the sequences packed end to end, (total, H, D)
 ''' + textwrap.indent(_VARLEN_ORACLE, "    ") + '''
