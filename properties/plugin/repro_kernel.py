@@ -2,12 +2,14 @@
 properties/plugin/repro.py cannot express (SPEC.md, "Reproducers"): ``shifted`` (ATTN-SHIFT-INVARIANT: the call with a
 row-constant mask against the oracle without it), ``rowsum`` (weights read through V = I summing to 1: MASK-LOW-PRECISION,
 ATTN-LARGE-SCORES), ``group-sum`` (ATTN-GRAD-GQA: dK, dV of the shared heads against the group sums of the repeated
-heads), ``dropout-independent`` (DROPOUT-INDEPENDENT's two Hoeffding tests over the same copies), and for a kernel with
+heads), ``dropout-independent`` (DROPOUT-INDEPENDENT's two Hoeffding tests over the same copies),
 ``integrity`` (ATTN-INPUTS-UNCHANGED, ATTN-OUTPUT-FRESH: the inputs bitwise unchanged by the forward and
 backward, outputs sharing no storage, a second call on the same tensors written in place), and for a kernel with
 FlashAttention's API ``flash-oracle`` (its output, or its weights through identity columns, against flash_attn_func's
-semantics in float64), ``flash-varlen`` (each packed sequence against that oracle of its own slices) and
-``flash-gradient`` (dQ, dK, dV through that oracle's autograd).  Each body follows the
+semantics in float64), ``flash-varlen`` (each packed sequence against that oracle of its own slices),
+``flash-kvcache`` (each batch entry against it over the keys the entry may see, and the caches after the call) and
+``flash-gradient`` (dQ, dK, dV through that oracle's autograd; packed sequences too). ``saved_tensor``: how the
+``.pt`` file keeps a tensor (a view over a larger storage as that storage).  Each body follows the
 header of properties/plugin/repro.py (``subject``, ``DATA``, ``oracle``, ``verdict``, ``worst``, ``copies``)."""
 from __future__ import annotations
 
