@@ -41,9 +41,10 @@ def check_flash_oracle(kernel, device, case: FlashCase, *, what: str = "out"):
     q, k, v, slopes = case.tensors(device)
     bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
     out = _call(kernel, case, q, k, v, slopes)
+    bound = bounds.output_bound()
     repro.record("flash-oracle", subject=kernel.name, device=str(device), query=q, key=k, value=v,
-                 kwargs=case.kwargs(slopes), bound=bounds.output_bound(), what=what)
-    assert_within(to_float64(out), bounds.output, bounds.output_bound(), what=what,
+                 kwargs=case.kwargs(slopes), bound=bound, what=what)
+    assert_within(to_float64(out), bounds.output, bound, what=what,
                   reference="float64 flash oracle", note=f"; index (b, i, h, d); {case!r}")
     return out, bounds
 
