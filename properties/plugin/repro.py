@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from properties.core import repro
-from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, saved_tensor
+from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, keep_views
 from zoo.io.atomic import replacing, write_text
 
 __all__ = ["render", "write", "reset"]
@@ -303,7 +303,7 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
 # ------------------------------------------------------------------------------------------------- writing
 def _cpu(value):
     if torch.is_tensor(value):
-        return saved_tensor(value)
+        return value.detach().cpu().clone()
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -358,7 +358,7 @@ def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tupl
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"{clause.id}-{n}"
-    data = {k: _cpu(v) for k, v in evidence.items() if k not in ("kind", "subject", "device", "what", "sticky")}
+    data = {k: _cpu(v) for k, v in keep_views(evidence).items() if k not in ("kind", "subject", "device", "what", "sticky")}
     with replacing(directory / f"{stem}.pt") as temporary:
         torch.save(data, temporary)
     script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)

@@ -19,7 +19,7 @@ from properties.core import repro
 
 import torch
 
-__all__ = ["KERNEL_BODIES", "flash_call_evidence", "saved_tensor"]
+__all__ = ["KERNEL_BODIES", "flash_call_evidence", "keep_views", "saved_tensor"]
 
 _FLASH_ORACLE = '''
 def flash_call(q, k, v, kwargs):
@@ -303,3 +303,18 @@ def saved_tensor(t: torch.Tensor):
     storage = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (elements,), (1,))
     return {"view_of": storage.cpu().clone(), "size": list(t.shape), "stride": list(t.stride()),
             "offset": t.storage_offset()}
+
+
+_CALL_INPUTS = ("inputs", "query", "key", "value", "first", "second", "between", "args")   # what on_device reads
+
+
+def keep_views(evidence: dict) -> dict:
+    """The evidence with the call inputs' float and bool tensors as ``saved_tensor`` keeps them (the scripts read
+    those through ``on_device``, which rebuilds a view; bounds, indices and counts stay plain copies)."""
+    def walk(x):
+        if torch.is_tensor(x) and (x.is_floating_point() or x.dtype == torch.bool):
+            return saved_tensor(x)
+        if isinstance(x, dict):
+            return {name: walk(v) for name, v in x.items()}
+        return [walk(v) for v in x] if isinstance(x, (list, tuple)) else x
+    return {name: walk(v) if name in _CALL_INPUTS else v for name, v in evidence.items()}
