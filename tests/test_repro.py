@@ -37,7 +37,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 def _run(tmp_path, option, spec, clauses, *extra):
     out = tmp_path / "repro"
-    run = run_entry(Entry(spec, "model" if option == "--model" else "kernel", spec, ("X",), option, spec,
+    run = run_entry(Entry(spec, "model" if option in ("--model", "--zoo") else "kernel", spec, ("X",), option, spec,
                           ("--repro-dir", str(out), "--device", "cpu", *extra)),
                     clauses=clauses, seed=0, extra=("--hypothesis-profile", "pinned"))
     assert run.returncode == 1, run.output[-3000:]
@@ -140,7 +140,7 @@ sys.modules["properties"] = None   # the scripts need torch and the subject's mo
 codes, blocked = {}, int(sys.argv[2])
 for n, (path, *subject) in enumerate(json.loads(sys.argv[1])):
     if n == blocked:   # the jobs after the first `blocked` load a subject of the catalog (properties.catalog)
-        del sys.modules["properties"]
+        sys.modules.pop("properties", None)
     sys.argv = [path, *subject]
     try:
         runpy.run_path(path, run_name="__main__")
@@ -191,14 +191,35 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     assert _exit_codes(tmp_path, jobs, blocked=len(failed) + on_file) == [0] * len(failed) + [1] * len(failed)
 
 
-def _exit_codes(cwd, jobs, blocked: int | None = None) -> list:
+_ZOO_TINY = "model=decoder_only d_model=32 heads=2 layers=2 d_ff=64 vocab_size=64 max_len=16"
+
+
+def test_zoo_decoding_and_gradient_reproducers(tmp_path):
+    """--zoo with a broken attention part (the catalog's NoCausalMask, named by _target_): both halves of MODEL-CAUSAL
+    (two forward passes; the exact gradient zero through a probe on the embedding) and MODEL-KV-CACHE (cached decoding
+    against the full pass) leave scripts that rebuild the zoo model from the config the run composed (seeded as the
+    run built it) and exit 1, and 0 on the overrides without the broken part. The part lives in properties.catalog:
+    here `properties` is the subject's module, importable."""
+    run, out = _run(tmp_path, "--zoo", f"{_ZOO_TINY} attention._target_=properties.catalog.models.NoCausalMask",
+                    ("MODEL-CAUSAL", "MODEL-KV-CACHE"))
+    failed = [r for r in run.rows if r["status"] == "failed"]
+    scripts = sorted({r["repro"] for r in failed if r["repro"]})
+    assert {r["clause"] for r in failed} == {"MODEL-CAUSAL", "MODEL-KV-CACHE"} and len(failed) >= 4, failed
+    assert len(scripts) == len(failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
+    for path in scripts:
+        _script(out, path.rsplit("/", 1)[1].rsplit("-", 1)[0])
+    jobs = [[p] for p in scripts] + [[p, _ZOO_TINY] for p in scripts]
+    assert _exit_codes(tmp_path, jobs, block_suite=False) == [1] * len(scripts) + [0] * len(scripts)
+
+
+def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list:
     """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
-    interpreter (one torch import) where `import properties` fails for the first ``blocked`` (all by default): their
-    exit statuses."""
+    interpreter (one torch import) where `import properties` fails for the first ``blocked`` jobs (all, or none where
+    ``block_suite`` is False: a subject that lives in the suite's catalog): their exit statuses."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs), str(len(jobs) if blocked is None
-                                                                                     else blocked)],
-                         capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    blocked = (len(jobs) if block_suite else 0) if blocked is None else blocked
+    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs), str(blocked)], capture_output=True,
+                         text=True, env=env, cwd=cwd, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
 

@@ -107,10 +107,15 @@ def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence
     argument = entry.resolved_argument(SOURCE_ROOT)
     if argument is None:
         return None
-    # A kernel option alone runs only the kernel level: collecting properties/kernel/ gives the same tests and
-    # saves the collection of the other levels (composing the zoo's configs), most of a short run's start-up.
-    target = SUITE / "kernel" if entry.level == "kernel" and not entry.extra else SUITE
-    cmd = [sys.executable, "-m", "pytest", str(target), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
+    # Only the folders of the entry's level are collected: a kernel option alone runs only the kernel level, and a
+    # --zoo or --model entry of the module or model level neither collects the kernel tests nor probes the default
+    # kernels' limits for them (most of a short run's start-up). The --catalog-level selection is unchanged.
+    if entry.extra:
+        targets = [SUITE]
+    else:
+        targets = {"kernel": [SUITE / "kernel"], "module": [SUITE / "module", SUITE / "model"],
+                   "model": [SUITE / "model"]}.get(entry.level, [SUITE])
+    cmd = [sys.executable, "-m", "pytest", *map(str, targets), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
            *([entry.option, argument] if entry.option else []), *entry.extra, "--report-json", str(report)]
     if level and entry.option == "--zoo":  # --zoo runs every level; the kernel tests then check the default kernels
         cmd += ["--catalog-level", entry.level]

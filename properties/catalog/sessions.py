@@ -203,6 +203,7 @@ def _child(request: dict) -> None:
             set_hypothesis_home_dir(os.path.join(os.getcwd(), ".hypothesis"))
         except ImportError:
             pass
+        _share_constants_cache()
         import pytest
         code = int(pytest.main([*request["args"], *PRELOAD_WARNING]))
     except SystemExit as exc:
@@ -217,6 +218,27 @@ def _child(request: dict) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+# The server's cache of the constants Hypothesis reads out of the local modules' source (a directory; None: none).
+_CONSTANTS: str | None = None
+
+
+def _share_constants_cache() -> None:
+    """A run in a new scratch directory (no ``.hypothesis`` there yet, under the temporary directory) reads the
+    constants of every local module, parsing each module's source (1-2 s of each catalog run), and keeps them in
+    ``.hypothesis/constants``, a cache keyed by a hash of each module's source: pointing it at the server's own
+    cache changes nothing the run draws, only that the parse is done once per server. The example database
+    (``.hypothesis/examples``) stays the run's own."""
+    home = Path(os.getcwd()) / ".hypothesis"
+    scratch = Path(tempfile.gettempdir()).resolve() in home.resolve().parents
+    if _CONSTANTS is None or home.exists() or not scratch:
+        return
+    try:
+        home.mkdir()
+        (home / "constants").symlink_to(_CONSTANTS, target_is_directory=True)
+    except OSError:
+        pass
 
 
 def _die_with_parent() -> None:
@@ -258,6 +280,8 @@ def serve() -> None:
     import gc
     gc.collect()
     gc.freeze()
+    global _CONSTANTS
+    _CONSTANTS = tempfile.mkdtemp(prefix="session-hypothesis-constants-")
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -267,6 +291,8 @@ def serve() -> None:
             _child(request)
         returncode, timed_out = _wait(pid, request.get("timeout"))
         print(json.dumps({"returncode": returncode, "timed_out": timed_out}), flush=True)
+    import shutil
+    shutil.rmtree(_CONSTANTS, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["activate", "active", "directory", "model_spec", "record", "record_call", "observe_kernel_call", "clear", "take",
-           "take_kernel_call", "observe_flash_call", "take_flash_call", "flat_index",
-           "view_index", "observe_call"]
+__all__ = ["activate", "active", "directory", "set_model_recipes", "model_recipe", "record", "record_call",
+           "observe_kernel_call", "clear", "take", "take_kernel_call", "observe_flash_call", "take_flash_call",
+           "flat_index", "view_index", "observe_call"]
 
-_state: dict = {"dir": None, "evidence": None, "calls": [], "model_spec": None, "kernel_call": None,
-                "flash_call": None, "alignment": "top-left"}
+_state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "flash_call": None,
+                "alignment": "top-left", "recipes": {}}
 
 
-def activate(directory: str | None, model_spec: str | None = None, causal_alignment: str = "top-left") -> None:
-    _state.update(dir=directory, evidence=None, calls=[], model_spec=model_spec, kernel_call=None, flash_call=None,
+def activate(directory: str | None, causal_alignment: str = "top-left") -> None:
+    _state.update(dir=directory, evidence=None, calls=[], kernel_call=None, flash_call=None,
                   alignment=causal_alignment)
 
 
@@ -30,9 +30,18 @@ def directory() -> str | None:
     return _state["dir"]
 
 
-def model_spec() -> str | None:
-    """--model's factory, which a model clause's reproducer calls (None for the zoo's families and --zoo)."""
-    return _state["model_spec"]
+def set_model_recipes(recipes: dict) -> None:
+    """How each model the model clauses run on was built (its test parameter -> {"factory": spec} or
+    {"overrides": [...], "dtype": ...} or {"config": yaml}): a model clause's reproducer builds it the same way."""
+    _state["recipes"] = dict(recipes)
+
+
+def model_recipe(nodeid: str) -> dict | None:
+    """The recipe of the model a test ran on, read from its parameter id ('test_x[decoder_only-rotary]',
+    'test_y[model-prefill-then-chunks]'): the longest model name the id starts with."""
+    param = nodeid.rpartition("[")[2].rstrip("]") if nodeid.endswith("]") else ""
+    names = [n for n in _state["recipes"] if param == n or param.startswith(n + "-")]
+    return _state["recipes"][max(names, key=len)] if names else None
 
 
 def record(kind: str, *, sticky: bool = False, **evidence) -> None:
@@ -104,10 +113,11 @@ def observe_call(args: tuple, out: torch.Tensor, subject) -> None:
 
 
 def view_index(view: torch.Tensor):
-    """(args, flat index into that call's output, subject) for a tensor that views a kept call's output."""
+    """(args, index into that call's flattened output shaped like ``view``, subject) for a tensor that views a kept
+    call's output."""
     for args, out, subject in reversed(_state["calls"]):
         if view.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and out.is_contiguous():
             base = torch.arange(out.numel())
             index = torch.as_strided(base, view.shape, view.stride(), view.storage_offset() - out.storage_offset())
-            return args, index.reshape(-1), subject
+            return args, index, subject
     return None

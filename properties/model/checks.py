@@ -23,7 +23,7 @@ from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDIN
 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
            "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
+           "assert_same_output", "record_model_comparison", "record_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
            "register_precision", "precision_of"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
@@ -155,8 +155,15 @@ def difference_threshold(s: Subject, reference: torch.Tensor, src: tuple | None,
                       f"times max|y|")
 
 
-def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, subject: Subject | None = None) -> None:
-    """|actual - expected| <= comparison_tolerance(expected, subject) elementwise, else a readable failure."""
+def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, subject: Subject | None = None,
+                       where: torch.Tensor | None = None) -> None:
+    """|actual - expected| <= comparison_tolerance(expected, subject) elementwise (at ``actual[where]`` only, a bool
+    mask of their leading dims, when given), else a readable failure."""
+    if where is not None:
+        if repro.active() and actual.shape == expected.shape and actual.shape[:where.dim()] == where.shape:
+            every = where.reshape(*where.shape, *[1] * (actual.dim() - where.dim())).expand_as(actual)
+            record_model_comparison(actual, expected, what, comparison_tolerance(expected[where], subject), every)
+        actual, expected = actual[where], expected[where]
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shapes differ, {tuple(actual.shape)} vs {tuple(expected.shape)}")
     nan = torch.isnan(actual) | torch.isnan(expected)
@@ -166,7 +173,7 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
         raise AssertionError(f"{what}: NaN in {where} at {int(nan.sum())} of {nan.numel()} entries, first at index "
                              f"{first}")
     tol = comparison_tolerance(expected, subject)
-    _record_model_comparison(actual, expected, what, tol)
+    record_model_comparison(actual, expected, what, tol)
     diff = (actual.double() - expected.double()).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)   # inf - inf
     if diff.numel() and diff.max().item() > tol:
@@ -177,15 +184,33 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
                              f"(tolerance {tol:.3e}; {how})")
 
 
-def _record_model_comparison(actual, expected, what: str, tol: float) -> None:
-    """--repro-dir: the two forward passes whose outputs are compared, when both tensors view their outputs."""
+def record_model_comparison(actual, expected, what: str, tol: float, where=None, **more) -> None:
+    """--repro-dir: the two forward passes whose outputs are compared, when both tensors view their outputs (and
+    the entries ``where`` selects of them)."""
     if not repro.active():
         return
     first, second = repro.view_index(expected), repro.view_index(actual)
     if first is not None and second is not None:
+        select = (lambda index: index.reshape(-1)) if where is None else (lambda index: index[where.cpu()])
         repro.record("model", device=str(actual.device), what=what, reference="the first forward pass",
-                     first=list(first[0]), second=list(second[0]), index_first=first[1], index_second=second[1],
-                     tolerance=float(tol), float64=expected.dtype == torch.float64)
+                     first=list(first[0]), second=list(second[0]), index_first=select(first[1]),
+                     index_second=select(second[1]), tolerance=float(tol), float64=expected.dtype == torch.float64,
+                     **more)
+
+
+def is_float64_twin(s: Subject) -> bool:
+    """--repro-dir: whether ``s`` computes with float64 parameters (its float64 twin), which a script casts to."""
+    return s.module is not None and any(p.dtype == torch.float64 for p in s.module.parameters())
+
+
+def record_cached_decoding(s: Subject, src: tuple | None, tokens, mask, cuts, out_dtype: torch.dtype) -> None:
+    """--repro-dir: MODEL-KV-CACHE's decoding in chunks ``cuts`` against the full pass, with its tolerance relative
+    to max|y| (comparison_tolerance at max|y| = 1)."""
+    if repro.active():
+        float64 = is_float64_twin(s)
+        repro.record("model-decode", device=str(tokens.device), what="cached decoding", float64=float64,
+                     src=None if src is None else src[0], src_mask=None if src is None else src[1], tokens=tokens,
+                     mask=mask, cuts=list(cuts), relative=comparison_tolerance(torch.ones(1, dtype=out_dtype), s))
 
 
 @contextmanager

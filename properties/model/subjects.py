@@ -22,7 +22,9 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core.subject import Subject, SubjectError, as_subject, load_subject, moved, watched, zoo_subject
+from properties.core import repro
+from properties.core.subject import (Subject, SubjectError, as_subject, load_subject, moved, same_draws, watched,
+                                     zoo_subject)
 
 __all__ = ["add_options", "configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
            "ModelUnderTest", "ZOO_TINY"]
@@ -118,9 +120,11 @@ def configure(config) -> None:
         return
     config.stash[_SKIP] = ""
     sources: dict[str, _Source] = {}
+    recipes: dict[str, dict] = {}   # --repro-dir: how a model clause's reproducer rebuilds each model
     try:
         if config.getoption("model"):
             spec = config.getoption("model")
+            recipes["model"] = {"factory": spec}
             first = load_subject(spec)
             made = iter([first])
             sources["model"] = _Source(lambda: next(made, None) or load_subject(spec), f"model {spec}",
@@ -129,9 +133,12 @@ def configure(config) -> None:
         if run is not None:
             # The config's own dtype (dtype=bfloat16 in --zoo or the saved config) unless --dtype says otherwise.
             own = dtype if config.getoption("--dtype", None) else None
-            first = zoo_subject(run.cfg, device=device, dtype=own, origin=run.origin)
-            rebuilt = lambda: zoo_subject(run.cfg, device=device, dtype=own, origin=run.origin)  # noqa: E731
-            sources["zoo"] = _Source(_zoo_maker(first.module), f"model built by {run.origin}", pristine=rebuilt)
+
+            def rebuilt() -> Subject:   # seeded as --model's factory is: a reproducer rebuilds the same weights
+                with same_draws():
+                    return zoo_subject(run.cfg, device=device, dtype=own, origin=run.origin)
+            sources["zoo"] = _Source(_zoo_maker(rebuilt().module), f"model built by {run.origin}", pristine=rebuilt)
+            recipes["zoo"] = _zoo_recipe(run.cfg, own, shlex.split(config.getoption("zoo") or ""), run.origin)
     except SubjectError as exc:
         raise pytest.UsageError(str(exc)) from None
     if not sources:
@@ -140,7 +147,16 @@ def configure(config) -> None:
                 overrides = (f"model={family}", f"pos={pos}", *ZOO_TINY)
                 make, pristine = _lazy_zoo(overrides, device, dtype)
                 sources[f"{family}-{pos}"] = _Source(make, f"model {family}-{pos}", pristine=pristine)
+                recipes[f"{family}-{pos}"] = {"overrides": list(overrides), "dtype": dtype}
     config.stash[_KEY] = sources
+    repro.set_model_recipes(recipes)
+
+
+def _zoo_recipe(cfg, dtype, words: list, origin: str) -> dict:
+    """--zoo or --zoo-config: the composed config itself (a reproducer builds exactly it, with the zoo's
+    model_from_config), and the overrides --zoo named, for its reader."""
+    from omegaconf import OmegaConf
+    return {"config": OmegaConf.to_yaml(cfg), "dtype": dtype, "overrides": words, "origin": origin}
 
 
 def _zoo_maker(model) -> Callable[[], Subject]:
@@ -157,7 +173,8 @@ def _lazy_zoo(overrides, device, dtype) -> tuple[Callable[[], Subject], Callable
     def build() -> None:
         if not built:
             from zoo.config.builder import build_model
-            built.append(build_model(list(overrides), device=device, dtype=dtype))
+            with same_draws():   # the same weights whatever ran before (and in a reproducer)
+                built.append(build_model(list(overrides), device=device, dtype=dtype))
             built.append(copy.deepcopy(built[0]))
 
     def make() -> Subject:

@@ -18,6 +18,7 @@ import torch
 from hypothesis import Phase, settings, strategies as st
 
 from properties import clause
+from properties.core import repro
 from properties.core.strategies import pinned_property
 from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
                                      comparison_tolerance, model_settings, only, real_tokens, subject_args)
@@ -110,6 +111,15 @@ def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
     return tuple(int(i) for i in over[0]) if len(over) else None
 
 
+def _record(mut, reference, arrangement: str, what: str, args_a, args_r, mask, bound: float, cuts, **more) -> None:
+    """--repro-dir: both models' inputs, the bound, and the chunks decoded (None: one forward pass; ``more``: the
+    gradient clause's loss weights and parameter names)."""
+    if repro.active():
+        repro.record("model-diff", device=str(mut.device), what=f"{arrangement}: {what}",
+                     reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a),
+                     second=list(args_r), mask=mask, bound=float(bound), cuts=cuts, **more)
+
+
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD
 @clause("MODEL-DIFF-FORWARD")
 @differential_property(pinned(PINNED_INPUTS), max_examples=FORWARD_EXAMPLES)
@@ -123,6 +133,8 @@ def test_outputs_agree_with_the_reference(mut, reference, arrangement, data):
                              f"(reference {reference.spec})")
     mask = tgt_a[1]
     bound, how = _bound(a, r, ya[mask], yr[mask], _noise(a, src_a, tgt_a), _noise(r, src_r, tgt_r))
+    _record(mut, reference, arrangement, "the outputs", subject_args(src_a, *tgt_a), subject_args(src_r, *tgt_r), mask,
+            bound, None)
     diff = (ya.double() - yr.double()).abs().amax(-1).masked_fill(~mask, 0)      # (B, L)
     first = _first_parting(diff, bound)
     if first is not None:
@@ -182,6 +194,8 @@ def test_gradients_agree_with_the_reference(mut, reference, arrangement, data):
     dtype_a, dtype_r = next(iter(params_a.values())).dtype, next(iter(params_r.values())).dtype
     bound, how = _bound(a, r, torch.tensor([scale], dtype=dtype_a), torch.tensor([scale], dtype=dtype_r),
                         noise_a, noise_r)
+    _record(mut, reference, arrangement, "parameter gradients", subject_args(src_a, *tgt_a),
+            subject_args(src_r, *tgt_r), tgt_a[1], bound, None, weights=weights, names=common)
     worst = max(common, key=lambda n: float((ga[n] - gr[n]).abs().nan_to_num(float("inf")).max()) if ga[n].numel() else 0)
     for n in common:
         diff = (ga[n] - gr[n]).abs()
@@ -296,6 +310,8 @@ def test_cached_decoding_agrees_with_the_reference(mut, reference, arrangement, 
         ya, yr = _run(a, src_a, (ta, ones)), _run(r, src_r, (tr, ones))
     bound, how = _bound(a, r, ya, yr, _noise(a, src_a, (ta, ones)), _noise(r, src_r, (tr, ones)))
     cuts = schedule.cuts
+    _record(mut, reference, arrangement, "cached decoding", subject_args(src_a, ta, ones), subject_args(src_r, tr, ones),
+            ones, bound, list(cuts))
     steps = zip(_decoder(a, src_a, ta, ones, cuts), _decoder(r, src_r, tr, ones, cuts))
     for step, (x, y) in enumerate(steps):
         diff = (x.double() - y.double()).abs().amax(-1)                 # (B, n)

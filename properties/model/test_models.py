@@ -13,10 +13,13 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from properties import clause
+from properties.core import repro
 from properties.core.strategies import PinnedData
+from properties.model.checks import is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      difference_threshold, draw_pair, embedding_probe, forward,
-                                     model_property, model_settings, only, subject_args, other_real_tokens, requires)
+                                     model_property, model_settings, only, record_model_comparison, subject_args,
+                                     other_real_tokens, requires)
 from properties.model.twin import observe, twin_fallback
 
 
@@ -101,6 +104,10 @@ def test_causal_gradient(mut, data):
     assume(bool(real.any()))
     weights = torch.randn(logits[:, i].shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
     weights = weights * real[:, None].to(weights)
+    if repro.active():   # --repro-dir: the same probe and weights, the exact zero checked again
+        repro.record("model-causal-gradient", device=str(tokens.device), position=i, tokens=tokens, weights=weights,
+                     real=real, args=list(subject_args(src, tokens, mask)),
+                     float64=is_float64_twin(s))
     (grad,) = torch.autograd.grad((logits[:, i] * weights.to(logits)).sum(), deltas[0])
     observe(s, grad, f"gradient of the logits at position {i}")
     bad = (~torch.isfinite(grad)).any(-1).nonzero().tolist()
@@ -169,8 +176,8 @@ def test_batch_independence(mut, data):
         alone_src = src and (src[0][k:k + 1], src[1][k:k + 1])
         alone = forward(s, alone_src, (tokens[k:k + 1], mask[k:k + 1]))
         real = mask[k]
-        assert_same_output(together[k][real], alone[0][real],
-                           f"sample {k} inside a batch of {b.size} vs alone (real positions)", subject=s)
+        assert_same_output(together[k], alone[0], f"sample {k} inside a batch of {b.size} vs alone (real positions)",
+                           subject=s, where=real)
 
 
 # -------------------------------------------------------------------------------------- MODEL-PADDING
@@ -194,8 +201,9 @@ def _padding_case(mut, data, left: bool):
     after = forward(s, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
     after = after[:, k_tgt:] if left else after[:, : b.length]
     side = "prepending" if left else "appending"
-    assert_same_output(after[mask], before[mask], f"real positions after {side} {k_tgt} padded positions"
-                       + (f" to the target and {k_src} to the source" if src is not None else ""), subject=s)
+    assert_same_output(after, before, f"real positions after {side} {k_tgt} padded positions"
+                       + (f" to the target and {k_src} to the source" if src is not None else ""), subject=s,
+                       where=mask)
 
 
 # Two pads after a batch of mixed lengths (so its samples already end in different numbers of pads); an
@@ -244,6 +252,9 @@ def test_eval_determinism(mut, data, seeds):
         for seed in seeds:
             torch.manual_seed(seed)
             outs.append(forward(s, src, tgt))
+    if repro.active() and outs[0].shape == outs[1].shape:   # --repro-dir: the two seeded passes, compared bitwise
+        record_model_comparison(outs[1], outs[0], "the second forward pass under another random seed", 0.0,
+                                 seeds=list(seeds), bitwise=True)
     same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])
     assert same.all(), (f"two forward passes on the same input differ at {int((~same).sum())} elements "
                         f"(max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under random seeds "

@@ -9,6 +9,8 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from properties import clause
+from properties.core import repro
+from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, assert_window_gradient, batches,
                                      call_subject, comparison_tolerance, difference_threshold, draw_pair,
                                      embedding_probe, forward, model_property, model_settings, only, other_real_tokens,
@@ -146,6 +148,10 @@ def test_shift(mut, arrangement, data):
             error, what = _forward_error(mut, s, src, tgt)
             if SHIFT_ERRORS * error > tol:
                 bound, how = SHIFT_ERRORS * error, f"{SHIFT_ERRORS} x E = {error:.2e}, {what}"
+        if repro.active():   # --repro-dir: the two passes and the bound this example used
+            repro.record("model-shift", device=str(tgt[0].device), what="relative" if s.positional else "absent",
+                         float64=is_float64_twin(s), args=list(subject_args(src, tgt[0], mask)), offset=offset,
+                         mask=mask, bound=float(bound), how=how, last=last)
         diff = (moved - base).abs().amax(-1)
         worst = _largest(diff)
         assert worst <= bound, (
@@ -212,8 +218,9 @@ def test_window(mut, data):
         distance = torch.where(distance < 0, torch.zeros_like(distance), distance)   # the past cannot see j
     far = distance.abs() > reach
     windows = f"windows {tuple(s.window)}: reach sum(W - 1) = {reach}"
-    assert_same_output(after[:, far], before[:, far], f"outputs more than {reach} positions from the changed token "
-                       f"{j} ({windows}) after changing it: a layer attends a key W or more positions back", subject=s)
+    assert_same_output(after, before, f"outputs more than {reach} positions from the changed token "
+                       f"{j} ({windows}) after changing it: a layer attends a key W or more positions back", subject=s,
+                       where=far[None, :].expand(before.shape[0], -1))
     if s.embedding is None:   # the attended half needs the gradient: a key 15 positions back in each of two
         return                # layers may carry a weight of 1e-20, exactly non-zero and invisible in any output
     edge = (distance.abs() == reach).nonzero().flatten().tolist()

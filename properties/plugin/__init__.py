@@ -207,7 +207,9 @@ def _configure(config):
     config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
     # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
     # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
-    probed = kernels if _kernel_clauses_run(config) else []   # no kernel clause runs: no probe
+    # No probe where no kernel clause runs: --model alone, or only other levels' folders collected
+    # (pytest properties/model --zoo ...).
+    probed = kernels if _kernel_clauses_run(config) and targets_suite(config, "kernel") else []
     for kernel in probed:
         for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
             try:

@@ -271,7 +271,7 @@ def configure_reproducers(config) -> None:
         from zoo.io.atomic import unwritable
         if problem := unwritable(directory):
             raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
-    repro.activate(directory, config.getoption("--model", None), config.getoption("--causal-alignment", "top-left"))
+    repro.activate(directory, config.getoption("--causal-alignment", "top-left"))
     reset_reproducers()
 
 

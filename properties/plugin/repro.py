@@ -2,7 +2,7 @@
 the float64 oracle in plain torch, then one body per kind of comparison: ``oracle`` (a call against the oracle and
 the clause's bound), ``two-calls`` (two calls compared bitwise or within a bound; forward and, when recorded,
 backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule), ``dropout-rate`` (the statistical test over
-the same number of draws), ``model`` (two forward passes of a model compared within the clause's tolerance) and
+the same number of draws), the model kinds of properties/plugin/repro_model.py, and
 ``call`` (a call that broke the calling contract: it raised, or its output's shape, dtype, device or finiteness).'''
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from properties.core import repro
+from properties.plugin import repro_model
 from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, keep_views
 from zoo.io.atomic import replacing, write_text
 
@@ -247,21 +248,6 @@ for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):
                 worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64), ("bound", bound.expand_as(grad64))))
 verdict(False, "")
 ''',
-    "model": '''
-built = subject()   # the factory, as --model called it
-if isinstance(built, torch.nn.Module):   # a zoo model: its forward is the model, in eval mode
-    module, forward = built.eval(), built
-else:                                     # a Subject: its forward and module
-    module, forward = built.module, built.forward
-if DATA["float64"]:   # the clause compared the model's float64 twin (module.to(float64))
-    module.to(torch.float64)
-with torch.no_grad():
-    first = forward(*(on_device(x) for x in DATA["first"])).double().cpu().reshape(-1)[DATA["index_first"]]
-    second = forward(*(on_device(x) for x in DATA["second"])).double().cpu().reshape(-1)[DATA["index_second"]]
-diff = torch.nan_to_num((second - first).abs(), nan=math.inf)
-verdict((diff > DATA["tolerance"]).any(), f"{{WHAT}}: differs by {{float(diff.max()):.3e}} from {{REFERENCE}} at "
-        f"{{int((diff > DATA['tolerance']).sum())}} of {{diff.numel()}} entries (tolerance {{DATA['tolerance']:.3e}})")
-''',
     "call": '''
 args = [on_device(x).requires_grad_() if grad else on_device(x) for x, grad in zip(DATA["args"], DATA["requires_grad"])]
 kwargs = {{name: on_device(x) for name, x in DATA["kwargs"].items()}}
@@ -290,6 +276,9 @@ verdict(first is not None, f"output is not finite at {{int((~finite).sum())}} of
 
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
     from properties.kernel.statistics import FALSE_ALARM
+    if evidence["kind"] in repro_model.KINDS:
+        return repro_model.render(evidence, clause=clause, data_file=data_file, nodeid=nodeid,
+                                  counterexample=counterexample)
     stem = data_file.removesuffix(".pt")
     statement = textwrap.fill(clause.statement, 110, subsequent_indent="    ")
     what, reference = evidence.get("what", "out"), evidence.get("reference", "the first call")
@@ -328,7 +317,8 @@ def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
             if path:
                 return path, ""
             reasons += [why] if why not in reasons else []
-    return None, "; ".join(reasons) or "the failing check records no comparison this writer can rebuild"
+    return None, "; ".join(reasons) or repro_model.unsupported(clause.id) or (
+        "the failing check records no comparison this writer can rebuild")
 
 
 def last_call_evidence(call, alignment: str) -> dict | None:
@@ -350,10 +340,8 @@ def last_call_evidence(call, alignment: str) -> dict | None:
 
 
 def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tuple[str | None, str]:
-    if evidence["kind"] == "model":
-        evidence["subject"] = repro.model_spec()
-        if evidence["subject"] is None:
-            return None, "a zoo family or --zoo model: no --model factory for the script to import"
+    if evidence["kind"] in repro_model.KINDS and (why := repro_model.prepare(evidence, nodeid)):
+        return None, why
     n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)

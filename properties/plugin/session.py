@@ -69,17 +69,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     f"(the counterexamples above are also kept in .hypothesis/)")
 
 
-def targets_suite(config) -> bool:
+def targets_suite(config, part: str | None = None) -> bool:
     """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
     properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
     an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
-    and profiles."""
+    and profiles. With ``part`` (a level's folder, ``"kernel"``): whether it collects that folder of the suite."""
     from pathlib import Path
 
-    from properties.core.levels import SUITE_DIR as suite
+    from properties.core.levels import SUITE_DIR
+    suite = SUITE_DIR / part if part else SUITE_DIR
+    package = f"properties.{part}" if part else "properties"
     for arg in config.args:
         name = arg.split("::")[0]
-        if config.getoption("pyargs", False) and (name == "properties" or name.startswith("properties.")):
+        if config.getoption("pyargs", False) and (name in ("properties", package) or name.startswith(package + ".")):
             return True
         path = (Path(config.invocation_params.dir) / name).resolve()
         if path == suite or suite in path.parents:
