@@ -53,23 +53,7 @@ WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it com
 DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
 
 
-def load(spec):
-    """'pkg.module:name', 'path/to/file.py:name', or one of the zoo's kernel names (zoo.nn.kernel)."""
-    if ":" not in spec:
-        from zoo.nn.kernel import resolve_kernel
-        return resolve_kernel(spec)
-    module_name, _, name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
-        module = importlib.util.module_from_spec(where)
-        sys.modules[where.name] = module
-        where.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
-
+{load}
 
 def on_device(x):
     if isinstance(x, dict) and "view_of" in x:   # a view over a larger storage (stride 0, a slice), as the run had it
@@ -100,14 +84,7 @@ def oracle(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     return weights @ v, no_key
 
 
-def verdict(bad, message):
-    """Print the departure in the clause's words and exit 1, or say it is gone and exit 0."""
-    if bool(bad):
-        print(f"FAIL {clause}: {{message}}")
-        sys.exit(1)
-    print(f"OK {clause}: no departure on this counterexample")
-    sys.exit(0)
-
+{verdict}
 
 def worst(excess, *named):
     """'at index (...): name = value, ...' for the entry whose excess is largest."""
@@ -282,7 +259,9 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     stem = data_file.removesuffix(".pt")
     statement = textwrap.fill(clause.statement, 110, subsequent_indent="    ")
     what, reference = evidence.get("what", "out"), evidence.get("reference", "the first call")
-    header = _HEADER.format(what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement, nodeid=nodeid,
+    header = _HEADER.format(load=repro_model.LOAD, verdict=repro_model.VERDICT.format(clause=clause.id),
+                            what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement,
+                            nodeid=nodeid,
                             counterexample=counterexample or "(see the test's report)", stem=stem,
                             data_file=data_file, subject=evidence["subject"], device=evidence.get("device", "cpu"))
     body = {**_BODIES, **KERNEL_BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)
