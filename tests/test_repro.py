@@ -37,7 +37,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 def _run(tmp_path, option, spec, clauses, *extra):
     out = tmp_path / "repro"
-    run = run_entry(Entry(spec, "model" if option in ("--model", "--zoo") else "kernel", spec, ("X",), option, spec,
+    level = {"--model": "model", "--zoo": "module"}.get(option, "kernel")   # module: the module and model clauses
+    run = run_entry(Entry(spec, level, spec, ("X",), option, spec,
                           ("--repro-dir", str(out), "--device", "cpu", *extra)),
                     clauses=clauses, seed=0, extra=("--hypothesis-profile", "pinned"))
     assert run.returncode == 1, run.output[-3000:]
@@ -198,13 +199,15 @@ def test_zoo_decoding_and_gradient_reproducers(tmp_path):
     """--zoo with a broken attention part (the catalog's NoCausalMask, named by _target_): both halves of MODEL-CAUSAL
     (two forward passes; the exact gradient zero through a probe on the embedding) and MODEL-KV-CACHE (cached decoding
     against the full pass) leave scripts that rebuild the zoo model from the config the run composed (seeded as the
-    run built it) and exit 1, and 0 on the overrides without the broken part. The part lives in properties.catalog:
+    run built it) and exit 1, and 0 on the overrides without the broken part; so does the module clause
+    MHA-SINGLE-HEAD (its pinned causal example), whose script rebuilds the attention part from the node the run
+    composed and compares with the float64 oracle's values saved in the run. The part lives in properties.catalog:
     here `properties` is the subject's module, importable."""
     run, out = _run(tmp_path, "--zoo", f"{_ZOO_TINY} attention._target_=properties.catalog.models.NoCausalMask",
-                    ("MODEL-CAUSAL", "MODEL-KV-CACHE"))
+                    ("MODEL-CAUSAL", "MODEL-KV-CACHE", "MHA-SINGLE-HEAD"))
     failed = [r for r in run.rows if r["status"] == "failed"]
     scripts = sorted({r["repro"] for r in failed if r["repro"]})
-    assert {r["clause"] for r in failed} == {"MODEL-CAUSAL", "MODEL-KV-CACHE"} and len(failed) >= 4, failed
+    assert {r["clause"] for r in failed} == {"MODEL-CAUSAL", "MODEL-KV-CACHE", "MHA-SINGLE-HEAD"} and len(failed) >= 5, failed
     assert len(scripts) == len(failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
     for path in scripts:
         _script(out, path.rsplit("/", 1)[1].rsplit("-", 1)[0])

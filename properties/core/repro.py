@@ -11,10 +11,10 @@ import torch
 
 __all__ = ["activate", "active", "directory", "set_model_recipes", "model_recipe", "record", "record_call",
            "observe_kernel_call", "clear", "take", "take_kernel_call", "observe_flash_call", "take_flash_call",
-           "flat_index", "view_index", "observe_call"]
+           "flat_index", "view_index", "observe_call", "observe_part", "observe_module_call", "record_module_oracle"]
 
 _state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "flash_call": None,
-                "alignment": "top-left", "recipes": {}}
+                "alignment": "top-left", "recipes": {}, "parts": {}, "module_call": None}
 
 
 def activate(directory: str | None, causal_alignment: str = "top-left") -> None:
@@ -80,6 +80,8 @@ def clear() -> None:
     _state["kernel_call"] = None
     _state["flash_call"] = None
     _state["calls"].clear()
+    _state["module_call"] = None
+    _state["parts"] = {}
 
 
 def take() -> dict | None:
@@ -121,3 +123,35 @@ def view_index(view: torch.Tensor):
             index = torch.as_strided(base, view.shape, view.stride(), view.storage_offset() - out.storage_offset())
             return args, index, subject
     return None
+
+
+# ------------------------------------------------------------------------------------------------ module calls
+def observe_part(module, recipe: dict) -> None:
+    """How a module clause's part was built (properties/module/parts.py: Part.build): its config node, sizes, seed."""
+    if _state["dir"] is not None:
+        _state["parts"] = {id(module): (module, recipe)}   # the part of the running example; the module kept alive
+
+
+def observe_module_call(module, method: str, args: tuple, kwargs: dict, out) -> None:
+    """A call of a module clause's part (properties/module/parts.py: call_module): the last one is the call a
+    failing oracle comparison replays."""
+    if _state["dir"] is not None and id(module) in _state["parts"]:
+        _state["module_call"] = (module, method, tuple(args), dict(kwargs), out)
+
+
+def record_module_oracle(actual, expected, bound, *, what: str, reference: str, oracle: str,
+                         check: str = "elementwise", **more) -> None:
+    """A module clause compares ``actual`` (the output of the last call of its part) with a float64 oracle within
+    ``bound``: the script builds the part again, makes that call and compares with ``expected`` as computed here.
+    ``check="standardize"`` (NORM-STANDARDIZE): ``expected`` is the exact normalized features, ``bound`` the
+    output's error bound, ``more["variance"]`` σ²/(σ² + eps); the script applies the clause's two checks."""
+    call = _state["module_call"]
+    if _state["dir"] is None or call is None or call[4] is not actual:
+        return
+    module, method, args, kwargs, _ = call
+    recipe = _state["parts"][id(module)][1]
+    expected = expected.detach().double().cpu()
+    record("module-oracle", subject=recipe["origin"], device=str(actual.device), what=what, reference=reference,
+           recipe=recipe, method=method, args=list(args), kwargs=dict(kwargs), expected=expected,
+           bound=torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64).cpu(), expected.shape).clone(),
+           oracle=oracle, check=check, **{k: v.detach().double().cpu() for k, v in more.items()})

@@ -14,6 +14,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
+from properties.core import repro
 from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
@@ -116,7 +117,7 @@ def recovered(out, weight, bias, error):
     return n, error / g.abs() + gamma(2, u64) * (y.abs() + b.abs()) / g.abs()
 
 
-def normalized(norm, p, device):
+def normalized(norm, p, device, check: str | None = None):
     """Run the norm on drawn tokens x and recover its normalized features from the output: (x, eps, the exact
     normalized features (float64 oracle), the recovered ones n = (y - bias)/weight (no bias for RMSNorm),
     their error bound)."""
@@ -126,6 +127,11 @@ def normalized(norm, p, device):
     out = forward(module, x)
     n_exact, y = oracle(norm, x, eps, weight, bias, p.dtype)
     n, e = recovered(out, weight, bias, y.error)
+    if check == "standardize":   # --repro-dir: the script recovers n from the same call and applies the same checks
+        _, v, _ = layer_norm_stats(x, eps)
+        repro.record_module_oracle(out, n_exact.value, y.error, check=check, variance=(v / (v + eps))[..., 0],
+                                   what="mean and variance of the normalized features (y - bias)/weight",
+                                   reference="0 and σ²/(σ² + eps)", oracle="properties/module/oracle.py")
     return x, eps, n_exact, n, e
 
 
@@ -143,7 +149,7 @@ def assert_mean_square(n, n_exact, e, expected, **message):
 @kinds("layernorm")
 @on_both_pinned_tokens
 def test_layernorm_mean_zero_variance_one(norm, device, p):
-    x, eps, n_exact, n, e = normalized(norm, p, device)
+    x, eps, n_exact, n, e = normalized(norm, p, device, check="standardize")
     _, v, _ = layer_norm_stats(x, eps)
     mean, mean_bound = n.mean(-1), e.mean(-1) + gamma(p.d + 1, unit_roundoff(torch.float64)) * n.abs().mean(-1)
     assert_within(mean, torch.zeros_like(mean), mean_bound, what="mean of the normalized features",

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from properties.core import repro
-from properties.plugin import repro_model
+from properties.plugin import repro_model, repro_module
 from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, keep_views
 from zoo.io.atomic import replacing, write_text
 
@@ -253,6 +253,9 @@ verdict(first is not None, f"output is not finite at {{int((~finite).sum())}} of
 
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
     from properties.kernel.statistics import FALSE_ALARM
+    if evidence["kind"] in repro_module.KINDS:
+        return repro_module.render(evidence, clause=clause, data_file=data_file, nodeid=nodeid,
+                                   counterexample=counterexample)
     if evidence["kind"] in repro_model.KINDS:
         return repro_model.render(evidence, clause=clause, data_file=data_file, nodeid=nodeid,
                                   counterexample=counterexample)

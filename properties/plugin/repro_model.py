@@ -195,8 +195,10 @@ def unsupported(clause_id: str) -> str:
         return _WHY_NOT[clause_id]
     prefix = clause_id.split("-", 1)[0]
     if prefix in ("MHA", "FFN", "NORM", "POS", "LAYER"):
-        return ("a module clause: its checks (float64 oracles carrying error bounds, properties/module/approx.py, "
-                "or relations between calls of a part the suite redraws per example) record nothing yet")
+        return ("a module clause whose check (a relation between calls of the part, a statistic of its output, a "
+                "gradient, or a layer of a whole model) records nothing yet; only the float64-oracle comparisons "
+                "of one call of a part (MHA-ORACLE, MHA-SINGLE-HEAD, MHA-GQA, FFN-FORMULA, POS-SINUSOID-FORMULA, "
+                "NORM-STANDARDIZE) have scripts")
     if prefix == "MODEL":
         return "this model clause's check (not two forward passes, not cached decoding) records nothing yet"
     return ""

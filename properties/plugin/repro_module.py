@@ -1,0 +1,159 @@
+'''The reproducers of the module clauses (properties/plugin/repro.py writes them): the script builds the zoo part the
+failing example checked as the run built it — its config node as the run composed it (the --zoo overrides, or the
+zoo's default composition), called with the example's sizes, in eval mode, every floating parameter redrawn from the
+example's seed as properties/module/parts.py (reinitialize) draws them — replays the part's failing call on the
+recorded inputs and compares the output with the float64 values the suite's oracle computed from the part's own
+weights in the run, within the elementwise bound the clause used with them.
+
+Kind ``module-oracle`` (properties/core/repro.py: record_module_oracle): MHA-ORACLE, MHA-SINGLE-HEAD, MHA-GQA,
+FFN-FORMULA, POS-SINUSOID-FORMULA elementwise; NORM-STANDARDIZE's mean and variance of the features recovered from
+the output, with the clause's bounds computed in the script from the oracle's saved output bound.'''
+from __future__ import annotations
+
+import textwrap
+
+from properties.core.zoo_config import LAYER_SIZES
+from properties.plugin.repro_model import VERDICT, _literal
+
+__all__ = ["KINDS", "render"]
+
+KINDS = frozenset({"module-oracle"})
+
+_HEADER = '''\
+#!/usr/bin/env python3
+"""Reproducer of {clause} ({title}), written by the spec suite's --repro-dir.
+
+Clause: {statement}
+Failing test: {nodeid}
+Counterexample: {counterexample}
+Part: the {group} part ({target}) of {origin}, sizes {sizes}, {dtype}, parameters redrawn from seed {seed}
+
+    python {stem}.py [OVERRIDES]
+
+OVERRIDES: Hydra overrides as --zoo takes them, one argument (e.g. "{group}._target_=mypkg.FixedPart"): the
+{group} part they compose is built instead, with the same sizes, seed and inputs. Exits 1 while the departure is
+there, 0 once it is gone. Needs torch and the zoo only; the inputs are in {data_file} beside this file.
+
+Oracle: not recomputed here. The float64 values the suite's oracle ({oracle}) computed in the run from the part's
+own weights (the same weights this script draws from the seed) are saved in {data_file}, with the elementwise bound
+the clause used with them (its float64 error model of a correct part in {dtype}).
+"""
+import math
+import pathlib
+import shlex
+import sys
+
+import torch
+
+GROUP, METHOD = {group!r}, {method!r}   # the part's group and the method the clause called
+NODE = {node}   # the part's config node as the run composed it (interpolations resolved)
+SIZES, SEED, DTYPE = {sizes!r}, {seed!r}, {dtype!r}
+LAYER_SIZES = {layer_sizes!r}   # the sizes the suite composes --zoo with, where the overrides set none
+DEVICE = {device!r}
+WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it compares
+DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
+
+
+def part_node():
+    """The run's node, or the node of GROUP that the overrides given on the command line compose."""
+    from omegaconf import OmegaConf
+    if len(sys.argv) < 2:
+        return OmegaConf.create(NODE)
+    from zoo.config.composition import compose_config
+    words = shlex.split(sys.argv[1])
+    given = {{w.split("=", 1)[0].lstrip("+~") for w in words}}
+    words = [s for s in LAYER_SIZES if s.split("=", 1)[0] not in given] + words
+    return compose_config(words if "task" in given else ["task=verify", *words])[GROUP]
+
+
+def reinitialize(module, seed):
+    """The suite's draw: matrices N(0, 1/fan_in), gains (1-D weight) U[0.5, 1.5], other vectors N(0, 0.25)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if p.dim() >= 2:
+                new = torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(p.shape[-1])
+            elif name.rsplit(".", 1)[-1] == "weight":
+                new = 0.5 + torch.rand(p.shape, generator=g, dtype=torch.float64)
+            else:
+                new = 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(new.to(p.dtype))
+
+
+def built_part():
+    from zoo.config.parts import instantiate_part
+    node = part_node()
+    module = instantiate_part(node)(**{{k: v for k, v in SIZES.items() if k in node}}, device=DEVICE,
+                                    dtype=getattr(torch, DTYPE))
+    module.eval()
+    reinitialize(module, SEED)
+    return module
+
+
+def on_device(x):
+    if isinstance(x, dict) and "view_of" in x:   # a view over a larger storage, as the run had it
+        return torch.as_strided(x["view_of"].to(DEVICE), x["size"], x["stride"], x["offset"])
+    return x.to(DEVICE) if torch.is_tensor(x) else x
+
+
+{verdict}'''
+
+_BODY = '''
+part = built_part()
+args = [on_device(x) for x in DATA["args"]]
+kwargs = {name: on_device(x) for name, x in DATA["kwargs"].items()}
+with torch.no_grad():
+    out = getattr(part, METHOD)(*args, **kwargs).double().cpu()
+expected, bound = DATA["expected"], DATA["bound"]
+if out.shape != expected.shape:
+    verdict(True, f"{WHAT} has shape {tuple(out.shape)}, expected {tuple(expected.shape)}")
+if DATA["check"] == "standardize":   # NORM-STANDARDIZE: the features n = (y - bias)/weight recovered from the output
+    def gamma(n, u=2.0 ** -53):   # Higham's gamma_n: n successive float64 roundings
+        return n * u / (1 - n * u)
+    g = part.weight.detach().double().cpu()
+    b = part.bias.detach().double().cpu() if getattr(part, "bias", None) is not None else torch.zeros_like(g)
+    n, d = (out - b) / g, out.shape[-1]
+    e = bound / g.abs() + gamma(2) * (out.abs() + b.abs()) / g.abs()   # n's bound, from the output's
+    mean, square = n.mean(-1), (n * n).mean(-1)
+    checks = [("mean of the normalized features", mean, torch.zeros_like(mean), "0",
+               e.mean(-1) + gamma(d + 1) * n.abs().mean(-1)),
+              ("variance of the normalized features", square, DATA["variance"], "σ²/(σ² + eps) (1 up to eps)",
+               ((2 * expected.abs() + e) * e).mean(-1) + gamma(d + 2) * square)]
+    for what, value, target, reference, limit in checks:
+        error = torch.nan_to_num((value - target).abs(), nan=math.inf)
+        if (error > limit).any():
+            i = int((error / limit.clamp_min(1e-300)).reshape(-1).argmax())
+            index = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), value.shape))
+            verdict(True, f"|{what} - {reference}| = {float(error.reshape(-1)[i]):.6g} > bound "
+                    f"{float(limit.reshape(-1)[i]):.6g} at (sample, position) {index}: {what} = "
+                    f"{float(value.reshape(-1)[i]):.6g} ({int((error > limit).sum())} of {error.numel()} tokens "
+                    f"outside the bound; normalized = (y - bias)/weight)")
+    verdict(False, "")
+error = torch.nan_to_num((out - expected).abs(), nan=math.inf)
+outside = ~(error <= bound)
+i = int(torch.where(outside, error / bound.clamp_min(1e-300), torch.full_like(error, -1.0)).reshape(-1).argmax())
+index = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), out.shape))
+verdict(outside.any(), f"|{WHAT} - {REFERENCE}| = {float(error.reshape(-1)[i]):.6g} > bound "
+        f"{float(bound.reshape(-1)[i]):.6g} at index {index}: {WHAT} = {float(out.reshape(-1)[i]):.6g}, "
+        f"{REFERENCE} = {float(expected.reshape(-1)[i]):.6g} ({int(outside.sum())} of {out.numel()} entries "
+        f"outside the bound)")
+'''
+
+
+def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
+    recipe = evidence["recipe"]
+    origin = recipe["origin"]
+    origin = "the zoo's default composition" if origin == "zoo" else f"the config the run's {origin} composed"
+    target = next((line.split(":", 1)[1].strip() for line in recipe["node"].splitlines()
+                   if line.startswith("_target_:")), "?")
+    header = _HEADER.format(clause=clause.id, title=clause.title, nodeid=nodeid, stem=data_file.removesuffix(".pt"),
+                            statement=textwrap.fill(clause.statement, 110, subsequent_indent="    "),
+                            counterexample=counterexample or "(see the test's report)", group=recipe["group"],
+                            target=target, origin=origin, sizes=recipe["sizes"], dtype=recipe["dtype"],
+                            seed=recipe["seed"], data_file=data_file, oracle=evidence["oracle"],
+                            method=evidence["method"], node=_literal(recipe["node"]), layer_sizes=LAYER_SIZES,
+                            device=evidence.get("device", "cpu"), what=evidence["what"],
+                            reference=evidence["reference"], verdict=VERDICT.format(clause=clause.id))
+    return header + _BODY
