@@ -89,10 +89,11 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
 
 
 # Each verify run spends most of its time in the suite's child process (40-90 s on a busy 2-core machine), so the
-# tests below read different parts of two sweeps, each run once for the module: with the basic launcher (pictures
+# tests below read different parts of two sweeps, each run once a test session: with the basic launcher (pictures
 # drawn) and with the joblib launcher in an environment without matplotlib (every job process, workers included,
-# finds none). Each sweep holds a single run of each model, read for its own reports as a single run's are.
-_SWEEPS: dict[str, tuple[subprocess.CompletedProcess, object]] = {}   # per launcher and matplotlib
+# finds none). Each sweep holds a single run of each model, read for its own reports as a single run's are. Under
+# pytest-xdist (README's command steals tests between workers) the workers share them through a directory beside
+# their own temporary directories, the first to need a sweep running it while holding its lock.
 
 
 def _hidden_matplotlib(root) -> dict[str, str]:
@@ -113,15 +114,23 @@ def _joblib_launcher() -> bool:
 def sweep(launcher: str, tmp_path_factory, *, matplotlib: bool | None = None):
     """`-m model=encoder_only,decoder_only heads=2 task=verify task.profile=quick` with `launcher`: the process's
     result and the sweep directory. The joblib sweep runs without matplotlib, the basic one with it."""
+    from filelock import FileLock   # a requirement of torch's
+
     matplotlib = launcher != "joblib" if matplotlib is None else matplotlib
-    key = f"{launcher}-{matplotlib}"
-    if key not in _SWEEPS:
-        root = tmp_path_factory.mktemp(f"sweep-{launcher}")
-        env = None if matplotlib else _hidden_matplotlib(root)
-        result = zoo("-m", "model=encoder_only,decoder_only", "heads=2", "task=verify", "task.profile=quick",
-                     f"hydra/launcher={launcher}", f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env=env, timeout=600)
-        _SWEEPS[key] = (result, root / "sweep")
-    return _SWEEPS[key]
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    root = shared / f"verify-sweep-{launcher}-{'with' if matplotlib else 'without'}-matplotlib"
+    with FileLock(f"{root}.lock"):
+        done = root / "result.json"
+        if not done.exists():
+            root.mkdir(exist_ok=True)
+            env = None if matplotlib else _hidden_matplotlib(root)
+            result = zoo("-m", "model=encoder_only,decoder_only", "heads=2", "task=verify", "task.profile=quick",
+                         f"hydra/launcher={launcher}", f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env=env,
+                         timeout=600)
+            done.write_text(json.dumps([result.returncode, result.stdout, result.stderr]))
+        returncode, stdout, stderr = json.loads(done.read_text())
+    return subprocess.CompletedProcess([], returncode, stdout, stderr), root / "sweep"
 
 
 def job_dir(sweep_dir, model: str):
