@@ -82,7 +82,9 @@ def test_kernel_reproducers_run_without_the_suite(tmp_path):
     ("--kernel", "properties.catalog.backward:dq_unscaled", "ATTN-GRAD", "properties.catalog.backward:straightforward"),
     ("--kernel", "properties.catalog.kernels:dropout_mask_shared", "DROPOUT-RATE", "math"),
     ("--model", "properties.catalog.models:no_causal_mask", "MODEL-CAUSAL", "{tmp}/fixed_model.py:decoder"),
-], ids=["gradient", "statistical", "model"])
+    ("--kernel-api=flash", "--kernel=properties.catalog.flash_bugs:backward_without_window", "FLASH-GRAD",
+     "properties.catalog.flash_bugs:flash_base"),   # FlashAttention's API: its float64 oracle inline, differentiated
+], ids=["gradient", "statistical", "model", "flash-gradient"])
 def test_catalog_reproducer_fails_and_its_twin_passes(tmp_path, option, spec, clause, twin):
     (tmp_path / "fixed_model.py").write_text("from properties.catalog.models import _factory\n"
                                              "from zoo.nn.models import DecoderOnly\n"
@@ -135,8 +137,10 @@ def dropout_not_rescaled(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 
 _DRIVER = '''import json, runpy, sys
 sys.modules["properties"] = None   # the scripts need torch and the subject's module only
-codes = {}
+codes, blocked = {}, int(sys.argv[2])
 for n, (path, *subject) in enumerate(json.loads(sys.argv[1])):
+    if n == blocked:   # the jobs after the first `blocked` load a subject of the catalog (properties.catalog)
+        sys.modules.pop("properties", None)
     sys.argv = [path, *subject]
     try:
         runpy.run_path(path, run_name="__main__")
@@ -147,25 +151,44 @@ print(json.dumps(codes))
 '''
 
 
+# The kinds of properties/plugin/repro_kernel.py, each told by a line of its script.
+_KERNEL_KINDS = {"ATTN-SHIFT-INVARIANT": "softmax is unchanged by a constant", "ATTN-GRAD-GQA": "key_value_gradients",
+                 "DROPOUT-INDEPENDENT": "p^2 + (1 - p)^2", "ATTN-OUTPUT-FRESH": "check_unchanged"}
+
+
 def test_contract_fallback_and_statistical_reproducers(tmp_path):
-    """One session, four broken kernels: a raise, a wrong output shape (the calling contract), a clause whose own
-    comparison records nothing (ATTN-ROWSUM: the last call against the oracle) and DROPOUT-EXPECTATION; every
-    failure leaves a script that exits 1, and 0 on the correct kernel, in one isolated interpreter."""
+    """One session, broken kernels: a raise, a wrong output shape (the calling contract), a clause whose own
+    comparison records nothing (ATTN-ROWSUM: the last call against the oracle), DROPOUT-EXPECTATION, and catalog
+    bugs whose reproducers rebuild a relation the last call does not show (ATTN-SHIFT-INVARIANT, ATTN-GRAD-GQA's
+    group sum, DROPOUT-INDEPENDENT's pairs, ATTN-OUTPUT-FRESH's second call on the same tensors); every failure
+    leaves a script that exits 1, and 0 on the correct kernel, in one isolated interpreter."""
     (tmp_path / "bugs.py").write_text(_CONTRACT_BUGS)
     bugs = [f"{tmp_path}/bugs.py:{name}" for name in ("raises_on_causal", "drops_last_query", "not_normalised",
-                                                      "dropout_not_rescaled")]
+                                                      "dropout_not_rescaled")] + [
+        "properties.catalog.backward:gqa_kv_gradient_not_summed",
+        "properties.catalog.kernels:dropout_mask_shared_across_heads",
+        "properties.catalog.integrity_bugs:output_memoized_by_address"]
     kernels = [word for spec in bugs[1:] for word in ("--kernel", spec)]
     run, out = _run(tmp_path, "--kernel", bugs[0], ("CAUSAL-ZERO-ABOVE", "MASK-BOOL", "ATTN-ROWSUM",
-                                                    "DROPOUT-EXPECTATION"), *kernels)
+                                                    "DROPOUT-EXPECTATION", *_KERNEL_KINDS), *kernels)
     failed = [r for r in run.rows if r["status"] == "failed"]
     assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= {
         ("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
-        ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled")}, failed
+        ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled"),
+        ("ATTN-SHIFT-INVARIANT", "not_normalised"), ("ATTN-GRAD-GQA", "gqa_kv_gradient_not_summed"),
+        ("DROPOUT-INDEPENDENT", "dropout_mask_shared_across_heads"),
+        ("ATTN-OUTPUT-FRESH", "output_memoized_by_address")}, failed
     assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed]
     for r in failed:
         _script(out, r["repro"].rsplit("/", 1)[1].rsplit("-", 1)[0])
-    jobs = [[r["repro"]] for r in failed] + [[r["repro"], f"{tmp_path}/bugs.py:correct"] for r in failed]
-    assert _exit_codes(tmp_path, jobs) == [1] * len(failed) + [0] * len(failed)
+    for clause, line in _KERNEL_KINDS.items():   # the new kinds' own scripts, not a fallback's
+        assert any(line in (out / p).read_text() for p in os.listdir(out) if p.startswith(f"{clause}-") and
+                   p.endswith(".py")), (clause, sorted(os.listdir(out)))
+    # The catalog's bugs live in `properties`: their scripts run on them last, after the suite is importable again.
+    failed.sort(key=lambda r: "properties.catalog" in r["nodeid"])
+    on_file = sum("properties.catalog" not in r["nodeid"] for r in failed)
+    jobs = [[r["repro"], f"{tmp_path}/bugs.py:correct"] for r in failed] + [[r["repro"]] for r in failed]
+    assert _exit_codes(tmp_path, jobs, blocked=len(failed) + on_file) == [0] * len(failed) + [1] * len(failed)
 
 
 _ZOO_TINY = "model=decoder_only d_model=32 heads=2 layers=2 d_ff=64 vocab_size=64 max_len=16"
@@ -189,14 +212,14 @@ def test_zoo_decoding_and_gradient_reproducers(tmp_path):
     assert _exit_codes(tmp_path, jobs, block_suite=False) == [1] * len(scripts) + [0] * len(scripts)
 
 
-def _exit_codes(cwd, jobs, block_suite: bool = True) -> list:
+def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list:
     """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
-    interpreter (one torch import) where `import properties` fails (unless ``block_suite`` is False: a subject that
-    lives in the suite's catalog): their exit statuses."""
+    interpreter (one torch import) where `import properties` fails for the first ``blocked`` jobs (all, or none where
+    ``block_suite`` is False: a subject that lives in the suite's catalog): their exit statuses."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    driver = _DRIVER if block_suite else _DRIVER.replace('sys.modules["properties"] = None', "")
-    ran = subprocess.run([sys.executable, "-I", "-c", driver, json.dumps(jobs)], capture_output=True, text=True,
-                         env=env, cwd=cwd, timeout=300)
+    blocked = (len(jobs) if block_suite else 0) if blocked is None else blocked
+    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs), str(blocked)], capture_output=True,
+                         text=True, env=env, cwd=cwd, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
 

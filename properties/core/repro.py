@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 
 __all__ = ["activate", "active", "directory", "set_model_recipes", "model_recipe", "record", "record_call",
-           "observe_kernel_call", "clear", "take", "take_kernel_call", "flat_index",
-           "view_index", "observe_call"]
+           "observe_kernel_call", "clear", "take", "take_kernel_call", "observe_flash_call", "take_flash_call",
+           "flat_index", "view_index", "observe_call"]
 
-_state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "alignment": "top-left",
-                "recipes": {}}
+_state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "flash_call": None,
+                "alignment": "top-left", "recipes": {}}
 
 
 def activate(directory: str | None, causal_alignment: str = "top-left") -> None:
-    _state.update(dir=directory, evidence=None, calls=[], kernel_call=None, alignment=causal_alignment)
+    _state.update(dir=directory, evidence=None, calls=[], kernel_call=None, flash_call=None,
+                  alignment=causal_alignment)
 
 
 def active() -> bool:
@@ -43,10 +44,12 @@ def model_recipe(nodeid: str) -> dict | None:
     return _state["recipes"][max(names, key=len)] if names else None
 
 
-def record(kind: str, **evidence) -> None:
-    """The evidence of the comparison about to be made (kept by reference; only with --repro-dir)."""
-    if _state["dir"] is not None:
-        _state["evidence"] = {"kind": kind, **evidence}
+def record(kind: str, *, sticky: bool = False, **evidence) -> None:
+    """The evidence of the comparison about to be made (kept by reference; only with --repro-dir). ``sticky``: the
+    later comparisons of the test are parts of this one (a call whose oracle check is one of its checks): their
+    own records do not replace it."""
+    if _state["dir"] is not None and not (_state["evidence"] or {}).get("sticky"):
+        _state["evidence"] = {"kind": kind, **evidence, **({"sticky": True} if sticky else {})}
 
 
 def record_call(subject: str, args: tuple, kwargs: dict, *, shape, nan_rows, first_of_tuple: bool = False) -> None:
@@ -55,7 +58,8 @@ def record_call(subject: str, args: tuple, kwargs: dict, *, shape, nan_rows, fir
     if _state["dir"] is not None:
         _state["evidence"] = {"kind": "call", "subject": subject, "device": str(args[0].device), "args": list(args),
                               "kwargs": dict(kwargs), "shape": tuple(shape), "nan_rows": nan_rows,
-                              "first_of_tuple": first_of_tuple}
+                              "first_of_tuple": first_of_tuple,   # and the inputs that required grad, as they did
+                              "requires_grad": [torch.is_tensor(a) and a.requires_grad for a in args]}
 
 
 def observe_kernel_call(subject: str, query, key, value, kwargs: dict) -> None:
@@ -65,9 +69,16 @@ def observe_kernel_call(subject: str, query, key, value, kwargs: dict) -> None:
         _state["kernel_call"] = (subject, query, key, value, dict(kwargs))
 
 
+def observe_flash_call(subject: str, q, key, value, kwargs: dict) -> None:
+    """The same for a kernel with FlashAttention's ``flash`` API (properties/plugin/repro_kernel.py)."""
+    if _state["dir"] is not None:
+        _state["flash_call"] = (subject, q, key, value, dict(kwargs))
+
+
 def clear() -> None:
     _state["evidence"] = None
     _state["kernel_call"] = None
+    _state["flash_call"] = None
     _state["calls"].clear()
 
 
@@ -80,6 +91,12 @@ def take_kernel_call():
     """(subject, query, key, value, kwargs) of the running test's last kernel call, and the run's causal alignment."""
     call, _state["kernel_call"] = _state["kernel_call"], None
     return call, _state["alignment"]
+
+
+def take_flash_call():
+    """(subject, q, k, v, kwargs) of the running test's last ``flash``-API kernel call, or None."""
+    call, _state["flash_call"] = _state["flash_call"], None
+    return call
 
 
 def flat_index(shape, select) -> torch.Tensor:

@@ -133,6 +133,8 @@ def test_drops_are_independent_across_heads_and_batch(kernel, device, case, p):
                       "batch entries": int((positive[0:b - 1:2] & positive[1::2]).sum())}
     copies = max(1, math.ceil(PAIRS_FOR_INDEPENDENCE / max(1, min(pairs_per_copy.values()))))
     kept = _on_copies(kernel.weights, copies, (q, k), p, device, case.seed) != 0   # (copies, B, H, L, S)
+    repro.record("dropout-independent", subject=kernel.name, device=str(device), query=q, key=k, p=p, copies=copies,
+                 seed=case.seed, positive=positive)
     agree = p**2 + (1 - p) ** 2   # P(two independent slices both keep or both drop a weight)
     # Disjoint pairs (0, 1), (2, 3), ... along each axis: under independence their agreements are i.i.d.
     # Bernoulli(agree); two statistics, each at level FALSE_ALARM / 2.

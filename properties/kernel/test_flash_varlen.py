@@ -7,6 +7,7 @@ import torch
 from hypothesis import assume, example, given
 
 from properties import clause
+from properties.core import repro
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.flash import FlashCase, flash_gradients, to_heads_first
 from properties.kernel.flash_cases import VarlenCase, varlen_cases
@@ -25,6 +26,17 @@ def _base(n, lq, lk, **kw) -> FlashCase:
 def _call(kernel, case: VarlenCase, q, k, v, slopes, args):
     with skip_unsupported(kernel, f"{case!r}"):
         return kernel(q, k, v, *args, **case.flash.kwargs(slopes))
+
+
+def _record(kernel, device, case: VarlenCase, q, k, v, slopes, args, what: str = "out") -> None:
+    """--repro-dir: the call and every sequence's bound (0 for a sequence without keys: its rows must be 0)."""
+    if repro.active():
+        bound = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+        for index, (q0, q1) in enumerate(zip(case.cu_q, case.cu_q[1:])):
+            if q1 > q0:
+                bound[q0:q1] = case.sequence_bounds(q, k, v, slopes, index).output_bound()[0]
+        repro.record("flash-varlen", subject=kernel.name, device=str(device), query=q, key=k, value=v, args=args,
+                     kwargs=case.flash.kwargs(slopes), bound=bound, what=what)
 
 
 def _check_sequences(out, case: VarlenCase, q, k, v, slopes, *, what: str, factor: float = 1.0, only=None):
@@ -50,6 +62,7 @@ def test_each_packed_sequence_is_its_own_flash_problem(varlen_kernel, device, ca
     case = case.without(varlen_kernel.unsupported(device))
     q, k, v, slopes, args = case.tensors(device)
     out = _call(varlen_kernel, case, q, k, v, slopes, args)
+    _record(varlen_kernel, device, case, q, k, v, slopes, args)
     _check_sequences(out, case, q, k, v, slopes, what="out")
 
 
@@ -70,6 +83,8 @@ def test_a_sequence_ignores_its_neighbours(varlen_kernel, device, case):
     first = to_float64(_call(varlen_kernel, case, q, k, v, slopes, args))
     second = to_float64(_call(varlen_kernel, case, q2, k2, v2, slopes, args))
     bounds = case.sequence_bounds(q, k, v, slopes, index)
+    # the script checks the first call's sequences against the oracle: a neighbour that leaks in shows there
+    _record(varlen_kernel, device, case, q, k, v, slopes, args, what="out (the first call)")
     assert_all(torch.isfinite(second), second, what="out is finite")
     assert_within(second[q0:q1], first[q0:q1], 2 * bounds.output_bound()[0],
                   what=f"sequence {index}'s rows with fresh neighbours", reference="the same rows before",
@@ -91,16 +106,25 @@ def test_packed_gradients_are_each_sequences_own(varlen_kernel, device, case):
     leaves = {name: t.detach().requires_grad_() for name, t in (("query", q), ("key", k), ("value", v))}
     out = _call(varlen_kernel, case, leaves["query"], leaves["key"], leaves["value"], slopes, args)
     grads = {name: to_float64(t) for name, t in backward_gradients(varlen_kernel, out, do, leaves).items()}
+    bound = {name: torch.zeros_like(to_heads_first(grads[name][None]))[0] for name in grads}   # (H, total, D)
+    sequences = []   # (where, slices, the sequence's own oracle, or None where it has no scores)
     for index, ((q0, q1), (k0, k1)) in enumerate(zip(zip(case.cu_q, case.cu_q[1:]), zip(case.cu_k, case.cu_k[1:]))):
         slices = {"query": slice(q0, q1), "key": slice(k0, k1), "value": slice(k0, k1)}
-        where = f"sequence {index} (queries {q0}..{q1 - 1}, keys {k0}..{k1 - 1}); {case!r}"
-        if q1 == q0 or k1 == k0:   # no scores: no gradient reaches this sequence's keys, nor its queries
+        oracle = None
+        if q1 > q0 and k1 > k0:
+            sequence = [t[None, part] for t, part in ((q, slices["query"]), (k, slices["key"]), (v, slices["value"]),
+                                                      (do, slices["query"]))]
+            oracle = flash_gradients(case.flash, case.sequence_bounds(q, k, v, slopes, index), *sequence)
+            for name, part in slices.items():
+                bound[name][:, part] = oracle.bound[name][0]
+        sequences.append((f"sequence {index} (queries {q0}..{q1 - 1}, keys {k0}..{k1 - 1}); {case!r}", slices, oracle))
+    repro.record("flash-gradient", subject=varlen_kernel.name, device=str(device), query=q, key=k, value=v, args=args,
+                 kwargs=case.flash.kwargs(slopes), upstream=do, bound=bound)   # 0: where the clause wants exact 0
+    for where, slices, oracle in sequences:
+        if oracle is None:   # no scores: no gradient reaches this sequence's keys, nor its queries
             for name, part in slices.items():
                 assert_all(grads[name][part] == 0, grads[name][part], what=f"d{name} of {where} is exactly 0")
             continue
-        sequence = [t[None, part] for t, part in ((q, slices["query"]), (k, slices["key"]), (v, slices["value"]),
-                                                  (do, slices["query"]))]
-        oracle = flash_gradients(case.flash, case.sequence_bounds(q, k, v, slopes, index), *sequence)
         for name, part in slices.items():
             assert_within(to_heads_first(grads[name][None, part]), oracle.value[name], oracle.bound[name],
                           what=f"d{name} of {where}", reference="float64 chain rule of the sequence alone",

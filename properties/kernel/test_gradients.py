@@ -156,6 +156,18 @@ def _bounds(case: GradCase, q, k, v, mask, causal_alignment):
                           scale=case.scale, causal_alignment=causal_alignment)
 
 
+def _record_zeros(kernel, q, k, v, do, contract: dict, grads: dict, zeros: dict, *, causal_alignment: str) -> None:
+    """--repro-dir: the gradient reproducer with bound 0 where the clause wants exact zeros (``zeros``: name -> the
+    positions along its sequence axis) and ∞ elsewhere (there only finiteness is checked)."""
+    if not repro.active():
+        return
+    bound = {name: torch.full_like(to_float64(grad), torch.inf) for name, grad in grads.items()}
+    for name, positions in zeros.items():
+        bound[name][..., positions, :] = 0
+    repro.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
+                 inputs=dict(query=q, key=k, value=v, **contract), bound=bound)
+
+
 # ------------------------------------------------------------------------------------------ ATTN-GRAD
 @clause("ATTN-GRAD")
 @example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))  # GQA, strided
@@ -196,10 +208,12 @@ def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_m
     mask[:, int(torch.randint(case.s, (1,), generator=g))] = False      # a key no query may attend
     mask[int(torch.randint(case.l, (1,), generator=g))] = False         # a query with no admissible key
     _, grads = backward(kernel, q, k, v, do, mask.to(device), **case.contract(None))
-    for name, grad in grads.items():
-        assert_all(torch.isfinite(to_float64(grad)), to_float64(grad), what=f"d{name} is finite")
     unseen = ~mask.any(0)        # (s,) keys that no query attends
     empty = ~mask.any(1)         # (l,) queries with no key
+    _record_zeros(kernel, q, k, v, do, dict(attn_mask=mask.to(device), **case.contract(None)), grads,
+                  {"key": unseen, "value": unseen, "query": empty}, causal_alignment="top-left")
+    for name, grad in grads.items():
+        assert_all(torch.isfinite(to_float64(grad)), to_float64(grad), what=f"d{name} is finite")
     for name in ("key", "value"):
         grad = to_float64(grads[name])[..., unseen, :]
         assert_all(grad == 0, grad, what=f"d{name} is exactly 0 for keys no query may attend "
@@ -222,6 +236,8 @@ def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alig
     only_row[..., row, :] = do[..., row, :]
     _, grads = backward(kernel, q, k, v, only_row, **case.contract(None))
     later = ~causal_allowed(case.l, case.s, causal_alignment)[row]          # keys query `row` may not see
+    _record_zeros(kernel, q, k, v, only_row, case.contract(None), {n: g for n, g in grads.items() if n != "query"},
+                  {"key": later, "value": later}, causal_alignment=causal_alignment)
     for name in ("key", "value"):
         grad = to_float64(grads[name])[..., later, :]
         assert_all(grad == 0, grad, what=f"d{name} of keys {later.nonzero().flatten().tolist()} after "
@@ -281,10 +297,12 @@ def test_shared_kv_head_gradient_is_the_sum_over_its_group(kernel, device, causa
     contract.pop("enable_gqa")
     wide_k, wide_v = (t.repeat_interleave(case.group, dim=1) for t in (k, v))
     _, per_head = backward(kernel, q, wide_k, wide_v, do, mask, **contract)
-    check_group_sums(case, q, k, v, do, mask, shared, per_head, causal_alignment)
+    check_group_sums(case, q, k, v, do, mask, shared, per_head, causal_alignment, subject=kernel.name,
+                     contract=case.contract(None))
 
 
-def check_group_sums(case: GradCase, q, k, v, do, mask, shared: dict, per_head: dict, causal_alignment: str) -> None:
+def check_group_sums(case: GradCase, q, k, v, do, mask, shared: dict, per_head: dict, causal_alignment: str, *,
+                     subject: str = "", contract: dict | None = None) -> None:
     """ATTN-GRAD-GQA: dK and dV of the shared key/value heads (``shared``) equal those of the heads repeated
     (``per_head``) summed over each group, within the bound of each computation (SPEC.md, ATTN-GRAD-GQA)."""
     __tracebackhide__ = True
@@ -294,8 +312,11 @@ def check_group_sums(case: GradCase, q, k, v, do, mask, shared: dict, per_head: 
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale)
     wide = gradient_oracle(_bounds(GradCase(**{**case.__dict__, "group": 1, "kv_heads": case.heads}),
                                    q, wide_k, wide_v, mask, causal_alignment), q, wide_k, wide_v, do, scale=scale)
-    for name in ("key", "value"):
+    limits = {name: oracle.bound[name] + group_sum(wide.bound[name], case.kv_heads) for name in ("key", "value")}
+    if contract is not None:   # --repro-dir: the two calls (shared heads, heads repeated) and this bound
+        repro.record("group-sum", subject=subject, device=str(q.device), upstream=do, bound=limits, inputs=dict(
+            query=q, key=k, value=v, **({"attn_mask": mask} if mask is not None else {}), **contract))
+    for name, bound in limits.items():
         summed = group_sum(to_float64(per_head[name]), case.kv_heads)
-        bound = oracle.bound[name] + group_sum(wide.bound[name], case.kv_heads)
         assert_within(to_float64(shared[name]), summed, bound, what=f"d{name} of the shared heads",
                       reference=f"d{name} of the heads repeated, summed over each group of {case.group}")

@@ -12,12 +12,14 @@ import torch
 from hypothesis import example, given
 
 from properties import clause
+from properties.core import repro
 from properties.core.assertions import assert_identical, assert_within
 from properties.kernel.flash import FlashCase, flash_bounds, flash_cases
 from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import require_dtype, selected_dtypes
 from properties.kernel.cases import Case, cases
+from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import backward_gradients, check_against_oracle
 from properties.kernel.integrity import (FEW, assert_no_alias, assert_unchanged, attends, bitwise_equal, contract,
                                          snapshot)
@@ -28,6 +30,22 @@ F32 = selected_dtypes()[0]
 
 def _inputs(q, k, v, kw) -> dict:
     return {"query": q, "key": k, "value": v, "attn_mask": kw.get("attn_mask")}
+
+
+def _copies(q, k, v, kw: dict) -> dict | None:
+    """--repro-dir: copies of the call's inputs before it (a kernel may write into them), for ``_record``."""
+    if not repro.active():
+        return None
+    return {name: t.detach().clone() if torch.is_tensor(t) else t for name, t in dict(query=q, key=k, value=v,
+                                                                                       **kw).items()}
+
+
+def _record(kernel, inputs: dict | None, **evidence) -> None:
+    """The integrity reproducer of that call (after the oracle check, whose own evidence it replaces)."""
+    if inputs is not None:
+        repro.record("integrity", subject=kernel.name, device=str(inputs["query"].device), inputs=inputs,
+                     **{name: [t.detach().clone() for t in x] if isinstance(x, list) else x
+                        for name, x in evidence.items()})
 
 
 # ------------------------------------------------------------------------------------ ATTN-INPUTS-UNCHANGED
@@ -42,7 +60,9 @@ def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, f
     q, k, v = case.qkv(device)
     kw = contract(case, attend, device)
     before = snapshot(_inputs(q, k, v, kw))
+    inputs = _copies(q, k, v, kw)
     check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked, **kw)
+    _record(kernel, inputs)
     assert_unchanged(before, "by the kernel's forward")
 
 
@@ -59,6 +79,7 @@ def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
         leaves["attn_mask"] = mask.requires_grad_()
     kw = case.contract(mask)
     before = snapshot({**_inputs(q, k, v, kw), "the upstream gradient": do})
+    _record(kernel, _copies(q, k, v, kw), upstream=do)
     out = kernel(q, k, v, **kw)
     assert_unchanged(before, "by the kernel's forward (inputs that require grad)")
     grads = backward_gradients(kernel, out, do, leaves)
@@ -81,14 +102,19 @@ def test_outputs_are_the_callers_own(kernel, device, causal_alignment, fully_mas
     require_dtype(device, case.dtype)
     q, k, v = case.qkv(device)
     kw = contract(case, attend, device)
-    inputs = _inputs(q, k, v, kw)
+    inputs, copies = _inputs(q, k, v, kw), _copies(q, k, v, kw)
     first, _ = check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked,
                                     what="out (first call)", **kw)
+    _record(kernel, copies)
     assert_no_alias(first, inputs, what="the output")
     kept = first.detach().clone()
     with torch.no_grad():
         for t, new in zip((q, k, v), case.qkv(device, stream=3)):
             t.copy_(new)
+    if copies is not None:   # the script replays both calls: its own oracle check of the second is one of its checks
+        bound = output_bound(softmax_bounds(q, k, v, causal_alignment=causal_alignment, **kw), v)
+        _record(kernel, copies, second=[q, k, v], alignment=causal_alignment, fully_masked=fully_masked, bound=bound,
+                sticky=True)
     second, _ = check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked,
                                      what="out of a second call, on the inputs written in place with new values",
                                      **kw)

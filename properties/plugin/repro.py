@@ -14,6 +14,7 @@ import torch
 
 from properties.core import repro
 from properties.plugin import repro_model
+from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, keep_views
 from zoo.io.atomic import replacing, write_text
 
 __all__ = ["render", "write", "reset"]
@@ -52,25 +53,11 @@ WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it com
 DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
 
 
-def load(spec):
-    """'pkg.module:name', 'path/to/file.py:name', or one of the zoo's kernel names (zoo.nn.kernel)."""
-    if ":" not in spec:
-        from zoo.nn.kernel import resolve_kernel
-        return resolve_kernel(spec)
-    module_name, _, name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
-        module = importlib.util.module_from_spec(where)
-        sys.modules[where.name] = module
-        where.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
-
+{load}
 
 def on_device(x):
+    if isinstance(x, dict) and "view_of" in x:   # a view over a larger storage (stride 0, a slice), as the run had it
+        return torch.as_strided(x["view_of"].to(DEVICE), x["size"], x["stride"], x["offset"])
     return x.to(DEVICE) if torch.is_tensor(x) else x
 
 
@@ -97,14 +84,7 @@ def oracle(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     return weights @ v, no_key
 
 
-def verdict(bad, message):
-    """Print the departure in the clause's words and exit 1, or say it is gone and exit 0."""
-    if bool(bad):
-        print(f"FAIL {clause}: {{message}}")
-        sys.exit(1)
-    print(f"OK {clause}: no departure on this counterexample")
-    sys.exit(0)
-
+{verdict}
 
 def worst(excess, *named):
     """'at index (...): name = value, ...' for the entry whose excess is largest."""
@@ -246,7 +226,7 @@ for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):
 verdict(False, "")
 ''',
     "call": '''
-args = [on_device(x) for x in DATA["args"]]
+args = [on_device(x).requires_grad_() if grad else on_device(x) for x, grad in zip(DATA["args"], DATA["requires_grad"])]
 kwargs = {{name: on_device(x) for name, x in DATA["kwargs"].items()}}
 try:
     out = subject(*args, **kwargs)
@@ -279,10 +259,12 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     stem = data_file.removesuffix(".pt")
     statement = textwrap.fill(clause.statement, 110, subsequent_indent="    ")
     what, reference = evidence.get("what", "out"), evidence.get("reference", "the first call")
-    header = _HEADER.format(what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement, nodeid=nodeid,
+    header = _HEADER.format(load=repro_model.LOAD, verdict=repro_model.VERDICT.format(clause=clause.id),
+                            what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement,
+                            nodeid=nodeid,
                             counterexample=counterexample or "(see the test's report)", stem=stem,
                             data_file=data_file, subject=evidence["subject"], device=evidence.get("device", "cpu"))
-    body = _BODIES[evidence["kind"]].format(false_alarm=FALSE_ALARM)
+    body = {**_BODIES, **KERNEL_BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)
     return header + body
 
 
@@ -308,7 +290,7 @@ def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
     if repro.directory() is None:
         return None, ""
     reasons = []
-    for candidate in (evidence, last_call_evidence(last_call, alignment)):
+    for candidate in (evidence, last_call_evidence(last_call, alignment), flash_call_evidence()):
         if candidate is not None:
             path, why = _write_one(clause, dict(candidate), nodeid, counterexample)
             if path:
@@ -343,7 +325,7 @@ def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tupl
     directory = Path(repro.directory())
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"{clause.id}-{n}"
-    data = {k: _cpu(v) for k, v in evidence.items() if k not in ("kind", "subject", "device", "what")}
+    data = {k: _cpu(v) for k, v in keep_views(evidence).items() if k not in ("kind", "subject", "device", "what", "sticky")}
     with replacing(directory / f"{stem}.pt") as temporary:
         torch.save(data, temporary)
     script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)

@@ -12,7 +12,38 @@ import textwrap
 from properties.core import repro
 from properties.plugin.repro_model_bodies import BODIES
 
-__all__ = ["KINDS", "prepare", "render", "unsupported"]
+__all__ = ["KINDS", "LOAD", "VERDICT", "prepare", "render", "unsupported"]
+
+# The scripts' plug-in loader, the same text in kernel and model scripts (the suite's own: zoo/plugins.py).
+LOAD = '''\
+def load(spec):
+    """'pkg.module:name', 'path/to/file.py:name', or (a kernel) one of the zoo's kernel names."""
+    if ":" not in spec:
+        from zoo.nn.kernel import resolve_kernel
+        return resolve_kernel(spec)
+    module_name, _, name = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
+        module = importlib.util.module_from_spec(where)
+        sys.modules[where.name] = module
+        where.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+'''
+
+# The scripts' verdict, formatted with the clause's id.
+VERDICT = '''\
+def verdict(bad, message):
+    """Print the departure in the clause's words and exit 1, or say it is gone and exit 0."""
+    if bool(bad):
+        print(f"FAIL {clause}: {{message}}")
+        sys.exit(1)
+    print(f"OK {clause}: no departure on this counterexample")
+    sys.exit(0)
+'''
 
 _HEADER = '''\
 #!/usr/bin/env python3
@@ -48,20 +79,7 @@ DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=
 FACTORY_SEED = 0   # the suite builds every model with torch's generator seeded so: the same weights here
 
 
-def load(spec):
-    """'pkg.module:name' or 'path/to/file.py:name'."""
-    module_name, _, name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
-        module = importlib.util.module_from_spec(where)
-        sys.modules[where.name] = module
-        where.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
-
+{load}
 
 def built_model():
     given = sys.argv[1] if len(sys.argv) > 1 else None
@@ -111,14 +129,7 @@ def on_device(x):
     return x.to(DEVICE) if torch.is_tensor(x) else x
 
 
-def verdict(bad, message):
-    """Print the departure in the clause's words and exit 1, or say it is gone and exit 0."""
-    if bool(bad):
-        print(f"FAIL {clause}: {{message}}")
-        sys.exit(1)
-    print(f"OK {clause}: no departure on this counterexample")
-    sys.exit(0)
-'''
+{verdict}'''
 KINDS = frozenset(BODIES)
 
 
@@ -142,7 +153,8 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     else:
         origin = f"the zoo's own model built from the overrides {' '.join(recipe['overrides'])}"
         argument = "Hydra overrides as --zoo takes them, one argument"
-    header = _HEADER.format(clause=clause.id, title=clause.title, nodeid=nodeid, stem=data_file.removesuffix(".pt"),
+    header = _HEADER.format(load=LOAD, verdict=VERDICT.format(clause=clause.id),
+                            clause=clause.id, title=clause.title, nodeid=nodeid, stem=data_file.removesuffix(".pt"),
                             statement=textwrap.fill(clause.statement, 110, subsequent_indent="    "),
                             counterexample=counterexample or "(see the test's report)", origin=origin,
                             argument=argument, data_file=data_file, factory=recipe.get("factory"),
