@@ -6,15 +6,13 @@ flex_attention, whose CPU forward declines inputs that require grad, and PyTorch
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from properties.catalog.sessions import run_pytest
 from properties.kernel.limits import Limits, LimitsError, decline_reason, declared_limits
 from properties.kernel.cases import Case
 from properties.kernel.guard import GuardedKernel, KernelContractError, KernelDeclined
@@ -136,10 +134,11 @@ def test_declared_limits():
 
 # ------------------------------------------------------------------------------------- the suite as run
 def _pytest(*args, report: Path | None = None):
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    """``python -m pytest ARGS`` as a new session, forked from the catalog's session server (one intra-op thread):
+    the same session as a new interpreter's, without importing torch again for each (properties/catalog/sessions.py)."""
+    cmd = [*args, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     cmd += ["--report-json", str(report)] if report else []
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_pytest(cmd, cwd=ROOT, timeout=900)
     rows = json.loads(report.read_text()) if report is not None and report.exists() else []
     return proc, {(r["clause"], r["nodeid"].split("[")[1].rsplit("-cpu", 1)[0]): r for r in rows}
 
