@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -26,7 +27,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def _finished_run_once(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished-run")
+    train(train_config(out, "task.steps=4", "task.checkpoint_every=2"), quiet=True)
+    return out
+
+
 @pytest.fixture
-def finished_run(tmp_path):
-    train(train_config(tmp_path, "task.steps=4", "task.checkpoint_every=2"), quiet=True)
+def finished_run(_finished_run_once, tmp_path):
+    """A finished tiny run (checkpoints at steps 2 and 4) of the test's own, in tmp_path: a copy of one run trained
+    once a session (tests damage and extend it), as tests/test_safety.py's are. A checkpoint names no directory of
+    its own: a copy is the same run (test_safety resumes and decodes copies)."""
+    shutil.copytree(_finished_run_once, tmp_path, dirs_exist_ok=True)
     return tmp_path

@@ -1,4 +1,9 @@
-"""`python -m zoo` as a user runs it: from another directory, with good and bad values."""
+"""`python -m zoo` as a user runs it: from another directory, with good and bad values.
+
+A process is started where the process is the point: README's main command after README's plain set-up, the exit
+status and stderr of the interpreter on a bad value, and a missing extra in the plain set-up. The other command
+lines run in this process (tests/cli_harness.py: Hydra for real, the tasks for real where their output is read),
+which spares the 3-6 s start-up (torch, Hydra) of each."""
 from __future__ import annotations
 
 import subprocess
@@ -6,6 +11,8 @@ import sys
 
 import pytest
 from plain_install import plain_env
+
+from cli_harness import assert_one_line_refusal, zoo_in_process
 
 
 def zoo(*arguments: str, cwd, env=None) -> subprocess.CompletedProcess:
@@ -27,11 +34,20 @@ def test_default_command_prints_the_card_and_forward_then_a_quick_verification(t
 @pytest.mark.parametrize("preset,total", [("gpt2_small", "124,439,808"), ("bert_base", "109,482,240"),
                                           ("vaswani_base", "63,084,544")])
 def test_summary_prints_exact_counts(tmp_path, preset, total):
-    result = zoo(f"preset={preset}", "task=summary", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert total in result.stdout
+    result = zoo_in_process([f"preset={preset}", "task=summary"], tmp_path, real_tasks=True)
+    assert result.status == 0, result.err
+    assert total in result.out
     if preset == "vaswani_base":
-        assert "44,140,544" in result.stdout
+        assert "44,140,544" in result.out
+
+
+def test_bad_value_from_the_interpreter_is_one_line_and_status_2(tmp_path):
+    # The process's own exit status and stderr; the other bad values below take the same path in this process.
+    result = zoo("heads=3", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert all(word in lines[0] for word in ["heads=3", "must divide d_model=64", "allowed"]), lines[0]
 
 
 @pytest.mark.parametrize("override,words", [
@@ -46,32 +62,28 @@ def test_summary_prints_exact_counts(tmp_path, preset, total):
     ("attention._target_=nowhere.Attention", ["attention._target_=nowhere.Attention", "no module"]),
 ])
 def test_bad_value_is_one_line_and_status_2(tmp_path, override, words):
-    result = zoo(override, cwd=tmp_path)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert all(word in lines[0] for word in words), lines[0]
+    assert_one_line_refusal(zoo_in_process([override], tmp_path), *words)
 
 
 @pytest.mark.parametrize("preset,reference", [("gpt2_small", "hf"), ("vaswani_base", "torch")])
 def test_compare_prints_differences_within_bounds(tmp_path, preset, reference):
-    result = zoo(f"preset={preset}", "task=compare", f"reference={reference}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "logits" in result.stdout and "all within bound" in result.stdout
+    result = zoo_in_process([f"preset={preset}", "task=compare", f"reference={reference}"], tmp_path, real_tasks=True)
+    assert result.status == 0, result.err
+    assert "logits" in result.out and "all within bound" in result.out
 
 
 def test_compare_with_the_wrong_reference_is_one_line(tmp_path):
-    result = zoo("preset=vaswani_base", "task=compare", "reference=hf", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "zoo: invalid config: reference=hf: preset=vaswani_base is compared with reference=torch"
+    result = zoo_in_process(["preset=vaswani_base", "task=compare", "reference=hf"], tmp_path)
+    assert result.status == 2
+    assert result.err.strip() == "zoo: invalid config: reference=hf: preset=vaswani_base is compared with reference=torch"
 
 
 def test_help_prints_the_project_help_then_hydras(tmp_path):
     from zoo.config.options import options
 
-    result = zoo("--help", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    result = zoo_in_process(["--help"], tmp_path)
+    assert result.status == 0, result.err
+    out = result.out
     ours, hydra_starts = out.index("transformer-zoo:"), out.index("== Configuration groups ==")
     assert ours == 0 and hydra_starts > ours, out[:400]
     project = out[:hydra_starts]
@@ -82,7 +94,7 @@ def test_help_prints_the_project_help_then_hydras(tmp_path):
     for words in ("attention.kernel=pkg.mod:fn", "attention._target_=", "--kernel", "--model", "--zoo",
                   "pytest --pyargs properties", "python -m properties"):
         assert words in project, words
-    assert zoo("-h", cwd=tmp_path).stdout.startswith("transformer-zoo:")
+    assert zoo_in_process(["-h"], tmp_path).out.startswith("transformer-zoo:")
 
 
 def test_compare_without_transformers_names_the_extra(tmp_path):

@@ -30,29 +30,6 @@ def zoo(*arguments: str, cwd, env=None, timeout=300) -> subprocess.CompletedProc
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def test_verify_prints_the_table_and_writes_every_report(tmp_path):
-    out = tmp_path / "out"
-    result = zoo("model=decoder_only", "heads=8", "task=verify", "task.profile=quick", f"hydra.run.dir={out}",
-                 cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    assert "MODEL-CAUSAL" in result.stdout and "ATTN-ROWSUM" in result.stdout and "0 failed" in result.stdout
-    report = json.loads((out / "report.json").read_text())
-    assert report["status"] == "passed" and report["totals"]["failed"] == 0
-    assert report["versions"]["torch"] and report["config"]["heads"] == 8
-    statuses = {row["clause"]: row["status"] for row in report["clauses"]}
-    assert statuses["MODEL-CAUSAL"] == "passed" and statuses["MODEL-PERMUTATION"] == "skipped"
-    reasons = {row["clause"]: row["message"] for row in report["clauses"] if row["status"] == "skipped"}
-    # The reason alone, without the pinned example that Hypothesis notes on a skip raised in it.
-    assert reasons["MODEL-PERMUTATION"] == "applies to encoder_only, not decoder_only", reasons
-    assert not [r for r in reasons.values() if "example" in r.lower()], reasons
-    assert "<testsuite" in (out / "junit.xml").read_text()
-    markdown = (out / "report.md").read_text()
-    assert "| MODEL-CAUSAL | passed |" in markdown
-    for picture in ("attention.png", "positional.png", "score_variance.png"):
-        assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"]({picture})" in markdown
-
-
 # The same slip in a kernel that also has no mask support: it raises on every call with a mask, the attention
 # picture's among them.
 BROKEN_KERNEL_WITHOUT_MASKS = BROKEN_KERNEL + '''
@@ -90,18 +67,6 @@ def test_a_failing_clause_gives_status_1_and_its_counterexample(tmp_path):
     assert "SCALE-DEFAULT" in result.stdout and "failed" in result.stdout
 
 
-def test_without_matplotlib_the_report_says_how_to_get_pictures(tmp_path):
-    hidden = tmp_path / "hidden"
-    (hidden / "matplotlib").mkdir(parents=True)
-    (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
-    out = tmp_path / "out"
-    result = zoo("model=encoder_only", "task=verify", "task.profile=quick", f"hydra.run.dir={out}", cwd=tmp_path,
-                 env={"PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    assert "pip install" in (out / "report.md").read_text()
-    assert not list(out.glob("*.png"))
-
-
 def test_an_interrupted_run_leaves_no_report(tmp_path):
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, "-m", "zoo", "task=verify", f"hydra.run.dir={out}"],
@@ -123,17 +88,100 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib"])
-def test_a_sweep_ends_with_one_summary_matrix(tmp_path, launcher):
-    if launcher == "joblib":
-        pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    sweep = tmp_path / "sweep"
-    result = zoo("-m", "model=encoder_only,decoder_only", "heads=2", "task=verify", "task.profile=quick",
-                 f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=600)
+# Each verify run spends most of its time in the suite's child process (40-90 s on a busy 2-core machine), so the
+# tests below read different parts of two sweeps, each run once a test session: with the basic launcher (pictures
+# drawn) and with the joblib launcher in an environment without matplotlib (every job process, workers included,
+# finds none). Each sweep holds a single run of each model, read for its own reports as a single run's are. Under
+# pytest-xdist (README's command steals tests between workers) the workers share them through a directory beside
+# their own temporary directories, the first to need a sweep running it while holding its lock.
+
+
+def _hidden_matplotlib(root) -> dict[str, str]:
+    hidden = root / "hidden"
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    return {"PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
+
+
+def _joblib_launcher() -> bool:
+    try:
+        import hydra_plugins.hydra_joblib_launcher  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sweep(launcher: str, tmp_path_factory, *, matplotlib: bool | None = None):
+    """`-m model=encoder_only,decoder_only heads=2 task=verify task.profile=quick` with `launcher`: the process's
+    result and the sweep directory. The joblib sweep runs without matplotlib, the basic one with it."""
+    from filelock import FileLock   # a requirement of torch's
+
+    matplotlib = launcher != "joblib" if matplotlib is None else matplotlib
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    root = shared / f"verify-sweep-{launcher}-{'with' if matplotlib else 'without'}-matplotlib"
+    with FileLock(f"{root}.lock"):
+        done = root / "result.json"
+        if not done.exists():
+            root.mkdir(exist_ok=True)
+            env = None if matplotlib else _hidden_matplotlib(root)
+            result = zoo("-m", "model=encoder_only,decoder_only", "heads=2", "task=verify", "task.profile=quick",
+                         f"hydra/launcher={launcher}", f"hydra.sweep.dir={root / 'sweep'}", cwd=root, env=env,
+                         timeout=600)
+            done.write_text(json.dumps([result.returncode, result.stdout, result.stderr]))
+        returncode, stdout, stderr = json.loads(done.read_text())
+    return subprocess.CompletedProcess([], returncode, stdout, stderr), root / "sweep"
+
+
+def job_dir(sweep_dir, model: str):
+    """The output directory of the sweep's job for `model`, by the overrides Hydra recorded for it."""
+    jobs = [path.parent.parent for path in sweep_dir.glob("*/.hydra/overrides.yaml")
+            if f"model={model}" in path.read_text()]
+    assert len(jobs) == 1, (model, jobs)
+    return jobs[0]
+
+
+def test_verify_prints_the_table_and_writes_every_report(tmp_path_factory):
+    result, sweep_dir = sweep("basic", tmp_path_factory)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    summary = (sweep / "summary.md").read_text()
+    assert "MODEL-CAUSAL" in result.stdout and "ATTN-ROWSUM" in result.stdout and "0 failed" in result.stdout
+    out = job_dir(sweep_dir, "decoder_only")
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "passed" and report["totals"]["failed"] == 0
+    assert report["versions"]["torch"] and report["config"]["heads"] == 2
+    statuses = {row["clause"]: row["status"] for row in report["clauses"]}
+    assert statuses["MODEL-CAUSAL"] == "passed" and statuses["MODEL-PERMUTATION"] == "skipped"
+    reasons = {row["clause"]: row["message"] for row in report["clauses"] if row["status"] == "skipped"}
+    # The reason alone, without the pinned example that Hypothesis notes on a skip raised in it.
+    assert reasons["MODEL-PERMUTATION"] == "applies to encoder_only, not decoder_only", reasons
+    assert not [r for r in reasons.values() if "example" in r.lower()], reasons
+    assert "<testsuite" in (out / "junit.xml").read_text()
+    markdown = (out / "report.md").read_text()
+    assert "| MODEL-CAUSAL | passed |" in markdown
+    for picture in ("attention.png", "positional.png", "score_variance.png"):
+        assert (out / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({picture})" in markdown
+
+
+def test_without_matplotlib_the_report_says_how_to_get_pictures(tmp_path_factory):
+    # the joblib sweep's; where that launcher is not installed, the basic launcher's without matplotlib
+    result, sweep_dir = sweep("joblib", tmp_path_factory) if _joblib_launcher() else \
+        sweep("basic", tmp_path_factory, matplotlib=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    out = job_dir(sweep_dir, "encoder_only")
+    assert "pip install" in (out / "report.md").read_text()
+    assert not list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_a_sweep_ends_with_one_summary_matrix(tmp_path_factory, launcher):
+    if launcher == "joblib" and not _joblib_launcher():
+        pytest.skip("hydra-joblib-launcher is not installed")
+    result, sweep_dir = sweep(launcher, tmp_path_factory)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    summary = (sweep_dir / "summary.md").read_text()
     assert "2 configurations" in summary and "0 with a failing clause" in summary
     assert "`model=encoder_only`" in summary and "`model=decoder_only`" in summary
     header = next(line for line in summary.splitlines() if line.startswith("| config"))
     assert {"ATTN", "MASK", "MHA", "MODEL"} <= {cell.strip() for cell in header.split("|")}
-    assert json.loads((sweep / "summary.json").read_text())[0]["verdict"] == "passed"
+    assert json.loads((sweep_dir / "summary.json").read_text())[0]["verdict"] == "passed"

@@ -336,3 +336,27 @@ def test_the_zoo_size_check_runs_before_the_suite_builds_a_zoo_model():
         zoo_run(_ZooOptions("d_model=1048576"))
     message = str(caught.value)
     assert message.startswith("--zoo d_model=1048576: the model does not fit in memory") and "\n" not in message
+
+
+def test_only_a_zoo_plug_ins_own_code_spends_its_call_timeout(tmp_path, monkeypatch):
+    """The bounded call "importing the parts it names (validating it)" holds the plug-in's import alone: Hydra's
+    composition is the suite's own work, and on a loaded machine it once spent a test's whole 10 s before the
+    plug-in ran (tests/test_watchdog_runs.py, 'hang in C' at call, load ~7)."""
+    import hydra
+    from properties.core.zoo_config import zoo_run
+    (tmp_path / "plug_timed.py").write_text("from properties.core import watchdog\nfrom zoo.nn.norm import LayerNorm\n"
+                                            "BOUND = watchdog._Watch.active\n\n\nclass Norm(LayerNorm):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    composing = hydra.compose
+    bound_while_composing = []
+
+    def spy(*args, **kwargs):
+        bound_while_composing.append(watchdog._Watch.active)
+        return composing(*args, **kwargs)
+
+    monkeypatch.setattr(hydra, "compose", spy)
+    run = zoo_run(_ZooOptions("norm._target_=plug_timed.Norm"))
+    import plug_timed
+    assert run.cfg.norm._target_ == "plug_timed.Norm"
+    assert bound_while_composing and not any(bound_while_composing)
+    assert plug_timed.BOUND is not None and plug_timed.BOUND[0] == "model built by --zoo norm._target_=plug_timed.Norm"

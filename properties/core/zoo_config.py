@@ -8,6 +8,7 @@ nodes it names, and the layer clauses on the layers of a model built from it in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import shlex
 from dataclasses import dataclass
@@ -43,9 +44,16 @@ class ZooRun:
         printer.text(repr(self))
 
 
+def _plugin_call(origin: str):
+    """The bounded call (--call-timeout) around a plug-in's own code while a config is validated: Hydra's
+    composition and the zoo's imports are the suite's work, which a loaded machine may make slow."""
+    return lambda: user_call(f"model built by {origin}", "importing the parts it names (validating it)")
+
+
 @functools.lru_cache(maxsize=None)
-def compose(words: tuple[str, ...]) -> tuple[DictConfig, dict]:
-    """(validated config, the option chosen for each group) for Hydra overrides; ConfigError if unusable."""
+def compose(words: tuple[str, ...], origin: str | None = None) -> tuple[DictConfig, dict]:
+    """(validated config, the option chosen for each group) for Hydra overrides; ConfigError if unusable. With
+    ``origin`` (how the user named the model, for messages) the plug-in's code runs as a bounded call."""
     from hydra import compose as hydra_compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -66,7 +74,7 @@ def compose(words: tuple[str, ...]) -> tuple[DictConfig, dict]:
     choices = {k: str(v) for k, v in cfg.hydra.runtime.choices.items()}
     with open_dict(cfg):
         del cfg["hydra"]
-    validate(cfg)
+    validate(cfg, _plugin_call(origin) if origin else contextlib.nullcontext)
     return cfg, choices
 
 
@@ -89,7 +97,7 @@ def _load(path: str) -> DictConfig:
     except ConfigError as exc:
         raise pytest.UsageError(f"--zoo-config {path!r}: {exc}") from None
     try:
-        validate(cfg)
+        validate(cfg, _plugin_call(f"--zoo-config {path}"))
     except ConfigError as exc:
         raise pytest.UsageError(f"--zoo-config {path!r}: {exc}") from None
     except Exception as exc:  # a key missing altogether
@@ -119,8 +127,7 @@ def zoo_run(config) -> ZooRun | None:
         raise pytest.UsageError("--zoo and --zoo-config both name a zoo model: give one")
     run = None
     if path:
-        with user_call(f"model built by --zoo-config {path}", "importing the parts it names (validating it)"):
-            cfg = _load(path)
+        cfg = _load(path)
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
         from zoo.plugins import PluginError
@@ -130,9 +137,9 @@ def zoo_run(config) -> ZooRun | None:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: call_timeout is python -m zoo's limit; the suite's "
                                     f"limit on each call is --call-timeout SECONDS")
         try:
-            with user_call(f"model built by --zoo {' '.join(words)}", "importing the parts it names (validating it)"):
-                cfg, choices = compose(words)
-                layer_cfg, _ = compose(with_layer_sizes(words))
+            origin = f"--zoo {' '.join(words)}"
+            cfg, choices = compose(words, origin)
+            layer_cfg, _ = compose(with_layer_sizes(words), origin)
         except (ConfigError, PluginError) as exc:
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: {exc}") from None
         named = frozenset(g for g in map(group_of, words) if g is not None)

@@ -9,13 +9,14 @@ their checks, are in zoo/config/task_schemas.py (their names are importable from
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import types
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -243,8 +244,10 @@ def _check_interpolations(node: DictConfig, path: str = "") -> None:
             _check_interpolations(node[key], f"{where}.")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError (one line) for the first value that cannot be used."""
+def validate(cfg: DictConfig, plugin_call: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    """Raise ConfigError (one line) for the first value that cannot be used. ``plugin_call()`` is entered around
+    the code of a plug-in alone (importing it, reading its signature), not the zoo's own: the spec suite bounds
+    that call with its --call-timeout, which must not be spent on the zoo's imports."""
     _check_interpolations(cfg)
     known = {f.name for f in fields(ZooSchema)}
     for key in cfg:
@@ -270,7 +273,9 @@ def validate(cfg: DictConfig) -> None:
     _check_device(str(cfg.device), cfg.task.get("name") if isinstance(cfg.get("task"), DictConfig) else None)
 
     for part in ("model", *PARTS):
-        _check_part(part, cfg[part])
+        target = cfg[part].get("_target_")
+        with plugin_call() if isinstance(target, str) and target not in zoo_targets() else contextlib.nullcontext():
+            _check_part(part, cfg[part])
         _check_part_values(part, cfg[part])
     if cfg.ffn.get("activation") is not None and _is_subclass(cfg.ffn._target_, FeedForward) \
             and cfg.ffn.activation not in ACTIVATIONS:
@@ -279,7 +284,8 @@ def validate(cfg: DictConfig) -> None:
     if isinstance(kernel, str) and kernel not in KERNELS:
         from zoo.nn.kernel import resolve_kernel
         try:
-            function = resolve_kernel(kernel)
+            with plugin_call():
+                function = resolve_kernel(kernel)
         except PluginError as exc:
             _fail("attention.kernel", kernel, str(exc).removeprefix(f"kernel {kernel!r} ").removeprefix(f"{kernel!r}: "))
         try:
@@ -294,7 +300,9 @@ def validate(cfg: DictConfig) -> None:
                                                   f"attn_mask=, dropout_p=, is_causal=, enable_gqa=): {exc}")
     if cfg.attention.get("softcap") is not None and _is_subclass(cfg.attention._target_, MultiHeadAttention):
         from zoo.nn.kernel import resolve_kernel, takes_softcap
-        if not takes_softcap(resolve_kernel(kernel)):
+        with plugin_call() if isinstance(kernel, str) and kernel not in KERNELS else contextlib.nullcontext():
+            function = resolve_kernel(kernel)
+        if not takes_softcap(function):
             _fail("attention.softcap", cfg.attention.softcap, f"attention.kernel={kernel} has SDPA's signature, which "
                                                               f"cannot cap scores (allowed with attention.kernel=math "
                                                               f"or a kernel taking softcap=)")
