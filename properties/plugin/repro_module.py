@@ -2,8 +2,9 @@
 failing example checked as the run built it — its config node as the run composed it (the --zoo overrides, or the
 zoo's default composition), called with the example's sizes, in eval mode, every floating parameter redrawn from the
 example's seed as properties/module/parts.py (reinitialize) draws them — replays the part's failing call on the
-recorded inputs and compares the output with the float64 values the suite's oracle computed from the part's own
-weights in the run, within the elementwise bound the clause used with them.
+recorded inputs and compares the output, within the elementwise bound the clause used, with a float64 oracle: the
+formula inline in plain torch where it is a few lines (the FFN, the sinusoid table), else (multi-head attention, the
+norms) the float64 values the suite's oracle computed from the part's own weights in the run, saved with the inputs.
 
 Kind ``module-oracle`` (properties/core/repro.py: record_module_oracle): MHA-ORACLE, MHA-SINGLE-HEAD, MHA-GQA,
 FFN-FORMULA, POS-SINUSOID-FORMULA elementwise; NORM-STANDARDIZE's mean and variance of the features recovered from
@@ -34,9 +35,8 @@ OVERRIDES: Hydra overrides as --zoo takes them, one argument (e.g. "{group}._tar
 {group} part they compose is built instead, with the same sizes, seed and inputs. Exits 1 while the departure is
 there, 0 once it is gone. Needs torch and the zoo only; the inputs are in {data_file} beside this file.
 
-Oracle: not recomputed here. The float64 values the suite's oracle ({oracle}) computed in the run from the part's
-own weights (the same weights this script draws from the seed) are saved in {data_file}, with the elementwise bound
-the clause used with them (its float64 error model of a correct part in {dtype}).
+Oracle: {oracle_words} The elementwise bound is the one the clause used, saved in {data_file} (the suite's float64
+error model of a correct part in {dtype}, {oracle}).
 """
 import math
 import pathlib
@@ -85,11 +85,35 @@ def reinitialize(module, seed):
 def built_part():
     from zoo.config.parts import instantiate_part
     node = part_node()
+    built_part.activation = node.get("activation")   # the FFN variant the formula below computes
     module = instantiate_part(node)(**{{k: v for k, v in SIZES.items() if k in node}}, device=DEVICE,
                                     dtype=getattr(torch, DTYPE))
     module.eval()
     reinitialize(module, SEED)
     return module
+
+
+def formula(part, args):
+    """The clause's formula in float64 plain torch from the part's own weights, where it is a few lines (the FFN,
+    the sinusoid table); None where the saved oracle values are the reference (attention, norms)."""
+    x = args[0].double().cpu()
+    if {formula!r} == "sinusoid":   # PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(..)
+        d = x.shape[-1]
+        pos = torch.arange(args[1], args[1] + x.shape[-2], dtype=torch.float64)[:, None]
+        angle = pos / 10000.0 ** (2 * (torch.arange(d, dtype=torch.float64) // 2) / d)
+        return x + torch.where(torch.arange(d) % 2 == 0, angle.sin(), angle.cos())
+    if {formula!r} == "ffn":   # act(x W1ᵀ + b1) W2ᵀ + b2; swiglu: (SiLU(x W_gᵀ + b_g) ⊙ (x W1ᵀ + b1)) W2ᵀ + b2
+        def lin(name, t):
+            layer = getattr(part, name)
+            bias = 0.0 if layer.bias is None else layer.bias.detach().double().cpu()
+            return t @ layer.weight.detach().double().cpu().T + bias
+        act = {{"relu": torch.relu, "gelu": lambda t: 0.5 * t * (1 + torch.erf(t / math.sqrt(2))),
+               "gelu_tanh": lambda t: 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))}}
+        kind = built_part.activation
+        hidden = (torch.nn.functional.silu(lin("gate", x)) * lin("up", x) if kind == "swiglu" else
+                  act[kind](lin("up", x)))
+        return lin("down", hidden)
+    return None
 
 
 def on_device(x):
@@ -107,6 +131,8 @@ kwargs = {name: on_device(x) for name, x in DATA["kwargs"].items()}
 with torch.no_grad():
     out = getattr(part, METHOD)(*args, **kwargs).double().cpu()
 expected, bound = DATA["expected"], DATA["bound"]
+if formula(part, args) is not None:   # recomputed here rather than read from the run's saved values
+    expected = formula(part, args)
 if out.shape != expected.shape:
     verdict(True, f"{WHAT} has shape {tuple(out.shape)}, expected {tuple(expected.shape)}")
 if DATA["check"] == "standardize":   # NORM-STANDARDIZE: the features n = (y - bias)/weight recovered from the output
@@ -142,6 +168,14 @@ verdict(outside.any(), f"|{WHAT} - {REFERENCE}| = {float(error.reshape(-1)[i]):.
 '''
 
 
+_FORMULAS = {"ffn": "ffn", "pos": "sinusoid"}   # groups whose formula the script writes inline (formula())
+_ORACLE_WORDS = {
+    "inline": "the formula in float64, inline below (formula()), from the part's own weights.",
+    "saved": "not recomputed here: the float64 values the suite's oracle computed in the run from the part's own "
+             "weights (the weights this script draws from the seed) are saved in {data_file}.",
+}
+
+
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
     recipe = evidence["recipe"]
     origin = recipe["origin"]
@@ -154,6 +188,8 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
                             target=target, origin=origin, sizes=recipe["sizes"], dtype=recipe["dtype"],
                             seed=recipe["seed"], data_file=data_file, oracle=evidence["oracle"],
                             method=evidence["method"], node=_literal(recipe["node"]), layer_sizes=LAYER_SIZES,
+                            formula=_FORMULAS.get(recipe["group"]), oracle_words=_ORACLE_WORDS[
+                                "inline" if _FORMULAS.get(recipe["group"]) else "saved"].format(data_file=data_file),
                             device=evidence.get("device", "cpu"), what=evidence["what"],
                             reference=evidence["reference"], verdict=VERDICT.format(clause=clause.id))
     return header + _BODY
