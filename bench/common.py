@@ -23,7 +23,8 @@ import torch
 from zoo.io.atomic import write_text
 
 __all__ = ["CLOCKS", "PART_BUDGETS_S", "cell_timing", "default_device", "forward_flops", "interleaved",
-           "machine_info", "matmul_flops_per_s", "out_of_time", "synchronize", "write_json_atomic"]
+           "machine_info", "matmul_flops_per_s", "out_of_time", "synchronize", "timing_device_problem",
+           "write_json_atomic"]
 
 # Seconds of measuring per part, shared by its cells: a cell gets part / cells, and never more than the run's
 # per-cell budget (args.timing["budget_s"]). On a GPU, where every call takes milliseconds, these budgets are the
@@ -49,6 +50,17 @@ def out_of_time(args) -> bool:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def timing_device_problem(name: str) -> str | None:
+    """Why nothing can be timed on device ``name`` (None when it can): what zoo.cli_args.device_problem says, and the
+    meta device, whose tensors hold no data: its 'timings' would be of nothing, recorded as if measured."""
+    from zoo.cli_args import device_problem
+
+    problem = device_problem(name)
+    if problem is None and torch.device(name).type == "meta":
+        return "the meta device holds no data: a benchmark on it would time nothing"
+    return problem
 
 
 def synchronize(device: torch.device) -> None:

@@ -129,6 +129,11 @@ def _check_doc(p, path: str) -> None:
         p.error(f"--doc {path}: cannot be written ({problem})")
 
 
+def _beside(out: str, step: str) -> Path:
+    """Where a step of the check writes its own results: beside --out, named after it (results_gpu_bench.json)."""
+    return Path(out).with_name(f"{Path(out).stem}_{step}.json")
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -144,6 +149,11 @@ def main(argv=None) -> int:
     if problem:
         p.error(f"--device {args.device}: {problem}")
     check_outputs(p, out=args.out)
+    for written in (_beside(args.out, 'bench'), _beside(args.out, 'recipes')):   # the steps' own files, kept too
+        problem = output_problem(str(written))
+        if problem:
+            p.error(f"--out {args.out}: the file {written} written beside it cannot be written ({problem}); "
+                    f"nothing was run")
     if args.doc:
         _check_doc(p, args.doc)
     started = time.perf_counter()
@@ -165,7 +175,7 @@ def main(argv=None) -> int:
     results["steps"]["streams"] = {"status": status, "seconds": time.perf_counter() - t}
     save()
 
-    bench_json = Path(args.out).with_name(Path(args.out).stem + "_bench.json")
+    bench_json = _beside(args.out, 'bench')
     # The bench gets what is left but 150 s for the recipes; it begins no cell in its last 100 s.
     bench_time = max(60.0, deadline - time.perf_counter() - 150)
     command = [sys.executable, "-m", "bench", "--device", args.device, "--parts", "decode,models,kernel",
@@ -175,7 +185,7 @@ def main(argv=None) -> int:
         results["bench"] = json.loads(bench_json.read_text())
     save()
 
-    recipes_json = Path(args.out).with_name(Path(args.out).stem + "_recipes.json")
+    recipes_json = _beside(args.out, 'recipes')
     if recipes_json.exists():
         recipes_json.unlink()
     command = [sys.executable, "-m", "bench.train_targets", "reverse", "sort", "--seed", "0,1,2",

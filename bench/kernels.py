@@ -8,9 +8,14 @@ from bench.common import cell_timing, interleaved, out_of_time
 from zoo.nn.kernel import math_attention, torch_attention
 
 
+def kernel_geometry(args) -> tuple[int, int]:
+    """(heads, head size) of the kernel part's problems: (batch, heads, L, head size) for each L of --lengths."""
+    return (4, 16) if args.toy else (12, 64)
+
+
 def bench_kernel(args, device) -> list[dict]:
     cells = []
-    heads, head_dim = (4, 16) if args.toy else (12, 64)
+    heads, head_dim = kernel_geometry(args)
     share = cell_timing(args, "kernel", len(args.dtypes) * len(args.lengths) * 2)
     for dtype in args.dtypes:
         for length in args.lengths:

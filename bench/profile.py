@@ -81,22 +81,32 @@ def decode_host_overhead(*, layers: int = 2, tokens: int = 128, rounds: int = 9)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    from bench.common import timing_device_problem
+    from zoo.cli_args import Parser, count
+
+    p = Parser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="decoder_only", choices=list(FAMILIES))
     p.add_argument("--backend", default="torch", choices=["torch", "math"])
     p.add_argument("--device", default=default_device())
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--seq-len", type=count(1), default=128)
+    p.add_argument("--batch", type=count(1), default=8)
+    p.add_argument("--layers", type=count(1), default=2)
     p.add_argument("--mode", default="forward", choices=["forward", "forward+backward"])
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--calls", type=int, default=3)
-    p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--threads", type=count(1, 1024), default=torch.get_num_threads())
+    p.add_argument("--calls", type=count(1), default=3)
+    p.add_argument("--rows", type=count(1), default=15)
     p.add_argument("--toy", action="store_true")
     p.add_argument("--host-overhead", action="store_true",
                    help="host CPU time per forward pass at tiny sizes, every family (see the module docstring)")
     args = p.parse_args(argv)
+    problem = timing_device_problem(args.device)
+    if problem:
+        p.error(f"--device {args.device}: {problem}")
+    if not args.host_overhead:
+        max_len = compose_config(overrides(args.family, args)).max_len
+        if args.seq_len > max_len:
+            p.error(f"--seq-len {args.seq_len}: longer than {args.family}'s max_len {max_len}; nothing was profiled")
     torch.set_num_threads(args.threads)
     if args.host_overhead:
         torch.set_num_threads(1)

@@ -184,11 +184,45 @@ def markdown(results: dict, only: str | None = None) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+def read_results(parser, path: str, only: str | None) -> dict:
+    """The results object at ``path``, or ``parser.error`` with one line saying why it cannot be one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    except OSError as exc:
+        parser.error(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})")
+    except UnicodeDecodeError:
+        parser.error(f"{path}: not UTF-8 text, so not a results file of python -m bench")
+    except ValueError as exc:
+        parser.error(f"{path}: not JSON ({exc})")
+    if not isinstance(results, dict):
+        parser.error(f"{path}: holds a JSON {type(results).__name__}, not the object python -m bench writes")
+    needed = {"training": ("training",), "train_targets": ("train_targets",), "seeds": ("train_targets_seeds",),
+              None: ("machine", "settings")}[only]
+    missing = [key for key in needed if key not in results]
+    if only is None and missing:
+        parser.error(f"{path}: no {' and no '.join(repr(k) for k in missing)} record: not a results file of "
+                     f"python -m bench (--only selects one part of another file)")
+    return results
+
+
+def main(argv=None) -> int:
+    from zoo.cli_args import Parser
+
+    p = Parser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("path", nargs="?", default="bench/results.json")
     p.add_argument("--only", choices=["training", "train_targets", "seeds"], default=None,
                    help="only this part's table (seeds: the recipes over seeds and devices)")
-    args = p.parse_args()
-    with open(args.path) as f:
-        print(markdown(json.load(f), args.only))
+    args = p.parse_args(argv)
+    results = read_results(p, args.path, args.only)
+    try:
+        text = markdown(results, args.only)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, ZeroDivisionError) as exc:
+        # A record of the right name whose fields are not what python -m bench writes (edited, or another version's).
+        p.error(f"{args.path}: a record is not what python -m bench writes ({type(exc).__name__}: {exc})")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

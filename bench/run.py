@@ -34,20 +34,45 @@ from bench.common import (
     FAMILIES,
     PART_BUDGETS_S,
     default_device,
+    timing_device_problem,
     machine_info,
     out_of_time,
     matmul_flops_per_s,
     write_json_atomic,
 )
 from bench.decode import bench_decode
-from zoo.cli_args import Parser, count, device_problem, output_problem, seconds
-from bench.kernels import bench_kernel
-from bench.models import MODEL_HEADER, bench_models
+from zoo.cli_args import Parser, count, output_problem, seconds
+from bench.kernels import bench_kernel, kernel_geometry
+from bench.models import MODEL_HEADER, bench_models, overrides
 from bench.suite import bench_mutation, bench_suite
 from bench.targets import evaluate_targets, missed_targets
 from bench.training import bench_training
 
 PARTS = ("models", "kernel", "decode", "suite", "mutation", "training")
+
+
+def lengths_problem(args) -> str | None:
+    """Why a --lengths value cannot be measured (None when all can), before any work: the models part runs each
+    family at each length, so no length may pass a family's max_len; the kernel part's math kernel holds two
+    (batch, heads, L, L) float32 score tensors at once, which must fit in the device's free memory."""
+    from zoo.config.composition import compose_config
+    from zoo.config.device_memory import available_memory
+
+    if "models" in args.parts:
+        for family in args.families:
+            max_len = compose_config(overrides(family, args)).max_len
+            if max(args.lengths) > max_len:
+                return (f"--lengths {max(args.lengths)}: longer than {family}'s max_len {max_len} (the models part "
+                        f"runs every family at every length); nothing was measured")
+    free = available_memory(args.device) if "kernel" in args.parts else None
+    if free is not None:
+        heads, _ = kernel_geometry(args)
+        length = max(args.lengths)
+        needed = 2 * args.batch * heads * length * length * 4
+        if needed > free[0]:
+            return (f"--lengths {length}: the kernel part's scores need {needed / 2**30:,.1f} GiB at batch "
+                    f"{args.batch}, more than {free[0] / 2**30:,.1f} GiB free ({free[1]}); nothing was measured")
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--dtypes: unknown dtype {bad[0]!r} (e.g. float32,bfloat16,float16,float64)")
     args.dtypes = [getattr(torch, name) for name in names]
-    problem = device_problem(args.device)
+    problem = timing_device_problem(args.device)
     if problem:
         p.error(f"--device {args.device}: {problem}")
     if args.out:
@@ -118,9 +143,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.merge and os.path.exists(args.out):
             try:
                 with open(args.out) as f:
-                    json.load(f)
+                    merged_into = json.load(f)
             except (OSError, ValueError) as exc:
                 p.error(f"--merge: {args.out} cannot be read as JSON ({exc}); nothing was measured")
+            if not isinstance(merged_into, dict):
+                p.error(f"--merge: {args.out} holds a JSON {type(merged_into).__name__}, not the object a results "
+                        f"file is; nothing was measured")
     args.parts = args.parts.split(",")
     args.families = args.families.split(",")
     for name in args.parts:
@@ -129,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.families:
         if name not in FAMILIES:
             p.error(f"--families: unknown family {name!r} (allowed: {', '.join(FAMILIES)})")
+    problem = lengths_problem(args)
+    if problem:
+        p.error(problem)
     if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
         p.error("--clock cpu needs --device cpu --threads 1 (CPU time of several threads is not a duration)")
     # Repeats: budget_s of measuring per cell, at least min_repeats rounds (the big cells get only those).

@@ -156,11 +156,12 @@ def test_a_real_process_refuses_in_one_line_and_writes_nothing(tmp_path, argv, w
 # and exit status 2 before any work (zoo/cli_args.py), never a traceback, never accepted and ignored. Every value
 # below is refused by argument checks alone, so each case costs milliseconds.
 def _commands():
-    from bench import gpu_check
+    from bench import gpu_check, profile, report
     from bench.run import parse_args as bench_args
     from properties.adapters import conformance
     from properties.catalog import example_based, flakiness, flash_example_based, mutation_report
     return {"python -m bench": bench_args, "python -m bench.gpu_check": gpu_check.main,
+            "python -m bench.report": report.main, "python -m bench.profile": profile.main,
             "python -m properties.catalog.flakiness": flakiness.main,
             "python -m properties.catalog.mutation_report": mutation_report.main,
             "python -m properties.adapters.conformance": conformance.main,
@@ -174,9 +175,16 @@ BAD_ARGUMENTS = {   # command -> option -> values it must refuse
                         "--decode-batch": ["-2"], "--device": ["nosuch", "cuda:7"], "--time-limit": ["nan", "-1", "inf"],
                         "--matmul-n": ["-5", "0"], "--layers": ["0"], "--new-tokens": ["-3"],
                         "--out": ["/proc/x.json", f"/tmp/{LONG}.json", "FILE/x.json"], "--lengths": ["0", "a"],
-                        "--dtypes": ["float99"], "--parts": ["nosuch"]},
+                        "--dtypes": ["float99"], "--parts": ["nosuch"], "--device ": ["meta"],
+                        "--lengths ": ["99999999999", "4096"]},
+    # the results file to render (positional): missing, a directory, not UTF-8, not JSON, not an object, no record
+    "python -m bench.report": {"": ["/nonexistent.json", "/tmp", "BINARY", "FILE", "LIST_JSON", "EMPTY_JSON",
+                                    "WRONG_JSON"], "--only": ["nosuch"]},
+    "python -m bench.profile": {"--dtype": ["nope"], "--seq-len": ["0", "-1", "99999"], "--batch": ["0"],
+                                "--threads": ["0"], "--calls": ["0"], "--rows": ["-1"], "--layers": ["0"],
+                                "--device": ["nope", "meta"], "--family": ["nosuch"]},
     "python -m bench.gpu_check": {"--doc": ["/nonexistent/README.md", "FILE"], "--limit": ["200", "nan", "-1"],
-                                  "--device": ["nosuch"], "--out": ["/proc/x.json"]},
+                                  "--device": ["nosuch"], "--out": ["/proc/x.json", f"/tmp/{'o' * 250}.json"]},
     "python -m properties.catalog.flakiness": {"--seeds": ["0", "-1"], "-n": ["0", "-1"], "--json": ["/proc/x.json"],
                                                "--only": ["nosuch"]},
     "python -m properties.catalog.mutation_report": {"--jobs": ["0"], "--json": ["/proc/x.json", "FILE/x"],
@@ -191,9 +199,22 @@ REQUIRED = {"python -m bench.gpu_check": ["--device", "cpu"],
 CASES = [(cmd, opt, value) for cmd, options in BAD_ARGUMENTS.items() for opt, values in options.items() for value in values]
 
 
+def _words(option: str, value: str) -> list[str]:
+    """The words of one case: "" is a positional argument; "--device " a second key for the same option."""
+    return [option.strip(), value] if option else [value]
+
+
+FILES = {"FILE": "not a README with a GPU section, not Python, not JSON: (\n", "LIST_JSON": "[1, 2]\n",
+         "EMPTY_JSON": "{}\n", "WRONG_JSON": '{"machine": 1, "settings": {}}\n'}
+
+
 def _refused(command: str, argv: list[str], tmp_path: Path, capsys) -> str:
-    (tmp_path / "a_file").write_text("not a README with a GPU section, not Python: (\n")
-    argv = [w.replace("FILE", str(tmp_path / "a_file")) for w in argv]
+    for name, text in FILES.items():
+        (tmp_path / name.lower()).write_text(text)
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00")
+    for name in [*FILES, "BINARY"]:
+        argv = [str(tmp_path / name.lower()) if w == name else w.replace(f"{name}/", f"{tmp_path / name.lower()}/")
+                for w in argv]
     with pytest.raises(SystemExit) as done:
         _commands()[command](argv)
     err = capsys.readouterr().err
@@ -204,9 +225,13 @@ def _refused(command: str, argv: list[str], tmp_path: Path, capsys) -> str:
 
 @pytest.mark.parametrize("command,option,value", CASES, ids=[f"{c.split()[-1]} {o}={v[:20]}" for c, o, v in CASES])
 def test_every_command_refuses_a_bad_argument_in_one_line(tmp_path, capsys, command, option, value):
-    argv = [*REQUIRED.get(command, []), option, value]
-    line = _refused(command, argv, tmp_path, capsys)
-    assert option.lstrip("-") in line or "argument" in line, line
+    line = _refused(command, [*REQUIRED.get(command, []), *_words(option, value)], tmp_path, capsys)
+    assert option.strip().lstrip("-") in line or "argument" in line, line
+
+
+def test_bench_merge_refuses_a_results_file_that_is_not_an_object(tmp_path, capsys):
+    line = _refused("python -m bench", ["--parts", "kernel", "--merge", "--out", "LIST_JSON"], tmp_path, capsys)
+    assert "--merge" in line and "JSON list" in line, line
 
 
 @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -214,4 +239,4 @@ def test_every_command_refuses_a_bad_argument_in_one_line(tmp_path, capsys, comm
 def test_any_bad_argument_among_others_is_one_line(tmp_path, capsys, case, noise):
     """A bad value with stray words around it: still one line and 2, whatever argparse meets first."""
     command, option, value = case
-    _refused(command, [*REQUIRED.get(command, []), *noise, option, value], tmp_path, capsys)
+    _refused(command, [*REQUIRED.get(command, []), *noise, *_words(option, value)], tmp_path, capsys)
