@@ -189,7 +189,7 @@ BAD_ARGUMENTS = {   # command -> option -> values it must refuse
                                                "--only": ["nosuch"]},
     "python -m properties.catalog.mutation_report": {"--jobs": ["0"], "--json": ["/proc/x.json", "FILE/x"],
                                                      "--only": ["nosuch"]},
-    "python -m properties.adapters.conformance": {"--timeout": ["nan", "-5", "0"], "--jobs": ["0"], "--long": ["-1"],
+    "python -m properties.adapters.conformance": {"--timeout": ["nan", "-5", "0", "1e300"], "--jobs": ["0"], "--long": ["-1"],
                                                   "--out": ["/proc/x"], "--factories": ["FILE", "/nonexistent.py"]},
     "python -m properties.catalog.example_based": {"--kernel": ["nosuch:fn", "os:getcwd", "nosuch"]},
     "python -m properties.catalog.flash_example_based": {"--device": ["nosuch"], "--kernel": ["nosuch:fn"]},
@@ -240,3 +240,27 @@ def test_any_bad_argument_among_others_is_one_line(tmp_path, capsys, case, noise
     """A bad value with stray words around it: still one line and 2, whatever argparse meets first."""
     command, option, value = case
     _refused(command, [*REQUIRED.get(command, []), *noise, *_words(option, value)], tmp_path, capsys)
+
+
+def test_an_unknown_name_beside_a_known_one_is_refused(tmp_path, capsys):
+    from properties.catalog.flakiness import SUBJECTS
+    line = _refused("python -m properties.catalog.flakiness", ["--only", SUBJECTS[0].name, "--only", "nosuch"],
+                    tmp_path, capsys)
+    assert "nosuch" in line and SUBJECTS[0].name not in line.split("the subjects are")[0], line
+
+
+def test_conformance_names_a_pytest_option_pytest_refuses(tmp_path, capsys):
+    line = _refused("python -m properties.adapters.conformance",
+                    ["--only", "gpt2", "--long", "0", "--out", str(tmp_path / "out"), "--", "--nosuch-option"],
+                    tmp_path, capsys)
+    assert "unrecognized arguments: --nosuch-option" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_example_based_fails_a_kernel_that_returns_a_tuple(tmp_path, capsys):
+    from properties.catalog import example_based
+    (tmp_path / "pair.py").write_text("import torch.nn.functional as F\n"
+                                      "def attention(q, k, v, **kw):\n"
+                                      "    return F.scaled_dot_product_attention(q, k, v, **kw), None\n")
+    assert example_based.main(["--kernel", f"{tmp_path / 'pair.py'}:attention", "-x"]) == 1
+    assert "returned tuple, not a tensor" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 
 __all__ = ["Parser", "count", "seconds", "device_problem", "output_problem", "check_outputs"]
 
@@ -48,6 +49,9 @@ def seconds(minimum: float = 0.0, *, inclusive: bool = False):
         if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
             bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
             raise argparse.ArgumentTypeError(f"expected a finite number of seconds {bound}, got {text!r}")
+        if value > threading.TIMEOUT_MAX:   # what Python's waits (subprocess, threads, locks) can honour
+            raise argparse.ArgumentTypeError(f"expected at most {threading.TIMEOUT_MAX:.3g} seconds, the longest wait "
+                                             f"Python can make, got {text!r}")
         return value
     parse.__name__ = "seconds"
     return parse

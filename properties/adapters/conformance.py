@@ -123,6 +123,21 @@ def table(results: list[dict], long: dict[str, dict] | None = None, length: int 
     return "\n".join(lines)
 
 
+def pytest_refuses(options: list[str]) -> str | None:
+    """pytest's own error for the options after ``--`` (None when it takes them), asked once before any model runs:
+    the suite's configuration with them, collecting its core/ folder, which holds no test (exit 5: nothing
+    collected, the options taken; 4: a usage error)."""
+    if not options:
+        return None
+    command = [sys.executable, "-m", "pytest", str(SUITE / "core"), "--collect-only", "-q", "-p", "no:cacheprovider",
+               *options]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode in (0, 5):
+        return None
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "error" in line.lower()]
+    return lines[-1] if lines else f"exit status {proc.returncode}"
+
+
 def main(argv=None) -> int:
     from zoo.cli_args import Parser, count, seconds
     from zoo.io.atomic import unwritable, write_text
@@ -151,6 +166,9 @@ def main(argv=None) -> int:
     names = [n for n in names if not args.only or n in args.only]
     if not names:
         parser.error(f"--factories {args.factories}: no factory there; nothing to run")
+    refused = pytest_refuses(args.pytest_args)
+    if refused:
+        parser.error(f"-- {' '.join(args.pytest_args)}: pytest refuses them ({refused}); nothing was run")
     problem = unwritable(str(args.out / "json"))
     if problem:
         parser.error(f"--out {args.out}: cannot be written ({problem}); nothing was run")

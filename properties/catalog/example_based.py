@@ -97,6 +97,8 @@ def check_case(kernel, case: Case, gradients: bool = True) -> str | None:
         out = kernel(q, k, v, **kwargs)
     except Exception as exc:  # an exception fails the test, as in pytest
         return f"{case}: raised {type(exc).__name__}: {exc}"
+    if not isinstance(out, torch.Tensor):   # FA's test would fail on it too: out.shape of a tuple raises
+        return f"{case}: returned {type(out).__name__}, not a tensor (the SDPA signature returns the output alone)"
     out_ref = attention_ref(q, k, v, case.causal)   # computed in float64, rounded to the input dtype (as FA)
     out_pt = attention_ref(q, k, v, case.causal, upcast=False, reorder_ops=True)
     fwd_atol = 2 * (out_ref + 0.3 - 0.3 - out_ref).abs().max().item()

@@ -37,9 +37,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these subjects (repeatable)")
     args = parser.parse_args(argv)
     check_outputs(parser, json=args.json)
+    unknown = [name for name in args.only or () if name not in {e.name for e in SUBJECTS}]
+    if unknown:   # every name is checked: a typo beside a known name is not dropped silently
+        parser.error(f"--only {unknown}: no such subject; the subjects are {[e.name for e in SUBJECTS]}")
     subjects = [e for e in SUBJECTS if not args.only or e.name in args.only]
-    if not subjects:
-        parser.error(f"--only {args.only}: no such subject; the subjects are {[e.name for e in SUBJECTS]}")
     if args.first_seed + args.seeds - 1 > 2**32 - 1:
         parser.error(f"--first-seed {args.first_seed} --seeds {args.seeds}: seeds past 2**32 - 1")
 
