@@ -198,7 +198,6 @@ def _probe(api: str, feature: str, device: str):
 
 
 # ----------------------------------------------------------------------------- plugin parametrization
-KERNEL_APIS = ("sdpa", "flash", "flash-varlen", "flash-kvcache")
 FIXTURES = {"flash": "flash_kernel", "flash-varlen": "varlen_kernel", "flash-kvcache": "kvcache_kernel"}
 
 

@@ -25,9 +25,8 @@ from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, o
                                        softmax_bounds, unit_roundoff)
 from properties.core.watchdog import cause, raised, user_call
 
-__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "FINFO_MIN_ROWS", "FULLY_MASKED_CONVENTIONS",
-           "fully_masked_mean", "describe_call", "check_output", "check_against_oracle",
-           "check_dropout_rate"]
+__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "fully_masked_mean",
+           "describe_call", "check_output", "check_against_oracle", "check_dropout_rate"]
 
 
 class KernelContractError(AssertionError):
@@ -300,15 +299,7 @@ def check_dropout_rate(w: torch.Tensor, positive: torch.Tensor, p: float, note: 
         f"(Hoeffding, n = {n} weights, false-alarm probability <= {FALSE_ALARM:g}){note}")
 
 
-# What a query with no admissible key may output (SPEC.md, MASK-FULLY-MASKED; --fully-masked): zeros (the
-# default, PyTorch >= 2.5), NaN (the textbook softmax of an all −inf row), the mean of the values over all keys
-# (an additive finfo.min mask: every score becomes finfo.min, the weights uniform; for a row that the caller's
-# own float mask sets to −inf, NaN), or any value at all.
-FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
-# A float-mask row whose every score is below -finfo(float32).max / log2(e) (--finfo-min-rows; MASK-LOW-PRECISION):
-# its softmax (SDPA's semantics), or, declared, what a query without admissible key outputs (PyTorch's
-# memory-efficient CUDA kernel scales the scores by log2(e) in float32, and such a row overflows to -inf).
-FINFO_MIN_ROWS = ("softmax", "masked")
+# The --fully-masked conventions (properties/core/options.py) under which such a query may come out NaN.
 NON_FINITE_CONVENTIONS = ("nan", "any")
 
 

@@ -1,8 +1,8 @@
-"""The spec suite's reports (properties/plugin/__init__.py calls ``configure_report``): each failure opens with the text of
-the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
-message, Hypothesis' counterexample and, for a kernel clause, its coverage (problems run and declined with the reasons
-grouped, the largest L, S and E reached, the dtypes: properties/kernel/coverage.py), which the terminal summary also
-prints.
+"""The spec suite's reports (properties/plugin/suite.py calls ``configure_report`` and registers this module for its
+hooks): each failure opens with the text of the clauses it violates, and ``--report-json PATH`` gets one record per
+(test, clause) with its status, duration, message, Hypothesis' counterexample and, for a kernel clause, its coverage
+(problems run and declined with the reasons grouped, the largest L, S and E reached, the dtypes:
+properties/kernel/coverage.py), which the terminal summary also prints.
 """
 from __future__ import annotations
 
