@@ -4,8 +4,8 @@ The suite runs code it does not own — a kernel call and its backward pass, a m
 decode step, importing a plug-in, calling a factory, building a model from a config — inside ``user_call(plugin,
 call)``. There:
 
-* a call that runs longer than the limit (``--call-timeout SECONDS``, default ``DEFAULT_TIMEOUT`` of properties/core/options.py) is interrupted in
-  the main thread by SIGALRM with ``CallTimeout``. It is a BaseException, so neither the code under test's own
+* a call that runs longer than the limit (``--call-timeout SECONDS``, default ``DEFAULT_TIMEOUT``:
+  properties/core/options.py) is interrupted in the main thread by SIGALRM with ``CallTimeout``. It is a BaseException, so neither the code under test's own
   ``except Exception`` nor Hypothesis (which would retry and shrink it, a limit's worth of time per attempt) holds
   it: pytest reports the test as failed, naming the plug-in, the call and the limit. Later calls of that plug-in
   fail at once with the same message, so a hang costs the limit once, not once per example. Code that catches

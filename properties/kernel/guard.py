@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from properties.kernel import coverage
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within, fmt
 from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
@@ -121,10 +121,10 @@ class GuardedKernel:
                 self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
             out = check_output(self.name, out, query, value, call, nan_rows)
         except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
-            repro.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
-                              nan_rows=nan_rows)
+            evidence.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
+                                 nan_rows=nan_rows)
             raise
-        repro.observe_kernel_call(self.name, query, key, value, kwargs)
+        evidence.observe_kernel_call(self.name, query, key, value, kwargs)
         coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype, value.shape[-1],
                      bool(kwargs.get("is_causal")))
         return out
@@ -251,9 +251,9 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
            else kernel.weights(query, key, nan_rows=nan_rows, **contract))
     actual = to_float64(out)
     bound = output_bound(bounds, value)   # 0 at a query without an admissible key: its 0 is exact
-    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
-                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
-                 fully_masked=fully_masked)
+    evidence.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
+                    inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
+                    fully_masked=fully_masked)
     if fully_masked == "zeros" and bool(no_key.any()):
         check_no_key_rows_are_zero(actual, no_key, mask)
     if fully_masked != "zeros" and bool(no_key.any()):

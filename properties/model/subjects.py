@@ -22,7 +22,7 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core import repro
+from properties.core import evidence
 from properties.core.subject import (Subject, SubjectError, as_subject, load_subject, moved, same_draws, watched,
                                      zoo_subject)
 
@@ -137,7 +137,7 @@ def configure(config) -> None:
                 sources[f"{family}-{pos}"] = _Source(make, f"model {family}-{pos}", pristine=pristine)
                 recipes[f"{family}-{pos}"] = {"overrides": list(overrides), "dtype": dtype}
     config.stash[_KEY] = sources
-    repro.set_model_recipes(recipes)
+    evidence.set_model_recipes(recipes)
 
 
 def _zoo_recipe(cfg, dtype, words: list, origin: str) -> dict:

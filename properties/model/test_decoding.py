@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      comparison_tolerance, draw_pair, forward,
@@ -37,10 +37,10 @@ def test_autoregressive_factorisation(mut, data):
                          for k in range(1, b.length)], dim=1)
     # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
     tol = 2 * comparison_tolerance(full, subject=s)
-    if repro.active():   # --repro-dir: the sequence, and the tolerance relative to max|y|
-        repro.record("model-factorisation", device=str(y.device), float64=is_float64_twin(s), tokens=y, mask=mask,
-                     src=None if src is None else src[0], src_mask=None if src is None else src[1],
-                     relative=comparison_tolerance(torch.ones(1, dtype=full.dtype), s))
+    if evidence.active():   # --repro-dir: the sequence, and the tolerance relative to max|y|
+        evidence.record("model-factorisation", device=str(y.device), float64=is_float64_twin(s), tokens=y, mask=mask,
+                        src=None if src is None else src[0], src_mask=None if src is None else src[1],
+                        relative=comparison_tolerance(torch.ones(1, dtype=full.dtype), s))
     diff = (steps - one_pass).abs()
     assert diff.max() <= tol, (f"log p(y_k | y_<k) from prefix y_<k differs from the one-pass value by "
                                f"{diff.max().item():.3e} at (sample, k - 1) = "

@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, assert_window_gradient, batches,
                                      call_subject, comparison_tolerance, difference_threshold, draw_pair,
@@ -148,10 +148,10 @@ def test_shift(mut, arrangement, data):
             error, what = _forward_error(mut, s, src, tgt)
             if SHIFT_ERRORS * error > tol:
                 bound, how = SHIFT_ERRORS * error, f"{SHIFT_ERRORS} x E = {error:.2e}, {what}"
-        if repro.active():   # --repro-dir: the two passes and the bound this example used
-            repro.record("model-shift", device=str(tgt[0].device), what="relative" if s.positional else "absent",
-                         float64=is_float64_twin(s), args=list(subject_args(src, tgt[0], mask)), offset=offset,
-                         mask=mask, bound=float(bound), how=how, last=last)
+        if evidence.active():   # --repro-dir: the two passes and the bound this example used
+            evidence.record("model-shift", device=str(tgt[0].device), what="relative" if s.positional else "absent",
+                            float64=is_float64_twin(s), args=list(subject_args(src, tgt[0], mask)), offset=offset,
+                            mask=mask, bound=float(bound), how=how, last=last)
         diff = (moved - base).abs().amax(-1)
         worst = _largest(diff)
         assert worst <= bound, (

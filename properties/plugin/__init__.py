@@ -164,7 +164,8 @@ def targets_suite(config, part: str | None = None) -> bool:
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
-        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
+        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); "
+                                           f"select with -m {level}")
     if targets_suite(config) or options_given(config):
         importlib.import_module(SUITE_PLUGIN).configure(config)
 

@@ -63,7 +63,8 @@ def reference_kernel_of(config):
     return config.stash.get(_KERNEL, None)
 
 
-# The fixtures of the differential clauses (this module is registered as a plug-in by properties/plugin/suite.py): a test without the option is skipped.
+# The fixtures of the differential clauses (properties/plugin/suite.py registers this module as a plug-in): a test
+# without the option is skipped.
 @pytest.fixture(name="reference", scope="session")
 def reference_fixture(pytestconfig):
     return required(reference_of(pytestconfig),

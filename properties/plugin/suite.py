@@ -1,5 +1,5 @@
-"""The spec suite's hooks and fixtures: kernel and device parametrization, level selection, the clause markers,
-the per-test kernel limits and coverage. The entry point (properties/plugin/__init__.py) imports this module only
+"""The spec suite's hooks and fixtures: kernel and device parametrization, level selection, the check that every
+clause test names its clauses, the per-test kernel limits and coverage. The entry point (properties/plugin/__init__.py) imports this module only
 in a run that collects the suite or gives one of its options, and calls ``configure`` at configuration: it registers
 this module, the session's, the report's and the references' as plug-ins of the run, starts the watchdog and loads
 what the options name (kernels, models, references), so that anything unusable is a one-line usage error before
@@ -27,7 +27,7 @@ from properties.core.dtypes import device_unavailable, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
 from properties.kernel.flash_guard import kernel_params
 from properties.plugin import report, session
-from properties.plugin import watchdog as plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
+from properties.plugin import watchdog as plugin_watchdog  # --call-timeout: the supervisor of code that exits, crashes, hangs
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.plugins import PluginError
 

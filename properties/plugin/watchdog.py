@@ -1,5 +1,6 @@
 """The spec suite's watchdog (properties/plugin/suite.py calls ``configure``; the entry point registers
-``--call-timeout``): the per-call limit, and a supervisor process, so that code under test that ends the process, crashes or hangs never reads as a pass.
+``--call-timeout``): the per-call limit, and a supervisor process, so that code under test that ends the process,
+crashes or hangs never reads as a pass.
 
 A run started as ``pytest`` or ``python -m pytest`` (so also ``python -m properties`` and ``task=verify``) forks
 once, at configuration, before any code under test is imported: the child runs the session as usual, the parent
