@@ -18,13 +18,13 @@ from properties.core import evidence
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
 from properties.model.twin import observe
-from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDINGS, Precision,  # noqa: F401
-                                        accumulation_roundoff, precision_of, register_precision)
+from properties.model.precision import OUTPUT_ROUNDINGS, accumulation_roundoff, precision_of
 
-__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
-           "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "record_model_comparison", "record_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
-           "register_precision", "precision_of"]
+__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES",
+           "DECODERS", "only", "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR",
+           "comparison_tolerance", "assert_same_output", "record_model_comparison", "record_cached_decoding",
+           "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN",
+           "noise_floor", "difference_threshold"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
 
@@ -211,6 +211,27 @@ def record_cached_decoding(s: Subject, src: tuple | None, tokens, mask, cuts, ou
         evidence.record("model-decode", device=str(tokens.device), what="cached decoding", float64=float64,
                         src=None if src is None else src[0], src_mask=None if src is None else src[1], tokens=tokens,
                         mask=mask, cuts=list(cuts), relative=comparison_tolerance(torch.ones(1, dtype=out_dtype), s))
+
+
+def check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
+    """MODEL-KV-CACHE's check: decode ``tokens`` in chunks [0, c1), [c1, c2), ... with ``decode_step`` and compare
+    each chunk's logits at real positions with the full forward pass."""
+    length = tokens.shape[1]
+    full = forward(s, src, (tokens, mask))
+    record_cached_decoding(s, src, tokens, mask, cuts, full.dtype)
+    state = None
+    for start, end in zip([0, *cuts], [*cuts, length]):
+        def step(*args):
+            nonlocal state
+            logits, state = s.decode_step(*args, state)
+            return logits
+        chunk = (tokens[:, start:end], mask[:, :end])
+        with torch.no_grad():
+            logits = call_subject(s, *subject_args(src, *chunk), fn=step)
+        real = mask[:, start:end]
+        assert_same_output(logits[real], full[:, start:end][real],
+                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
+                           f"vs the full forward pass", subject=s)
 
 
 @contextmanager

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.core import evidence
 from properties.model.checks import is_float64_twin
-from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
+from properties.model.checks import (EXAMPLES, DECODERS, Batch, call_subject, check_cached_decoding,
                                      comparison_tolerance, draw_pair, forward,
-                                     model_property, model_settings, only, record_cached_decoding, subject_args,
-                                     real_tokens, requires)
+                                     model_property, model_settings, only, subject_args, real_tokens, requires)
 from properties.model.twin import twin_fallback
 from properties.model.test_models import FULL_PAIR, PAIR, pinned
 
@@ -48,27 +47,6 @@ def test_autoregressive_factorisation(mut, data):
                                f"(tolerance {tol:.1e}); totals {steps.sum(1).tolist()} vs {one_pass.sum(1).tolist()}")
 
 
-def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
-    """Decode ``tokens`` in chunks [0, c1), [c1, c2), ... with ``decode_step`` and compare each chunk's logits
-    at real positions with the full forward pass."""
-    length = tokens.shape[1]
-    full = forward(s, src, (tokens, mask))
-    record_cached_decoding(s, src, tokens, mask, cuts, full.dtype)
-    state = None
-    for start, end in zip([0, *cuts], [*cuts, length]):
-        def step(*args):
-            nonlocal state
-            logits, state = s.decode_step(*args, state)
-            return logits
-        chunk = (tokens[:, start:end], mask[:, :end])
-        with torch.no_grad():
-            logits = call_subject(s, *subject_args(src, *chunk), fn=step)
-        real = mask[:, start:end]
-        assert_same_output(logits[real], full[:, start:end][real],
-                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
-                           f"vs the full forward pass", subject=s)
-
-
 @clause("MODEL-KV-CACHE")
 @example(data=pinned(PAIR | {"chunk boundaries": {2, 3}}))   # mixed lengths: sample 1 (2 real) all pads after the prefill
 @model_property
@@ -78,7 +56,7 @@ def test_cached_decoding(mut, data):
     requires(s, "decode_step", "the model offers no cached incremental decoding")
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
     cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
-    _check_cached_decoding(s, src, tokens, mask, cuts)
+    check_cached_decoding(s, src, tokens, mask, cuts)
 
 
 def _left_padded(tokens, mask, pad_id):
@@ -120,7 +98,7 @@ def test_cached_decoding_pinned_shapes(mut, shape):
     if s.kind == "encoder_decoder":
         source = Batch(len(real), length, tuple(reversed(real)), seed=2**17 + 7)
         src = (source.tokens(s, mut.device), source.mask(mut.device))
-    _check_cached_decoding(s, src, tokens, mask, cuts, note=f", pinned shape {shape}: real lengths {real}"
+    check_cached_decoding(s, src, tokens, mask, cuts, note=f", pinned shape {shape}: real lengths {real}"
                            + (", left-padded" if spec["left"] else ""))
 
 

@@ -20,8 +20,9 @@ from hypothesis import Phase, settings, strategies as st
 from properties import clause
 from properties.core import evidence
 from properties.core.strategies import pinned_property
-from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
-                                     comparison_tolerance, model_settings, only, real_tokens, subject_args)
+from properties.model.checks import (DECODERS, Batch, batches, call_subject, comparison_tolerance, model_settings,
+                                     only, real_tokens, subject_args)
+from properties.model.precision import OWN_NOISE
 from properties.model.test_models import MIXED, MIXED_SOURCE, pinned
 
 DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)

@@ -36,10 +36,11 @@ from torch import nn
 from properties.core import evidence
 from properties.core.strategies import derived_generator, require_dtype
 from properties.core.watchdog import describe_args, raised, user_call
-from properties.core.zoo_config import PARTS, ZooRun, with_layer_sizes, compose, zoo_run
+from properties.core.zoo_config import ZooRun, with_layer_sizes, compose, zoo_run
+from zoo.config.options import PARTS
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
-           "reinitialize", "call_module", "watch_module", "inputs", "OneLine", "PARTS"]
+           "reinitialize", "call_module", "watch_module", "inputs", "OneLine"]
 
 # Each composition names one option of every group; together they cover every option once.
 DEFAULT_COMPOSITIONS = (

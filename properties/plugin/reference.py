@@ -149,7 +149,7 @@ def _float64(ref: Subject, device, spec: str) -> tuple[Subject | None, str]:
 
 def _model(config, spec: str) -> Reference | None:
     from properties.model import subjects
-    from properties.model.checks import register_precision
+    from properties.model.precision import register_precision
     if not (config.getoption("model", None) or config.getoption("zoo", None) or config.getoption("zoo_config", None)):
         raise pytest.UsageError(f"--reference {spec!r}: needs the model it is compared with: --model, --zoo or "
                                 f"--zoo-config")
