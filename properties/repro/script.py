@@ -89,4 +89,4 @@ def source_of(*functions) -> str:
                 constants[name] = function.__globals__[name]
         sources.append(text)
     head = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    return (head + "\n\n" if head else "") + "\n\n".join(sources)
+    return ((head + "\n\n" if head else "") + "\n\n".join(sources)).rstrip("\n")
