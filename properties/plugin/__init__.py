@@ -1,8 +1,8 @@
 """The spec suite's pytest plug-in: the entry point (pyproject.toml, pytest11 ``properties.plugin``) that pytest
 loads in every run of an environment where the package is installed, in any project.
 
-It imports pytest, the standard library and the option lists of properties/core/options.py, and registers the
-suite's options (``pytest --help``: groups "spec properties" and "models"). Torch, Hydra, the zoo and the suite
+It imports pytest, the standard library, the option lists of properties/core/options.py and the suite's place
+(properties/core/levels.py; both import nothing else), and registers the suite's options (``pytest --help``: groups "spec properties" and "models"). Torch, Hydra, the zoo and the suite
 load only in a run that asks for them: one that collects the suite (``targets_suite``: a path inside properties/,
 a path that holds it, or ``--pyargs properties``), or gives one of these options a value other than its default.
 There, at configuration and before Hypothesis' plug-in reads ``--hypothesis-profile`` (which may name the suite's
