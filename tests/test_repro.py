@@ -173,13 +173,19 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     run, out = _run(tmp_path, "--kernel", bugs[0], ("CAUSAL-ZERO-ABOVE", "MASK-BOOL", "ATTN-ROWSUM",
                                                     "DROPOUT-EXPECTATION", *_KERNEL_KINDS), *kernels)
     failed = [r for r in run.rows if r["status"] == "failed"]
-    assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= {
-        ("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
-        ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled"),
-        ("ATTN-SHIFT-INVARIANT", "not_normalised"), ("ATTN-GRAD-GQA", "gqa_kv_gradient_not_summed"),
-        ("DROPOUT-INDEPENDENT", "dropout_mask_shared_across_heads"),
-        ("ATTN-OUTPUT-FRESH", "output_memoized_by_address")}, failed
-    assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed]
+    expected = {("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
+                ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled"),
+                ("ATTN-SHIFT-INVARIANT", "not_normalised"), ("ATTN-GRAD-GQA", "gqa_kv_gradient_not_summed"),
+                ("DROPOUT-INDEPENDENT", "dropout_mask_shared_across_heads"),
+                ("ATTN-OUTPUT-FRESH", "output_memoized_by_address")}
+    assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= expected, failed
+    # The kernel that memoizes outputs by address is also caught, by chance, wherever the allocator hands a call the
+    # addresses of an earlier one: such a failure depends on the process's memory, and a script (a new process)
+    # cannot meet it again; it says so instead (never silently missing).
+    by_chance = [r for r in failed if "output_memoized_by_address" in r["nodeid"] and r["clause"] != "ATTN-OUTPUT-FRESH"]
+    assert all(r["repro"] or r["repro_missing"] for r in by_chance), by_chance
+    failed = [r for r in failed if r not in by_chance]
+    assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
     for r in failed:
         _script(out, r["repro"].rsplit("/", 1)[1].rsplit("-", 1)[0])
     for clause, line in _KERNEL_KINDS.items():   # the new kinds' own scripts, not a fallback's
