@@ -182,7 +182,8 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     # The kernel that memoizes outputs by address is also caught, by chance, wherever the allocator hands a call the
     # addresses of an earlier one: such a failure depends on the process's memory, and a script (a new process)
     # cannot meet it again; it says so instead (never silently missing).
-    by_chance = [r for r in failed if "output_memoized_by_address" in r["nodeid"] and r["clause"] != "ATTN-OUTPUT-FRESH"]
+    by_chance = [r for r in failed
+                 if "output_memoized_by_address" in r["nodeid"] and r["clause"] != "ATTN-OUTPUT-FRESH"]
     assert all(r["repro"] or r["repro_missing"] for r in by_chance), by_chance
     failed = [r for r in failed if r not in by_chance]
     assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
