@@ -173,6 +173,12 @@ def markdown(results: dict, only: str | None = None) -> str:
         value = mut.get("median_first_failure_seconds")
         lines.append(f"- median time to first failure over the mutation catalog: "
                      f"{'not available — ' + mut['reason'] if value is None else f'{value:.2f} s'}")
+    if results.get("plugin_cost"):
+        cost = results["plugin_cost"]
+        lines.append(f"- an unrelated one-test pytest run, CPU time (median of {cost['runs']}): "
+                     f"{cost['with_plugin']['cpu_seconds_median']:.2f} s with the suite's plug-in, "
+                     f"{cost['without_plugin']['cpu_seconds_median']:.2f} s without it "
+                     f"(difference {cost['difference_cpu_seconds']:+.2f} s)")
     if results.get("targets"):
         lines += ["", "| target | value | met |", "| --- | --- | --- |"]
         for t in results["targets"]:

@@ -2,6 +2,7 @@
 
     python -m bench.suite                  # pytest properties/ (alone and -n auto) into bench/results.json "suite"
     python -m bench.suite --test-command   # the README's test command (`pytest`, what CI runs): "test_command"
+    python -m bench.suite --plugin-cost    # what the installed plug-in costs an unrelated pytest run: "plugin_cost"
 
 The durations README.md and docs/ state are checked against what these record (tests/test_readme_durations.py).
 """
@@ -70,6 +71,30 @@ def bench_suite() -> dict:
     return result
 
 
+UNRELATED_TEST = "def test_one():\n    assert 1 + 1 == 2\n"
+
+
+def bench_plugin_cost(runs: int = 7) -> dict:
+    """The CPU time (user + sys of the child) of an unrelated one-test pytest run in an empty temporary directory, with
+    the suite's plug-in loaded as pytest loads it everywhere (its entry point) and with ``-p no:properties.plugin``:
+    ``runs`` runs of each, interleaved, and their medians. What the installed package costs every other project's
+    test run (tests/test_plugin_cost.py checks what it imports there)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_one.py"]
+    samples: dict[str, list[float]] = {"with_plugin": [], "without_plugin": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "test_one.py").write_text(UNRELATED_TEST)
+        for _ in range(runs):
+            for key, extra in (("with_plugin", []), ("without_plugin", ["-p", "no:properties.plugin"])):
+                start = children_cpu_seconds()
+                subprocess.run([*command, *extra], cwd=tmp, capture_output=True, text=True, timeout=300, check=True)
+                samples[key].append(children_cpu_seconds() - start)
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    return {"command": " ".join(command[2:]) + "  (and with -p no:properties.plugin)", "runs": runs,
+            **{key: {"cpu_seconds_median": medians[key], "cpu_seconds": [round(v, 3) for v in samples[key]]}
+               for key in samples},
+            "difference_cpu_seconds": medians["with_plugin"] - medians["without_plugin"]}
+
+
 def mutation_report_first_failure_times(timeout: float = 1800, every: int = 1) -> dict[str, float | None]:
     """Adapter for ``python -m properties.catalog.mutation_report`` (which has no MUTATION_HOOK): run its CLI in a
     subprocess on the broken entries of properties.catalog.CATALOG and read its JSON rows. Its time to
@@ -124,12 +149,23 @@ def main(argv=None) -> int:
     parser.add_argument("--test-command", action="store_true",
                         help="measure the README's test command (its pytest with its arguments, from the repository root: "
                              "every test CI runs) instead of the spec suite; recorded under \"test_command\"")
+    parser.add_argument("--plugin-cost", action="store_true",
+                        help="measure what the suite's plug-in costs an unrelated one-test pytest run (CPU time, with "
+                             "and without it); recorded under \"plugin_cost\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if args.test_command:
         key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
         print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
               f"({measured['summary']})", flush=True)
+        measured["measured_on"] = datetime.date.today().isoformat()
+        if hasattr(os, "getloadavg"):
+            measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    elif args.plugin_cost:
+        key, measured = "plugin_cost", bench_plugin_cost()
+        print(f"an unrelated one-test pytest run: {measured['with_plugin']['cpu_seconds_median']:.2f} s CPU with the "
+              f"plug-in, {measured['without_plugin']['cpu_seconds_median']:.2f} s without (medians of "
+              f"{measured['runs']}; difference {measured['difference_cpu_seconds']:+.2f} s)", flush=True)
         measured["measured_on"] = datetime.date.today().isoformat()
         if hasattr(os, "getloadavg"):
             measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -146,6 +182,8 @@ def main(argv=None) -> int:
             results["targets"] = evaluate_targets(results)
         write_json_atomic(args.out, results)
         print(f"merged into {args.out} under {key!r}")
+    if key == "plugin_cost":   # every run passed (check=True)
+        return 0
     return 0 if all(run.get("returncode") in (0, None) for run in
                     ([measured] if key == "test_command" else measured.values())) else 1
 

@@ -152,7 +152,7 @@ print(json.dumps(codes))
 '''
 
 
-# The kinds of properties/plugin/repro_kernel.py, each told by a line of its script.
+# The kinds of properties/repro/kernel_bodies.py, each told by a line of its script.
 _KERNEL_KINDS = {"ATTN-SHIFT-INVARIANT": "softmax is unchanged by a constant", "ATTN-GRAD-GQA": "key_value_gradients",
                  "DROPOUT-INDEPENDENT": "p^2 + (1 - p)^2", "ATTN-OUTPUT-FRESH": "check_unchanged"}
 
@@ -173,13 +173,20 @@ def test_contract_fallback_and_statistical_reproducers(tmp_path):
     run, out = _run(tmp_path, "--kernel", bugs[0], ("CAUSAL-ZERO-ABOVE", "MASK-BOOL", "ATTN-ROWSUM",
                                                     "DROPOUT-EXPECTATION", *_KERNEL_KINDS), *kernels)
     failed = [r for r in run.rows if r["status"] == "failed"]
-    assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= {
-        ("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
-        ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled"),
-        ("ATTN-SHIFT-INVARIANT", "not_normalised"), ("ATTN-GRAD-GQA", "gqa_kv_gradient_not_summed"),
-        ("DROPOUT-INDEPENDENT", "dropout_mask_shared_across_heads"),
-        ("ATTN-OUTPUT-FRESH", "output_memoized_by_address")}, failed
-    assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed]
+    expected = {("CAUSAL-ZERO-ABOVE", "raises_on_causal"), ("MASK-BOOL", "drops_last_query"),
+                ("ATTN-ROWSUM", "not_normalised"), ("DROPOUT-EXPECTATION", "dropout_not_rescaled"),
+                ("ATTN-SHIFT-INVARIANT", "not_normalised"), ("ATTN-GRAD-GQA", "gqa_kv_gradient_not_summed"),
+                ("DROPOUT-INDEPENDENT", "dropout_mask_shared_across_heads"),
+                ("ATTN-OUTPUT-FRESH", "output_memoized_by_address")}
+    assert {(r["clause"], r["nodeid"].split(":")[-1].split("-")[0]) for r in failed} >= expected, failed
+    # The kernel that memoizes outputs by address is also caught, by chance, wherever the allocator hands a call the
+    # addresses of an earlier one: such a failure depends on the process's memory, and a script (a new process)
+    # cannot meet it again; it says so instead (never silently missing).
+    by_chance = [r for r in failed
+                 if "output_memoized_by_address" in r["nodeid"] and r["clause"] != "ATTN-OUTPUT-FRESH"]
+    assert all(r["repro"] or r["repro_missing"] for r in by_chance), by_chance
+    failed = [r for r in failed if r not in by_chance]
+    assert all(r["repro"] for r in failed), [(r["nodeid"], r["repro_missing"]) for r in failed if not r["repro"]]
     for r in failed:
         _script(out, r["repro"].rsplit("/", 1)[1].rsplit("-", 1)[0])
     for clause, line in _KERNEL_KINDS.items():   # the new kinds' own scripts, not a fallback's
@@ -215,6 +222,30 @@ def test_zoo_decoding_and_gradient_reproducers(tmp_path):
     assert _exit_codes(tmp_path, jobs, block_suite=False) == [1] * len(scripts) + [0] * len(scripts)
 
 
+def test_module_reproducers_hold_the_suites_own_functions(tmp_path):
+    """FFN-FORMULA, NORM-STANDARDIZE and POS-SINUSOID-FORMULA on broken zoo parts: each script redraws the part's
+    parameters with the suite's own ``reinitialize`` and computes with its own sinusoid table and Higham's gamma (their
+    source, not copies), exits 1, and 0 on the overrides that compose the correct part (alone, without the suite)."""
+    import inspect
+    import textwrap
+
+    from properties.core.tolerance import gamma
+    from properties.module.oracle import sinusoid_table
+    from properties.module.parts import reinitialize
+    parts = "properties.catalog.modules"
+    run, out = _run(tmp_path, "--zoo", f"{_ZOO_TINY} norm._target_={parts}.LayerNormOverPositions "
+                    f"ffn._target_={parts}.FeedForwardWithoutActivation pos._target_={parts}.SinCosSwapped",
+                    ("FFN-FORMULA", "NORM-STANDARDIZE", "POS-SINUSOID-FORMULA"))
+    fixes = {"FFN-FORMULA": f"{_ZOO_TINY} ffn=relu", "NORM-STANDARDIZE": f"{_ZOO_TINY} norm=layernorm",
+             "POS-SINUSOID-FORMULA": f"{_ZOO_TINY} pos=sinusoidal"}
+    scripts = {clause: str(_script(out, clause)) for clause in fixes}
+    for function in (reinitialize, sinusoid_table, gamma):
+        source = textwrap.dedent(inspect.getsource(function))
+        assert all(source in (out / path).read_text() for path in scripts.values()), function.__name__
+    jobs = [[scripts[c], fix] for c, fix in fixes.items()] + [[path] for path in scripts.values()]
+    assert _exit_codes(tmp_path, jobs, blocked=len(fixes)) == [0] * len(fixes) + [1] * len(fixes)
+
+
 def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list:
     """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
     interpreter (one torch import) where `import properties` fails for the first ``blocked`` jobs (all, or none where
@@ -229,12 +260,12 @@ def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None)
 
 def test_a_failure_without_a_script_says_why(tmp_path):
     """A failing test that recorded nothing rebuildable: no file, and the reason for the summary and --report-json."""
-    from properties.core import repro
+    from properties.core import evidence
     from properties.core.spec import load_clauses
-    from properties.plugin.repro import write
-    repro.activate(str(tmp_path / "repro"))
+    from properties.repro.write import write
+    evidence.activate(str(tmp_path / "repro"))
     try:
         path, why = write(load_clauses()["ATTN-ROWSUM"], "test_x", "")
     finally:
-        repro.activate(None)
+        evidence.activate(None)
     assert path is None and "records no comparison" in why and not (tmp_path / "repro").exists()

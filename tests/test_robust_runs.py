@@ -109,7 +109,7 @@ class _Config:
                                           ("--causal-alignment", "bottom-right"), ("--window-right-below-lk", True),
                                           ("--reference-kernel", "torch")])
 def test_a_kernel_option_without_a_kernel_clause_is_refused(option, value):
-    from properties.plugin import _refuse_kernel_options_without_kernels
+    from properties.plugin.suite import _refuse_kernel_options_without_kernels
     with pytest.raises(pytest.UsageError, match=f"^{option}: a kernel option, but no kernel clause runs"):
         _refuse_kernel_options_without_kernels(_Config(**{"--model": "a.b:c", option: value}))
     _refuse_kernel_options_without_kernels(_Config(**{"--model": "a.b:c", "--kernel": ["math"], option: value}))

@@ -23,7 +23,7 @@ import torch
 from properties.catalog import CATALOG, CORRECT, Entry
 from zoo.io.atomic import write_text
 from properties.catalog import example_based
-from properties.plugin import PROFILE_NAMES
+from properties.plugin.session import PROFILE_NAMES
 from properties.catalog.run import Run, run_all
 
 __all__ = ["main", "rows_for", "totals"]

@@ -7,18 +7,17 @@ import functools
 
 import torch
 
-from zoo.config.options import DTYPES
+from properties.core.options import DTYPE_NAMES
 
 __all__ = ["select_dtypes", "selected_dtypes", "dtype_supported", "device_unavailable"]
 
-# DTYPES' order matters: Hypothesis shrinks sampled_from towards the first entry, so counterexamples show
-# float32 unless the failure needs another dtype.
-_selected: list[torch.dtype] = list(DTYPES.values())
+_ALL = tuple(getattr(torch, name) for name in DTYPE_NAMES)   # in DTYPE_NAMES' order, the order Hypothesis shrinks in
+_selected: list[torch.dtype] = list(_ALL)
 
 
 def select_dtypes(dtypes) -> None:
     """Restrict every dtype strategy to ``dtypes`` (called once by properties.plugin from ``--dtype``)."""
-    _selected[:] = [d for d in DTYPES.values() if d in set(dtypes)]
+    _selected[:] = [d for d in _ALL if d in set(dtypes)]
 
 
 def selected_dtypes() -> tuple[torch.dtype, ...]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGNMENTS", "Reference", "causal_allowed", "default_scale", "expand_kv_heads",
-           "reference_scores", "softmax_rows", "reference_attention", "to_float64"]
+from properties.core.options import ALIGNMENTS
 
-ALIGNMENTS = ("top-left", "bottom-right")
+__all__ = ["Reference", "causal_allowed", "default_scale", "expand_kv_heads",
+           "reference_scores", "softmax_rows", "reference_attention", "to_float64"]
 
 
 def default_scale(e: int) -> float:

@@ -13,15 +13,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.nn.cache import KVCache
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
 from zoo.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
-__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "watched",
-           "same_draws", "moved", "FACTORY_SEED", "called_dtypes"]
+__all__ = ["Subject", "SubjectError", "Route", "KINDS", "as_subject", "load_subject", "zoo_subject", "zoo_shifted",
+           "zoo_decode_step", "watched", "same_draws", "moved", "FACTORY_SEED", "called_dtypes"]
 
 # Every factory (--model, --reference) is called with torch's generator seeded with this, so that one factory called
 # twice builds the same weights: the float64 twin is the model under test cast, and `--model F:f --reference F:f`
@@ -185,9 +184,10 @@ def _adds_absolute_positions(pos: nn.Module) -> bool:
     return not isinstance(pos, _Positions) or type(pos).forward is not _Positions.forward
 
 
-def _shifted(model: nn.Module) -> Callable:
+def zoo_shifted(model: nn.Module) -> Callable:
     """Subject.shifted of a zoo model: its positions count columns, so ``offset`` masked pad columns prepended to
-    every sequence shift every real position by ``offset``; their outputs are dropped."""
+    every sequence shift every real position by ``offset``; their outputs are dropped. (A model clause's reproducer
+    holds this function's source: properties/repro/model.py.)"""
     def pad(tokens, mask, offset):
         pads = torch.full((tokens.shape[0], offset), model.pad_id, dtype=tokens.dtype, device=tokens.device)
         real = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
@@ -201,6 +201,26 @@ def _shifted(model: nn.Module) -> Callable:
             return model(src, tgt, src_mask, tgt_mask)[:, offset:]
         return model(*pad(*args, offset))[:, offset:]
     return shifted
+
+
+def zoo_decode_step(model: nn.Module) -> Callable:
+    """Subject.decode_step of a decoder-only or encoder-decoder zoo model: one chunk of tokens per call, the KV cache
+    carried in the state (an encoder-decoder's memory encoded at the first call). (A model clause's reproducer holds
+    this function's source: properties/repro/model.py.)"""
+    from zoo.nn.cache import KVCache   # here: a script that holds this source needs the zoo only for a zoo model
+
+    if model.kind == "decoder_only":
+        def decode_step(tokens, mask, state):
+            cache = KVCache() if state is None else state
+            return model(tokens, mask, cache=cache), cache
+        return decode_step
+
+    def decode_step(src, tgt, src_mask, tgt_mask, state):
+        if state is None:
+            state = (model.encode(src, src_mask), KVCache())
+        memory, cache = state
+        return model.decode(tgt, memory, src_mask, tgt_mask, cache=cache), state
+    return decode_step
 
 
 def _attention_modules(stack: nn.Module) -> tuple[nn.Module, ...]:
@@ -222,7 +242,7 @@ def _zoo_subject(model: nn.Module) -> Subject:
     common = dict(kind=model.kind, forward=model, vocab_size=model.vocab_size, max_len=model.max_len,
                   pad_id=model.pad_id, module=model,
                   positional=any(getattr(s.pos, "injects_order", True) for s in stacks),
-                  left_padding=relative, relative_positions=relative, shifted=_shifted(model),
+                  left_padding=relative, relative_positions=relative, shifted=zoo_shifted(model),
                   window=_windows(stacks[-1]),
                   attention_modules=_attention_modules(stacks[-1]) if _windows(stacks[-1]) else None,
                   # NoPositions never checks a length; every other zoo scheme refuses > max_len.
@@ -230,18 +250,7 @@ def _zoo_subject(model: nn.Module) -> Subject:
     if isinstance(model, EncoderOnly):  # forward returns the hidden states (or the head's): the pooler is apart
         unused = tuple(name for name, _ in model.named_parameters() if name.startswith("pooler."))
         return Subject(**common, embedding=model.encoder.embedding, unused_parameters=unused)
-    if isinstance(model, DecoderOnly):
-        def decode_step(tokens, mask, state):
-            cache = KVCache() if state is None else state
-            return model(tokens, mask, cache=cache), cache
-        return Subject(**common, embedding=model.decoder.embedding, decode_step=decode_step)
-
-    def decode_step(src, tgt, src_mask, tgt_mask, state):
-        if state is None:
-            state = (model.encode(src, src_mask), KVCache())
-        memory, cache = state
-        return model.decode(tgt, memory, src_mask, tgt_mask, cache=cache), state
-    return Subject(**common, embedding=model.decoder.embedding, decode_step=decode_step)
+    return Subject(**common, embedding=model.decoder.embedding, decode_step=zoo_decode_step(model))
 
 
 def as_subject(obj: object, origin: str = "the factory") -> Subject:

@@ -4,8 +4,8 @@ The suite runs code it does not own — a kernel call and its backward pass, a m
 decode step, importing a plug-in, calling a factory, building a model from a config — inside ``user_call(plugin,
 call)``. There:
 
-* a call that runs longer than the limit (``--call-timeout SECONDS``, default ``DEFAULT_TIMEOUT``) is interrupted in
-  the main thread by SIGALRM with ``CallTimeout``. It is a BaseException, so neither the code under test's own
+* a call that runs longer than the limit (``--call-timeout SECONDS``, default ``DEFAULT_TIMEOUT``:
+  properties/core/options.py) is interrupted in the main thread by SIGALRM with ``CallTimeout``. It is a BaseException, so neither the code under test's own
   ``except Exception`` nor Hypothesis (which would retry and shrink it, a limit's worth of time per attempt) holds
   it: pytest reports the test as failed, naming the plug-in, the call and the limit. Later calls of that plug-in
   fail at once with the same message, so a hang costs the limit once, not once per example. Code that catches
@@ -28,18 +28,10 @@ import time
 
 import pytest
 
-__all__ = ["DEFAULT_TIMEOUT", "MIN_TIMEOUT", "CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
-           "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
+from properties.core.options import DEFAULT_TIMEOUT
 
-# One call of the code under test may take this long (seconds; the option --call-timeout, properties/plugin/
-# watchdog.py). The suite's largest drawn problems (kernels: S = 1024 keys, head size 256; models: max_len 4096)
-# take a correct kernel written as a Python loop over its query rows, or a small model in float64, a few seconds at
-# most on a loaded 2-core CPU; 60 s leaves room for a first call that compiles (Triton, torch.compile) and still
-# names a hang within a minute.
-DEFAULT_TIMEOUT = 60.0
-# The least limit --call-timeout accepts (0 aside): importing torch-using code or a kernel's first call takes some
-# tenths of a second on a loaded machine even when nothing is wrong, so a smaller limit would only stop correct code.
-MIN_TIMEOUT = 1.0
+__all__ = ["CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
+           "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
 
 
 class CallTimeout(BaseException):

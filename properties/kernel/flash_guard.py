@@ -23,7 +23,7 @@ import torch
 
 from properties.kernel import coverage
 from properties.kernel.limits import decline_reason
-from properties.core import repro
+from properties.core import evidence
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel.guard import KernelContractError, check_output, describe_call
 
@@ -100,12 +100,12 @@ class FlashKernel:
                 out = out[0]
             out = check_output(self.name, out, q, value, call, nan_rows)
         except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
-            repro.record_call(self.name, (q, key, value, *args), kwargs, shape=(*q.shape[:-1], value.shape[-1]),
-                              nan_rows=nan_rows, first_of_tuple=True)
+            evidence.record_call(self.name, (q, key, value, *args), kwargs, shape=(*q.shape[:-1], value.shape[-1]),
+                                 nan_rows=nan_rows, first_of_tuple=True)
             raise
         coverage.ran(q.shape[-3], key.shape[-3], q.shape[-1], q.dtype)   # (B, L, H, D); varlen: L = total tokens
         if self.api == "flash" and not args:   # --repro-dir: the fallback of a clause that records no comparison
-            repro.observe_flash_call(self.name, q, key, value, kwargs)
+            evidence.observe_flash_call(self.name, q, key, value, kwargs)
         return out
 
     # ------------------------------------------------------------------------------ optional features
@@ -198,7 +198,6 @@ def _probe(api: str, feature: str, device: str):
 
 
 # ----------------------------------------------------------------------------- plugin parametrization
-KERNEL_APIS = ("sdpa", "flash", "flash-varlen", "flash-kvcache")
 FIXTURES = {"flash": "flash_kernel", "flash-varlen": "varlen_kernel", "flash-kvcache": "kvcache_kernel"}
 
 

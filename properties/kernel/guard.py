@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from properties.kernel import coverage
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within, fmt
 from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
@@ -25,9 +25,8 @@ from properties.core.tolerance import (SoftmaxBounds, evaluation_error, gamma, o
                                        softmax_bounds, unit_roundoff)
 from properties.core.watchdog import cause, raised, user_call
 
-__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "FINFO_MIN_ROWS", "FULLY_MASKED_CONVENTIONS",
-           "fully_masked_mean", "describe_call", "check_output", "check_against_oracle",
-           "check_dropout_rate"]
+__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "fully_masked_mean",
+           "describe_call", "check_output", "check_against_oracle", "check_dropout_rate"]
 
 
 class KernelContractError(AssertionError):
@@ -122,10 +121,10 @@ class GuardedKernel:
                 self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
             out = check_output(self.name, out, query, value, call, nan_rows)
         except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
-            repro.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
-                              nan_rows=nan_rows)
+            evidence.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
+                                 nan_rows=nan_rows)
             raise
-        repro.observe_kernel_call(self.name, query, key, value, kwargs)
+        evidence.observe_kernel_call(self.name, query, key, value, kwargs)
         coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype, value.shape[-1],
                      bool(kwargs.get("is_causal")))
         return out
@@ -252,9 +251,9 @@ def check_against_oracle(kernel: GuardedKernel, query, key, value, *, fully_mask
            else kernel.weights(query, key, nan_rows=nan_rows, **contract))
     actual = to_float64(out)
     bound = output_bound(bounds, value)   # 0 at a query without an admissible key: its 0 is exact
-    repro.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
-                 inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
-                 fully_masked=fully_masked)
+    evidence.record("oracle", subject=kernel.name, device=str(query.device), what=what, bound=bound,
+                    inputs=dict(query=query, key=key, value=value, **contract), alignment=causal_alignment,
+                    fully_masked=fully_masked)
     if fully_masked == "zeros" and bool(no_key.any()):
         check_no_key_rows_are_zero(actual, no_key, mask)
     if fully_masked != "zeros" and bool(no_key.any()):
@@ -300,15 +299,7 @@ def check_dropout_rate(w: torch.Tensor, positive: torch.Tensor, p: float, note: 
         f"(Hoeffding, n = {n} weights, false-alarm probability <= {FALSE_ALARM:g}){note}")
 
 
-# What a query with no admissible key may output (SPEC.md, MASK-FULLY-MASKED; --fully-masked): zeros (the
-# default, PyTorch >= 2.5), NaN (the textbook softmax of an all −inf row), the mean of the values over all keys
-# (an additive finfo.min mask: every score becomes finfo.min, the weights uniform; for a row that the caller's
-# own float mask sets to −inf, NaN), or any value at all.
-FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
-# A float-mask row whose every score is below -finfo(float32).max / log2(e) (--finfo-min-rows; MASK-LOW-PRECISION):
-# its softmax (SDPA's semantics), or, declared, what a query without admissible key outputs (PyTorch's
-# memory-efficient CUDA kernel scales the scores by log2(e) in float32, and such a row overflows to -inf).
-FINFO_MIN_ROWS = ("softmax", "masked")
+# The --fully-masked conventions (properties/core/options.py) under which such a query may come out NaN.
 NON_FINITE_CONVENTIONS = ("nan", "any")
 
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from properties.core.options import LIMIT_OPTIONS
+
 __all__ = ["DECLINE_WORDS", "OPTIONAL_KEYWORDS", "decline_reason", "Limits", "LimitsError", "Probe", "learn_limits",
-           "set_active", "active", "active_device", "HEAD_SIZES_DRAWN", "add_options", "declared_limits",
-           "LIMIT_OPTIONS"]
+           "set_active", "active", "active_device", "HEAD_SIZES_DRAWN", "declared_limits"]
 
 # How flash-attn, Triton wrappers and PyTorch word an unsupported problem (lower case, matched in the message).
 DECLINE_WORDS = ("not support", "n't support", "unsupported", "only support", "no available kernel",
@@ -333,23 +334,6 @@ class LimitsError(ValueError):
 
 
 # ------------------------------------------------------------------------------------ declared limits
-def add_options(group) -> None:
-    """The options that declare a kernel's limits (the group "spec properties"; dtypes: ``--dtype``)."""
-    group.addoption("--kernel-head-size", action="append", metavar="N",
-                    help="a head size E the SDPA kernel accepts (repeatable, or comma-separated: 16,32,64,128); "
-                         "the kernel clauses draw only these. Default: any")
-    group.addoption("--kernel-no-mask", action="store_true",
-                    help="the SDPA kernel accepts no attn_mask: the mask clauses are skipped, the others draw none")
-    group.addoption("--kernel-equal-lengths", action="store_true",
-                    help="the SDPA kernel accepts only L = S (as many queries as keys)")
-    group.addoption("--kernel-equal-head-sizes", action="store_true",
-                    help="the SDPA kernel accepts only Ev = E (value head size equal to the query/key head size); "
-                         "the weights are then read through V = I in slices of E columns")
-
-
-LIMIT_OPTIONS = ("--kernel-head-size", "--kernel-no-mask", "--kernel-equal-lengths", "--kernel-equal-head-sizes")
-
-
 def _head_sizes(values) -> tuple[int, ...] | None:
     if not values:
         return None

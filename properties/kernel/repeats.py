@@ -13,13 +13,12 @@ from typing import Callable
 
 import torch
 
-from properties.core import repro
+from properties.core import evidence
 from properties.kernel import coverage
 from properties.kernel.coverage import BITWISE, WITHIN_BOUND
-from properties.core.repro import flat_index
 from properties.core.assertions import assert_identical, assert_within
 
-__all__ = ["bitwise_equal", "assert_unchanged", "BITWISE", "WITHIN_BOUND"]
+__all__ = ["bitwise_equal", "assert_unchanged"]
 
 
 
@@ -40,23 +39,23 @@ def assert_unchanged(actual: torch.Tensor, expected: torch.Tensor, again: Callab
     ``expected``, the comparison is within ``bound()`` instead (each output within the oracle's bound of the same
     float64 value, so the two within twice that bound). The coverage records which comparison decided."""
     __tracebackhide__ = True
-    index = flat_index(actual.shape, select)
+    index = evidence.flat_index(actual.shape, select)
     if bitwise_equal(select(actual), select(expected)):
         coverage.compared(BITWISE)
         return
     # calls: the inputs of the call that gave ``expected`` and of the one that gave ``actual`` (--repro-dir)
-    evidence = dict(subject=subject, device=str(actual.device), what=what, reference=reference, first=calls[0],
+    recorded = dict(subject=subject, device=str(actual.device), what=what, reference=reference, first=calls[0],
                     second=calls[-1], index_first=index, index_second=index) if calls else None
     if all(bitwise_equal(again(), expected) for _ in range(REPEATS)):
         coverage.compared(BITWISE)
-        if evidence:
-            repro.record("two-calls", **evidence, bitwise=True)
+        if recorded:
+            evidence.record("two-calls", **recorded, bitwise=True)
         assert_identical(select(actual), select(expected), what=what, reference=reference,
                          note=f"{note} ({REPEATS} repeats of the first call agreed with it bitwise)")
         return
     coverage.compared(WITHIN_BOUND)
     within = bound()
-    if evidence:
-        repro.record("two-calls", **evidence, bitwise=False, bound=within)
+    if recorded:
+        evidence.record("two-calls", **recorded, bitwise=False, bound=within)
     assert_within(select(actual), select(expected), within, what=what, reference=reference,
                   note=f"{note} (two identical calls differed, so the comparison is within the bound, not bitwise)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FALSE_ALARM", "Interval", "hoeffding_halfwidth", "weighted_chi_square_interval"]
+__all__ = ["FALSE_ALARM", "Interval", "hoeffding_halfwidth", "weighted_chi_square_interval", "stacked_copies"]
 
 FALSE_ALARM = 1e-6
 
@@ -42,3 +42,10 @@ def weighted_chi_square_interval(weights: torch.Tensor, alpha: float = FALSE_ALA
     t = math.log(2 / alpha)
     total, l2, linf = float(a.sum()), float(a.norm()), float(a.max())
     return Interval(max(total - 2 * l2 * math.sqrt(t), 0.0), total + 2 * l2 * math.sqrt(t) + 2 * linf * t)
+
+
+def stacked_copies(n: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """n copies of each tensor, for n independent dropout draws in one call: on a new leading axis of a 2-D problem,
+    else on its batch axis, copy-major (copy i of batch entry b at i * B + b), so that a 4-D problem stays 4-D."""
+    return [t.expand(n, *t.shape).contiguous() if t.dim() == 2 else t.repeat(n, *[1] * (t.dim() - 1))
+            for t in tensors]

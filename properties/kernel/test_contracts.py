@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_identical
 from properties.core.strategies import gaussian, on, random_bool_mask
 from properties.kernel.cases import cases, with_pinned_cases
@@ -56,11 +56,11 @@ def test_repeated_calls_are_bitwise_equal(kernel, device, case, flavor):
     kernel(oq, ok, ov, is_causal=flavor != "causal")
     second, second_grads = _forward_backward(kernel, q, k, v, upstream, contract)
     every = torch.arange(first.numel())
-    repro.record("two-calls", subject=kernel.name, device=str(device), what=f"out of the second call ({flavor})",
-                 reference="the first call", first=dict(query=q, key=k, value=v, **contract),
-                 second=dict(query=q, key=k, value=v, **contract), index_first=every, index_second=every,
-                 bitwise=True, upstream=upstream if first_grads else None,
-                 between=[dict(query=oq, key=ok, value=ov, is_causal=flavor != "causal")])
+    evidence.record("two-calls", subject=kernel.name, device=str(device), what=f"out of the second call ({flavor})",
+                    reference="the first call", first=dict(query=q, key=k, value=v, **contract),
+                    second=dict(query=q, key=k, value=v, **contract), index_first=every, index_second=every,
+                    bitwise=True, upstream=upstream if first_grads else None,
+                    between=[dict(query=oq, key=ok, value=ov, is_causal=flavor != "causal")])
     assert_identical(second, first, what=f"out of the second call ({flavor})", reference="out of the first call",
                      note="; a call on another problem ran between them")
     for name in first_grads:
@@ -90,11 +90,11 @@ def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case, batch, p
     alone = kernel(q, k, v, **{**contract, **mine})
     out = kernel(*batched, **contract)
     in_batch = out[position:position + 1]
-    repro.record("two-calls", subject=kernel.name, device=str(device), what=f"rows of the sequence at position "
-                 f"{position} of a batch of {batch} ({flavor})", reference="its rows computed alone",
-                 first=dict(query=q, key=k, value=v, **{**contract, **mine}),
-                 second=dict(zip(("query", "key", "value"), batched), **contract), bitwise=True,
-                 index_first=torch.arange(alone.numel()),
-                 index_second=repro.flat_index(out.shape, lambda t: t[position:position + 1]))
+    evidence.record("two-calls", subject=kernel.name, device=str(device), what=f"rows of the sequence at position "
+                    f"{position} of a batch of {batch} ({flavor})", reference="its rows computed alone",
+                    first=dict(query=q, key=k, value=v, **{**contract, **mine}),
+                    second=dict(zip(("query", "key", "value"), batched), **contract), bitwise=True,
+                    index_first=torch.arange(alone.numel()),
+                    index_second=evidence.flat_index(out.shape, lambda t: t[position:position + 1]))
     assert_identical(in_batch, alone, what=f"rows of the sequence at position {position} of a batch of {batch} "
                      f"({flavor})", reference="its rows computed alone (batch of 1)")

@@ -7,16 +7,17 @@ import dataclasses
 import math
 
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.kernel import coverage
 from properties.core.assertions import assert_within, fmt
-from properties.kernel.repeats import BITWISE, WITHIN_BOUND, bitwise_equal
+from properties.kernel.coverage import BITWISE, WITHIN_BOUND
+from properties.kernel.repeats import bitwise_equal
 from properties.core.oracle import to_float64
-from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth, stacked_copies
 from properties.core.strategies import seeded_rng, selected_dtypes
 from properties.kernel.guard import check_dropout_rate
 from properties.core.strategies import on
@@ -45,9 +46,8 @@ def _on_copies(fn, n: int, tensors, p: float, device, seed: int) -> torch.Tensor
     """fn(*tensors, dropout_p=p) on n copies of the tensors in one call (n independent dropout draws), with the RNG
     seeded from the case so that a failure replays; the result in float64, the copies on its first axis. The copies
     go on a new leading axis of a problem without one, else on its batch axis (a 4-D problem stays 4-D)."""
-    pattern = "... -> n ..." if tensors[0].dim() == 2 else "b ... -> (n b) ..."
     with seeded_rng(device, seed):
-        out = to_float64(fn(*(repeat(t, pattern, n=n).contiguous() for t in tensors), dropout_p=p))
+        out = to_float64(fn(*stacked_copies(n, *tensors), dropout_p=p))
     return out if tensors[0].dim() == 2 else rearrange(out, "(n b) ... -> n b ...", n=n)
 
 
@@ -81,8 +81,8 @@ def test_dropout_zeroes_weights_with_probability_p(kernel, device, case, p):
     bounds = softmax_bounds(q, k)
     positive = bounds.lower > 0  # weights that are nonzero without dropout (even after rounding)
     w = _on_copies(kernel.weights, COPIES_FOR_RATE, (q, k), p, device, case.seed)
-    repro.record("dropout-rate", subject=kernel.name, device=str(device), query=q, key=k, p=p,
-                 copies=COPIES_FOR_RATE, seed=case.seed, positive=positive)
+    evidence.record("dropout-rate", subject=kernel.name, device=str(device), query=q, key=k, p=p,
+                    copies=COPIES_FOR_RATE, seed=case.seed, positive=positive)
     check_dropout_rate(w, positive, p)
 
 
@@ -102,8 +102,8 @@ def test_dropout_leaves_the_expected_output_unchanged(kernel, device, case, p):
     value_range = bounds.reference.output / (1 - p)
     statistical = value_range * hoeffding_halfwidth(COPIES_FOR_MEAN, 1.0, FALSE_ALARM / mean.numel())
     rounding = output_bound(bounds, v, extra_roundings=1, weight_factor=1 / (1 - p))
-    repro.record("dropout-mean", subject=kernel.name, device=str(device), query=q, key=k, value=v, p=p,
-                 copies=COPIES_FOR_MEAN, seed=case.seed, bound=statistical + rounding)
+    evidence.record("dropout-mean", subject=kernel.name, device=str(device), query=q, key=k, value=v, p=p,
+                    copies=COPIES_FOR_MEAN, seed=case.seed, bound=statistical + rounding)
     assert_within(mean, bounds.reference.output, statistical + rounding,
                   what=f"mean over {COPIES_FOR_MEAN} dropout draws (p = {fmt(p)}) of out",
                   reference="oracle without dropout",
@@ -133,8 +133,8 @@ def test_drops_are_independent_across_heads_and_batch(kernel, device, case, p):
                       "batch entries": int((positive[0:b - 1:2] & positive[1::2]).sum())}
     copies = max(1, math.ceil(PAIRS_FOR_INDEPENDENCE / max(1, min(pairs_per_copy.values()))))
     kept = _on_copies(kernel.weights, copies, (q, k), p, device, case.seed) != 0   # (copies, B, H, L, S)
-    repro.record("dropout-independent", subject=kernel.name, device=str(device), query=q, key=k, p=p, copies=copies,
-                 seed=case.seed, positive=positive)
+    evidence.record("dropout-independent", subject=kernel.name, device=str(device), query=q, key=k, p=p, copies=copies,
+                    seed=case.seed, positive=positive)
     agree = p**2 + (1 - p) ** 2   # P(two independent slices both keep or both drop a weight)
     # Disjoint pairs (0, 1), (2, 3), ... along each axis: under independence their agreements are i.i.d.
     # Bernoulli(agree); two statistics, each at level FALSE_ALARM / 2.

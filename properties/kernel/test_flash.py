@@ -11,7 +11,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_identical, assert_within, fmt
 from properties.kernel.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, to_heads_first
 from properties.kernel.magnitudes import Scores
@@ -42,8 +42,8 @@ def check_flash_oracle(kernel, device, case: FlashCase, *, what: str = "out"):
     bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
     out = _call(kernel, case, q, k, v, slopes)
     bound = bounds.output_bound()
-    repro.record("flash-oracle", subject=kernel.name, device=str(device), query=q, key=k, value=v,
-                 kwargs=case.kwargs(slopes), bound=bound, what=what)
+    evidence.record("flash-oracle", subject=kernel.name, device=str(device), query=q, key=k, value=v,
+                    kwargs=case.kwargs(slopes), bound=bound, what=what)
     assert_within(to_float64(out), bounds.output, bound, what=what,
                   reference="float64 flash oracle", note=f"; index (b, i, h, d); {case!r}")
     return out, bounds
@@ -55,11 +55,11 @@ def _weights(kernel, device, case: FlashCase):
     bounds = flash_bounds(q, k, v, **case.oracle_kwargs(slopes))
     with skip_unsupported(kernel, f"{case!r}"):
         w = flash_weights(kernel, q, k, **case.kwargs(slopes))
-    if repro.active() and bounds.softmax is not None:   # the weights within [lower, upper], exactly 0 outside the band
+    if evidence.active() and bounds.softmax is not None:   # the weights within [lower, upper], exactly 0 outside the band
         sb = bounds.softmax
-        repro.record("flash-oracle", subject=kernel.name, device=str(device), query=q, key=k, value=None,
-                     kwargs=case.kwargs(slopes), bound=torch.maximum(sb.upper - sb.weights, sb.weights - sb.lower),
-                     what="weights (read through V = I)")
+        evidence.record("flash-oracle", subject=kernel.name, device=str(device), query=q, key=k, value=None,
+                        kwargs=case.kwargs(slopes), bound=torch.maximum(sb.upper - sb.weights, sb.weights - sb.lower),
+                        what="weights (read through V = I)")
     return bounds, w
 
 

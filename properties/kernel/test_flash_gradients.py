@@ -8,7 +8,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.flash import FlashCase, flash_allowed, flash_bounds, flash_cases, flash_gradients, to_heads_first
 from properties.kernel.flash_guard import skip_unsupported
@@ -45,8 +45,8 @@ def test_flash_gradients_agree_with_float64_chain_rule(flash_kernel, device, cas
     do = _grad_out(case, device)
     grads = _backward(flash_kernel, case, q, k, v, slopes, do)
     oracle = flash_gradients(case, flash_bounds(q, k, v, **case.oracle_kwargs(slopes)), q, k, v, do)
-    repro.record("flash-gradient", subject=flash_kernel.name, device=str(device), query=q, key=k, value=v,
-                 kwargs=case.kwargs(slopes), upstream=do, bound=oracle.bound)
+    evidence.record("flash-gradient", subject=flash_kernel.name, device=str(device), query=q, key=k, value=v,
+                    kwargs=case.kwargs(slopes), upstream=do, bound=oracle.bound)
     for name, grad in grads.items():
         assert_within(to_heads_first(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule", note=f"; index (b, h, position, d); {case!r}")
@@ -66,12 +66,12 @@ def test_flash_excluded_keys_get_no_gradient_from_a_query(flash_kernel, device, 
     do[:, row] = _grad_out(case, device)[:, row]
     grads = _backward(flash_kernel, case, q, k, v, slopes, do)
     allowed = flash_allowed(case.lq, case.lk, causal=case.causal, window_size=case.window)
-    if repro.active():   # the script's chain rule with bound 0 where this clause wants exact zeros, finite elsewhere
+    if evidence.active():   # the script's chain rule with bound 0 where this clause wants exact zeros, finite elsewhere
         bound = {name: torch.full_like(to_heads_first(grad), torch.inf) for name, grad in grads.items()}
         for name, where in (("key", ~allowed[row]), ("value", ~allowed[row]), ("query", ~allowed.any(-1))):
             bound[name][:, :, where] = 0
-        repro.record("flash-gradient", subject=flash_kernel.name, device=str(device), query=q, key=k, value=v,
-                     kwargs=case.kwargs(slopes), upstream=do, bound=bound)
+        evidence.record("flash-gradient", subject=flash_kernel.name, device=str(device), query=q, key=k, value=v,
+                        kwargs=case.kwargs(slopes), upstream=do, bound=bound)
     for name, grad in grads.items():
         g = to_float64(grad)
         assert_all(torch.isfinite(g), g, what=f"d{name} is finite")

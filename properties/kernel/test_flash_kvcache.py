@@ -10,7 +10,7 @@ from dataclasses import replace
 from hypothesis import example, given
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_identical, assert_within
 from properties.kernel.flash import FlashCase
 from properties.kernel.flash_cases import CacheCase, cache_cases
@@ -31,13 +31,13 @@ def _run(kernel, device, case: CacheCase):
     problem = case.problem(device)
     with skip_unsupported(kernel, f"{case!r}"):
         out, k_after, v_after = problem.call(kernel)
-    if repro.active():   # the keys each entry may see and the caches as the call must leave them, for the script
+    if evidence.active():   # the keys each entry may see and the caches as the call must leave them, for the script
         entries = [problem.keys_of(index) for index in range(case.flash.b)]
         new = {} if problem.k_new is None else {"k": problem.k_new, "v": problem.v_new}
-        repro.record("flash-kvcache", subject=kernel.name, device=str(device), query=problem.q, key=problem.k_cache,
-                     value=problem.v_cache, kwargs={**new, **problem.kwargs}, keys=[k for k, _ in entries],
-                     values=[v for _, v in entries], caches=[problem.expected_cache("k"), problem.expected_cache("v")],
-                     bound=[problem.entry_bounds(index).output_bound()[0] for index in range(case.flash.b)])
+        evidence.record("flash-kvcache", subject=kernel.name, device=str(device), query=problem.q, key=problem.k_cache,
+                        value=problem.v_cache, kwargs={**new, **problem.kwargs}, keys=[k for k, _ in entries],
+                        values=[v for _, v in entries], caches=[problem.expected_cache("k"), problem.expected_cache("v")],
+                        bound=[problem.entry_bounds(index).output_bound()[0] for index in range(case.flash.b)])
     return problem, out, k_after, v_after
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import assume, example, given
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.flash import FlashCase, flash_gradients, to_heads_first
 from properties.kernel.flash_cases import VarlenCase, varlen_cases
@@ -30,13 +30,13 @@ def _call(kernel, case: VarlenCase, q, k, v, slopes, args):
 
 def _record(kernel, device, case: VarlenCase, q, k, v, slopes, args, what: str = "out") -> None:
     """--repro-dir: the call and every sequence's bound (0 for a sequence without keys: its rows must be 0)."""
-    if repro.active():
+    if evidence.active():
         bound = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
         for index, (q0, q1) in enumerate(zip(case.cu_q, case.cu_q[1:])):
             if q1 > q0:
                 bound[q0:q1] = case.sequence_bounds(q, k, v, slopes, index).output_bound()[0]
-        repro.record("flash-varlen", subject=kernel.name, device=str(device), query=q, key=k, value=v, args=args,
-                     kwargs=case.flash.kwargs(slopes), bound=bound, what=what)
+        evidence.record("flash-varlen", subject=kernel.name, device=str(device), query=q, key=k, value=v, args=args,
+                        kwargs=case.flash.kwargs(slopes), bound=bound, what=what)
 
 
 def _check_sequences(out, case: VarlenCase, q, k, v, slopes, *, what: str, factor: float = 1.0, only=None):
@@ -118,8 +118,8 @@ def test_packed_gradients_are_each_sequences_own(varlen_kernel, device, case):
             for name, part in slices.items():
                 bound[name][:, part] = oracle.bound[name][0]
         sequences.append((f"sequence {index} (queries {q0}..{q1 - 1}, keys {k0}..{k1 - 1}); {case!r}", slices, oracle))
-    repro.record("flash-gradient", subject=varlen_kernel.name, device=str(device), query=q, key=k, value=v, args=args,
-                 kwargs=case.flash.kwargs(slopes), upstream=do, bound=bound)   # 0: where the clause wants exact 0
+    evidence.record("flash-gradient", subject=varlen_kernel.name, device=str(device), query=q, key=k, value=v, args=args,
+                    kwargs=case.flash.kwargs(slopes), upstream=do, bound=bound)   # 0: where the clause wants exact 0
     for where, slices, oracle in sequences:
         if oracle is None:   # no scores: no gradient reaches this sequence's keys, nor its queries
             for name, part in slices.items():

@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.gradients import gradient_oracle, group_sum
 from properties.kernel.limits import nearest_size
@@ -159,13 +159,13 @@ def _bounds(case: GradCase, q, k, v, mask, causal_alignment):
 def _record_zeros(kernel, q, k, v, do, contract: dict, grads: dict, zeros: dict, *, causal_alignment: str) -> None:
     """--repro-dir: the gradient reproducer with bound 0 where the clause wants exact zeros (``zeros``: name -> the
     positions along its sequence axis) and ∞ elsewhere (there only finiteness is checked)."""
-    if not repro.active():
+    if not evidence.active():
         return
     bound = {name: torch.full_like(to_float64(grad), torch.inf) for name, grad in grads.items()}
     for name, positions in zeros.items():
         bound[name][..., positions, :] = 0
-    repro.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
-                 inputs=dict(query=q, key=k, value=v, **contract), bound=bound)
+    evidence.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
+                    inputs=dict(query=q, key=k, value=v, **contract), bound=bound)
 
 
 # ------------------------------------------------------------------------------------------ ATTN-GRAD
@@ -186,9 +186,9 @@ def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, f
     _check_layout(grads, {"query": q, "key": k, "value": v, **({"attn_mask": mask} if "attn_mask" in grads else {})})
     scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, attn_mask=mask if "attn_mask" in grads else None)
-    repro.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
-                 inputs=dict(query=q, key=k, value=v, **({"attn_mask": mask} if mask is not None else {}),
-                             **case.contract(None)), bound={name: oracle.bound[name] for name in grads})
+    evidence.record("gradient", subject=kernel.name, device=str(q.device), upstream=do, alignment=causal_alignment,
+                    inputs=dict(query=q, key=k, value=v, **({"attn_mask": mask} if mask is not None else {}),
+                                **case.contract(None)), bound={name: oracle.bound[name] for name in grads})
     for name, grad in grads.items():
         assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name}",
                       reference="float64 chain rule")
@@ -266,9 +266,9 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
     keep = to_float64(out) != 0
     scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, keep=keep, p=p)
-    if repro.active():   # the script's own draw may differ (another kernel): the bound of a mask that keeps all
-        repro.record("dropout-gradient", subject=kernel.name, device=str(device), query=q, key=k, upstream=do, p=p,
-                     seed=case.seed, contract=case.contract(None), bound=gradient_oracle(
+    if evidence.active():   # the script's own draw may differ (another kernel): the bound of a mask that keeps all
+        evidence.record("dropout-gradient", subject=kernel.name, device=str(device), query=q, key=k, upstream=do, p=p,
+                        seed=case.seed, contract=case.contract(None), bound=gradient_oracle(
                          bounds, q, k, v, do, scale=scale, keep=torch.ones_like(keep), p=p).bound)
     for name, grad in grads.items():
         assert_within(to_float64(grad), oracle.value[name], oracle.bound[name], what=f"d{name} with dropout",
@@ -314,7 +314,7 @@ def check_group_sums(case: GradCase, q, k, v, do, mask, shared: dict, per_head: 
                                    q, wide_k, wide_v, mask, causal_alignment), q, wide_k, wide_v, do, scale=scale)
     limits = {name: oracle.bound[name] + group_sum(wide.bound[name], case.kv_heads) for name in ("key", "value")}
     if contract is not None:   # --repro-dir: the two calls (shared heads, heads repeated) and this bound
-        repro.record("group-sum", subject=subject, device=str(q.device), upstream=do, bound=limits, inputs=dict(
+        evidence.record("group-sum", subject=subject, device=str(q.device), upstream=do, bound=limits, inputs=dict(
             query=q, key=k, value=v, **({"attn_mask": mask} if mask is not None else {}), **contract))
     for name, bound in limits.items():
         summed = group_sum(to_float64(per_head[name]), case.kv_heads)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_identical, assert_within
 from properties.kernel.flash import FlashCase, flash_bounds, flash_cases
 from properties.kernel.flash_guard import skip_unsupported
@@ -34,18 +34,18 @@ def _inputs(q, k, v, kw) -> dict:
 
 def _copies(q, k, v, kw: dict) -> dict | None:
     """--repro-dir: copies of the call's inputs before it (a kernel may write into them), for ``_record``."""
-    if not repro.active():
+    if not evidence.active():
         return None
     return {name: t.detach().clone() if torch.is_tensor(t) else t for name, t in dict(query=q, key=k, value=v,
                                                                                        **kw).items()}
 
 
-def _record(kernel, inputs: dict | None, **evidence) -> None:
+def _record(kernel, inputs: dict | None, **recorded) -> None:
     """The integrity reproducer of that call (after the oracle check, whose own evidence it replaces)."""
     if inputs is not None:
-        repro.record("integrity", subject=kernel.name, device=str(inputs["query"].device), inputs=inputs,
-                     **{name: [t.detach().clone() for t in x] if isinstance(x, list) else x
-                        for name, x in evidence.items()})
+        evidence.record("integrity", subject=kernel.name, device=str(inputs["query"].device), inputs=inputs,
+                        **{name: [t.detach().clone() for t in x] if isinstance(x, list) else x
+                        for name, x in recorded.items()})
 
 
 # ------------------------------------------------------------------------------------ ATTN-INPUTS-UNCHANGED

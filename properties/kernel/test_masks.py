@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.repeats import assert_unchanged
 from properties.kernel.guard import check_against_oracle, fully_masked_mean
@@ -198,8 +198,8 @@ def test_extreme_float_mask_values_do_not_overflow(kernel, device, case, density
         # Every row has a finite score: its weights sum to 1 (ATTN-ROWSUM), which an overflow to −inf breaks even
         # where the output bound, wide at these magnitudes, would not notice.
         w, bounds = check_against_oracle(kernel, q, k, None, attn_mask=mask, what="weights")
-        repro.record("rowsum", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k, attn_mask=mask),
-                     bound=bounds.rowsum_error, reference="no row is fully masked: score + finfo.min is finite")
+        evidence.record("rowsum", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k, attn_mask=mask),
+                        bound=bounds.rowsum_error, reference="no row is fully masked: score + finfo.min is finite")
         row_sums = to_float64(w).sum(-1)
         assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error, what="sum over keys of the weights",
                       reference="1 (no row is fully masked: score + finfo.min is finite)")

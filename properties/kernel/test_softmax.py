@@ -7,7 +7,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
@@ -69,8 +69,8 @@ def test_adding_a_constant_to_a_row_of_scores_changes_nothing(kernel, device, ca
     # The bound is the masked call's (its score errors include u*|c|); the exact result is the unmasked one.
     bound = output_bound(softmax_bounds(q, k, v, attn_mask=mask), v)
     unshifted = softmax_bounds(q, k, v).reference.output
-    repro.record("shifted", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k, value=v, attn_mask=mask),
-                 bound=bound, what="out with row-constant mask", reference="the oracle without mask")
+    evidence.record("shifted", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k, value=v, attn_mask=mask),
+                    bound=bound, what="out with row-constant mask", reference="the oracle without mask")
     assert_within(out, unshifted, bound, what="out with row-constant mask", reference="oracle without mask")
 
 
@@ -118,8 +118,8 @@ def test_scores_up_to_the_dtype_range_do_not_overflow(kernel, device, case, magn
     assume(bool(torch.isfinite(q).all() and torch.isfinite(k).all()))  # extreme ratios |q_e|/|k_e| only
     check_against_oracle(kernel, q, k, v)
     w, bounds = check_against_oracle(kernel, q, k, None, what="weights")
-    repro.record("rowsum", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k),
-                 bound=bounds.rowsum_error, reference="every row has a finite score")
+    evidence.record("rowsum", subject=kernel.name, device=str(device), inputs=dict(query=q, key=k),
+                    bound=bounds.rowsum_error, reference="every row has a finite score")
     row_sums = to_float64(w).sum(-1)
     assert_within(row_sums, torch.ones_like(row_sums), bounds.rowsum_error,
                   what="sum over keys of the weights", reference="1")

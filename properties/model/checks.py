@@ -14,17 +14,17 @@ import torch
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from properties.core import repro
+from properties.core import evidence
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
 from properties.model.twin import observe
-from properties.model.precision import (OUTPUT_ROUNDINGS, OWN_NOISE, OWN_ROUNDINGS, Precision,  # noqa: F401
-                                        accumulation_roundoff, precision_of, register_precision)
+from properties.model.precision import OUTPUT_ROUNDINGS, accumulation_roundoff, precision_of
 
-__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES", "DECODERS", "only",
-           "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR", "comparison_tolerance",
-           "assert_same_output", "record_model_comparison", "record_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN", "noise_floor", "difference_threshold", "Precision",
-           "register_precision", "precision_of"]
+__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES",
+           "DECODERS", "only", "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR",
+           "comparison_tolerance", "assert_same_output", "record_model_comparison", "record_cached_decoding",
+           "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN",
+           "noise_floor", "difference_threshold"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
 
@@ -81,7 +81,7 @@ def call_subject(subject: Subject, *args, fn=None) -> torch.Tensor:
     """subject.forward (or fn, e.g. decode_step's logits) with its output checked against the contract."""
     out = (fn or subject.forward)(*args)
     if fn is None:
-        repro.observe_call(args, out, subject)   # --repro-dir: a comparison of two outputs names these calls
+        evidence.observe_call(args, out, subject)   # --repro-dir: a comparison of two outputs names these calls
     observe(subject, out, "forward" if fn is None else "shifted" if fn is subject.shifted else "decode_step")
     tokens = args[1] if subject.kind == "encoder_decoder" else args[0]
     b, l = tokens.shape
@@ -160,7 +160,7 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
     """|actual - expected| <= comparison_tolerance(expected, subject) elementwise (at ``actual[where]`` only, a bool
     mask of their leading dims, when given), else a readable failure."""
     if where is not None:
-        if repro.active() and actual.shape == expected.shape and actual.shape[:where.dim()] == where.shape:
+        if evidence.active() and actual.shape == expected.shape and actual.shape[:where.dim()] == where.shape:
             every = where.reshape(*where.shape, *[1] * (actual.dim() - where.dim())).expand_as(actual)
             record_model_comparison(actual, expected, what, comparison_tolerance(expected[where], subject), every)
         actual, expected = actual[where], expected[where]
@@ -187,15 +187,15 @@ def assert_same_output(actual: torch.Tensor, expected: torch.Tensor, what: str, 
 def record_model_comparison(actual, expected, what: str, tol: float, where=None, **more) -> None:
     """--repro-dir: the two forward passes whose outputs are compared, when both tensors view their outputs (and
     the entries ``where`` selects of them)."""
-    if not repro.active():
+    if not evidence.active():
         return
-    first, second = repro.view_index(expected), repro.view_index(actual)
+    first, second = evidence.view_index(expected), evidence.view_index(actual)
     if first is not None and second is not None:
         select = (lambda index: index.reshape(-1)) if where is None else (lambda index: index[where.cpu()])
-        repro.record("model", device=str(actual.device), what=what, reference="the first forward pass",
-                     first=list(first[0]), second=list(second[0]), index_first=select(first[1]),
-                     index_second=select(second[1]), tolerance=float(tol), float64=expected.dtype == torch.float64,
-                     **more)
+        evidence.record("model", device=str(actual.device), what=what, reference="the first forward pass",
+                        first=list(first[0]), second=list(second[0]), index_first=select(first[1]),
+                        index_second=select(second[1]), tolerance=float(tol), float64=expected.dtype == torch.float64,
+                        **more)
 
 
 def is_float64_twin(s: Subject) -> bool:
@@ -206,11 +206,32 @@ def is_float64_twin(s: Subject) -> bool:
 def record_cached_decoding(s: Subject, src: tuple | None, tokens, mask, cuts, out_dtype: torch.dtype) -> None:
     """--repro-dir: MODEL-KV-CACHE's decoding in chunks ``cuts`` against the full pass, with its tolerance relative
     to max|y| (comparison_tolerance at max|y| = 1)."""
-    if repro.active():
+    if evidence.active():
         float64 = is_float64_twin(s)
-        repro.record("model-decode", device=str(tokens.device), what="cached decoding", float64=float64,
-                     src=None if src is None else src[0], src_mask=None if src is None else src[1], tokens=tokens,
-                     mask=mask, cuts=list(cuts), relative=comparison_tolerance(torch.ones(1, dtype=out_dtype), s))
+        evidence.record("model-decode", device=str(tokens.device), what="cached decoding", float64=float64,
+                        src=None if src is None else src[0], src_mask=None if src is None else src[1], tokens=tokens,
+                        mask=mask, cuts=list(cuts), relative=comparison_tolerance(torch.ones(1, dtype=out_dtype), s))
+
+
+def check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
+    """MODEL-KV-CACHE's check: decode ``tokens`` in chunks [0, c1), [c1, c2), ... with ``decode_step`` and compare
+    each chunk's logits at real positions with the full forward pass."""
+    length = tokens.shape[1]
+    full = forward(s, src, (tokens, mask))
+    record_cached_decoding(s, src, tokens, mask, cuts, full.dtype)
+    state = None
+    for start, end in zip([0, *cuts], [*cuts, length]):
+        def step(*args):
+            nonlocal state
+            logits, state = s.decode_step(*args, state)
+            return logits
+        chunk = (tokens[:, start:end], mask[:, :end])
+        with torch.no_grad():
+            logits = call_subject(s, *subject_args(src, *chunk), fn=step)
+        real = mask[:, start:end]
+        assert_same_output(logits[real], full[:, start:end][real],
+                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
+                           f"vs the full forward pass", subject=s)
 
 
 @contextmanager

@@ -1,8 +1,8 @@
 """``--model``, ``--zoo`` and ``--zoo-config``: which models the model clauses run on, built once per session.
 
 Without either option the clauses run on the zoo's three families at a tiny size, each with every
-position scheme. properties.plugin calls ``add_options`` and ``configure``, and asks
-``subject_ids`` for its parameters and ``model_under_test`` for each one.
+position scheme. properties/plugin/suite.py calls ``configure`` (the options are the entry point's), and
+asks ``subject_ids`` for its parameters and ``model_under_test`` for each one.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from properties.core.zoo_config import zoo_run
 from properties.model.precision import Precision, precision_of, register_precision
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
-from properties.core import repro
+from properties.core import evidence
 from properties.core.subject import (Subject, SubjectError, as_subject, load_subject, moved, same_draws, watched,
                                      zoo_subject)
 
-__all__ = ["add_options", "configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
+__all__ = ["configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
            "ModelUnderTest", "ZOO_TINY"]
 
 # Small enough that all twelve zoo models run every clause in seconds (task=verify: the suite checks models,
@@ -78,18 +78,6 @@ class _Source:
 
     def fresh(self) -> Subject:
         return watched((self.pristine or self.make)(), self.plugin)
-
-
-def add_options(parser) -> None:
-    group = parser.getgroup("models", "model-level clauses (properties/SPEC.md, section Models)")
-    for option, metavar, text in [
-        ("--model", "pkg.module:factory", "verify the model factory() returns (a zoo model or a properties.Subject); "
-                                          "also path/to/file.py:factory"),
-        ("--zoo", "OVERRIDES", 'verify the zoo model built from Hydra overrides, e.g. '
-                               '"model=decoder_only attention._target_=mypkg.MyAttention"'),
-        ("--zoo-config", "PATH", "verify the zoo model a saved config builds (a YAML such as `python -m zoo "
-                                 "task=verify` writes); like --zoo, every level runs")]:
-        group.addoption(option, default=None, metavar=metavar, help=text)
 
 
 def _device_dtype(config):
@@ -149,7 +137,7 @@ def configure(config) -> None:
                 sources[f"{family}-{pos}"] = _Source(make, f"model {family}-{pos}", pristine=pristine)
                 recipes[f"{family}-{pos}"] = {"overrides": list(overrides), "dtype": dtype}
     config.stash[_KEY] = sources
-    repro.set_model_recipes(recipes)
+    evidence.set_model_recipes(recipes)
 
 
 def _zoo_recipe(cfg, dtype, words: list, origin: str) -> dict:

@@ -17,7 +17,7 @@ import torch
 from hypothesis import settings, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, call_subject, comparison_tolerance, forward, model_settings,
                                      only, real_tokens, requires, subject_args)
@@ -145,12 +145,12 @@ def check_batched_decoding(s, plan: DecodePlan, device, note: str = "") -> None:
         solo_src = [(ids[row:row + 1, :n], src_mask[row:row + 1, :n]) for row, n in enumerate(plan.sources)]
     offsets = [0, *torch.tensor(plan.chunks).cumsum(0).tolist()]
     batched = _decode(s, src, tokens, mask, [0, *(prefill + o for o in offsets)])
-    if repro.active() and batched:   # --repro-dir: the batch, each sample alone, the tolerance relative to max|y|
-        repro.record("model-batched-decode", device=str(device), what="batched cached decoding",
-                     float64=is_float64_twin(s), tokens=tokens, mask=mask,
-                     src=src, samples=samples, solo_src=solo_src, prompts=list(plan.prompts), prefill=prefill,
-                     offsets=offsets, chunks=list(plan.chunks),
-                     relative=comparison_tolerance(torch.ones(1, dtype=batched[0].dtype), s))
+    if evidence.active() and batched:   # --repro-dir: the batch, each sample alone, the tolerance relative to max|y|
+        evidence.record("model-batched-decode", device=str(device), what="batched cached decoding",
+                        float64=is_float64_twin(s), tokens=tokens, mask=mask,
+                        src=src, samples=samples, solo_src=solo_src, prompts=list(plan.prompts), prefill=prefill,
+                        offsets=offsets, chunks=list(plan.chunks),
+                        relative=comparison_tolerance(torch.ones(1, dtype=batched[0].dtype), s))
     where = f"prompts {plan.prompts} left-padded to {prefill}, then chunks {plan.chunks}{note}"
     for row, (p, ids) in enumerate(zip(plan.prompts, samples)):
         ones = torch.ones_like(ids, dtype=torch.bool)

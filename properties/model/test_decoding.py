@@ -8,12 +8,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.model.checks import is_float64_twin
-from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
+from properties.model.checks import (EXAMPLES, DECODERS, Batch, call_subject, check_cached_decoding,
                                      comparison_tolerance, draw_pair, forward,
-                                     model_property, model_settings, only, record_cached_decoding, subject_args,
-                                     real_tokens, requires)
+                                     model_property, model_settings, only, subject_args, real_tokens, requires)
 from properties.model.twin import twin_fallback
 from properties.model.test_models import FULL_PAIR, PAIR, pinned
 
@@ -37,36 +36,15 @@ def test_autoregressive_factorisation(mut, data):
                          for k in range(1, b.length)], dim=1)
     # log_softmax is 2-Lipschitz in the max norm: twice the logits' tolerance bounds each term.
     tol = 2 * comparison_tolerance(full, subject=s)
-    if repro.active():   # --repro-dir: the sequence, and the tolerance relative to max|y|
-        repro.record("model-factorisation", device=str(y.device), float64=is_float64_twin(s), tokens=y, mask=mask,
-                     src=None if src is None else src[0], src_mask=None if src is None else src[1],
-                     relative=comparison_tolerance(torch.ones(1, dtype=full.dtype), s))
+    if evidence.active():   # --repro-dir: the sequence, and the tolerance relative to max|y|
+        evidence.record("model-factorisation", device=str(y.device), float64=is_float64_twin(s), tokens=y, mask=mask,
+                        src=None if src is None else src[0], src_mask=None if src is None else src[1],
+                        relative=comparison_tolerance(torch.ones(1, dtype=full.dtype), s))
     diff = (steps - one_pass).abs()
     assert diff.max() <= tol, (f"log p(y_k | y_<k) from prefix y_<k differs from the one-pass value by "
                                f"{diff.max().item():.3e} at (sample, k - 1) = "
                                f"{tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))} "
                                f"(tolerance {tol:.1e}); totals {steps.sum(1).tolist()} vs {one_pass.sum(1).tolist()}")
-
-
-def _check_cached_decoding(s, src, tokens, mask, cuts, note: str = "") -> None:
-    """Decode ``tokens`` in chunks [0, c1), [c1, c2), ... with ``decode_step`` and compare each chunk's logits
-    at real positions with the full forward pass."""
-    length = tokens.shape[1]
-    full = forward(s, src, (tokens, mask))
-    record_cached_decoding(s, src, tokens, mask, cuts, full.dtype)
-    state = None
-    for start, end in zip([0, *cuts], [*cuts, length]):
-        def step(*args):
-            nonlocal state
-            logits, state = s.decode_step(*args, state)
-            return logits
-        chunk = (tokens[:, start:end], mask[:, :end])
-        with torch.no_grad():
-            logits = call_subject(s, *subject_args(src, *chunk), fn=step)
-        real = mask[:, start:end]
-        assert_same_output(logits[real], full[:, start:end][real],
-                           f"cached decoding of positions {start}..{end - 1} (chunks {[0, *cuts, length]}{note}) "
-                           f"vs the full forward pass", subject=s)
 
 
 @clause("MODEL-KV-CACHE")
@@ -78,7 +56,7 @@ def test_cached_decoding(mut, data):
     requires(s, "decode_step", "the model offers no cached incremental decoding")
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2)
     cuts = sorted(data.draw(st.sets(st.integers(1, b.length - 1), max_size=3), label="chunk boundaries"))
-    _check_cached_decoding(s, src, tokens, mask, cuts)
+    check_cached_decoding(s, src, tokens, mask, cuts)
 
 
 def _left_padded(tokens, mask, pad_id):
@@ -120,7 +98,7 @@ def test_cached_decoding_pinned_shapes(mut, shape):
     if s.kind == "encoder_decoder":
         source = Batch(len(real), length, tuple(reversed(real)), seed=2**17 + 7)
         src = (source.tokens(s, mut.device), source.mask(mut.device))
-    _check_cached_decoding(s, src, tokens, mask, cuts, note=f", pinned shape {shape}: real lengths {real}"
+    check_cached_decoding(s, src, tokens, mask, cuts, note=f", pinned shape {shape}: real lengths {real}"
                            + (", left-padded" if spec["left"] else ""))
 
 

@@ -18,10 +18,11 @@ import torch
 from hypothesis import Phase, settings, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.strategies import pinned_property
-from properties.model.checks import (DECODERS, OWN_NOISE, Batch, batches, call_subject,
-                                     comparison_tolerance, model_settings, only, real_tokens, subject_args)
+from properties.model.checks import (DECODERS, Batch, batches, call_subject, comparison_tolerance, model_settings,
+                                     only, real_tokens, subject_args)
+from properties.model.precision import OWN_NOISE
 from properties.model.test_models import MIXED, MIXED_SOURCE, pinned
 
 DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)
@@ -114,10 +115,10 @@ def _first_parting(diff: torch.Tensor, bound: float) -> tuple[int, ...] | None:
 def _record(mut, reference, arrangement: str, what: str, args_a, args_r, mask, bound: float, cuts, **more) -> None:
     """--repro-dir: both models' inputs, the bound, and the chunks decoded (None: one forward pass; ``more``: the
     gradient clause's loss weights and parameter names)."""
-    if repro.active():
-        repro.record("model-diff", device=str(mut.device), what=f"{arrangement}: {what}",
-                     reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a),
-                     second=list(args_r), mask=mask, bound=float(bound), cuts=cuts, **more)
+    if evidence.active():
+        evidence.record("model-diff", device=str(mut.device), what=f"{arrangement}: {what}",
+                        reference_factory=reference.spec, float64=arrangement == "float64", first=list(args_a),
+                        second=list(args_r), mask=mask, bound=float(bound), cuts=cuts, **more)
 
 
 # --------------------------------------------------------------------------------------- MODEL-DIFF-FORWARD

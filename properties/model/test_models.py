@@ -13,7 +13,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.strategies import PinnedData
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
@@ -104,10 +104,10 @@ def test_causal_gradient(mut, data):
     assume(bool(real.any()))
     weights = torch.randn(logits[:, i].shape, generator=torch.Generator().manual_seed(b.seed), dtype=torch.float64)
     weights = weights * real[:, None].to(weights)
-    if repro.active():   # --repro-dir: the same probe and weights, the exact zero checked again
-        repro.record("model-causal-gradient", device=str(tokens.device), position=i, tokens=tokens, weights=weights,
-                     real=real, args=list(subject_args(src, tokens, mask)),
-                     float64=is_float64_twin(s))
+    if evidence.active():   # --repro-dir: the same probe and weights, the exact zero checked again
+        evidence.record("model-causal-gradient", device=str(tokens.device), position=i, tokens=tokens, weights=weights,
+                        real=real, args=list(subject_args(src, tokens, mask)),
+                        float64=is_float64_twin(s))
     (grad,) = torch.autograd.grad((logits[:, i] * weights.to(logits)).sum(), deltas[0])
     observe(s, grad, f"gradient of the logits at position {i}")
     bad = (~torch.isfinite(grad)).any(-1).nonzero().tolist()
@@ -252,7 +252,7 @@ def test_eval_determinism(mut, data, seeds):
         for seed in seeds:
             torch.manual_seed(seed)
             outs.append(forward(s, src, tgt))
-    if repro.active() and outs[0].shape == outs[1].shape:   # --repro-dir: the two seeded passes, compared bitwise
+    if evidence.active() and outs[0].shape == outs[1].shape:   # --repro-dir: the two seeded passes, compared bitwise
         record_model_comparison(outs[1], outs[0], "the second forward pass under another random seed", 0.0,
                                  seeds=list(seeds), bitwise=True)
     same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])

@@ -9,16 +9,15 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, assert_window_gradient, batches,
-                                     call_subject, comparison_tolerance, difference_threshold, draw_pair,
+                                     call_subject, check_cached_decoding, comparison_tolerance, difference_threshold, draw_pair,
                                      embedding_probe, forward, model_property, model_settings, only, other_real_tokens,
                                      real_tokens, requires, subject_args)
 from properties.model.precision import OWN_ROUNDINGS, accumulation_roundoff, precision_of
 from properties.model.scale import SLACK, fits_near, horizon, length_edges, near, position_edges
 from properties.model.twin import observe, twin_fallback
-from properties.model.test_decoding import _check_cached_decoding
 from properties.model.test_models import FULL, FULL_SOURCE, pinned
 
 ARRANGEMENTS = ("float64", "as-built")
@@ -148,10 +147,10 @@ def test_shift(mut, arrangement, data):
             error, what = _forward_error(mut, s, src, tgt)
             if SHIFT_ERRORS * error > tol:
                 bound, how = SHIFT_ERRORS * error, f"{SHIFT_ERRORS} x E = {error:.2e}, {what}"
-        if repro.active():   # --repro-dir: the two passes and the bound this example used
-            repro.record("model-shift", device=str(tgt[0].device), what="relative" if s.positional else "absent",
-                         float64=is_float64_twin(s), args=list(subject_args(src, tgt[0], mask)), offset=offset,
-                         mask=mask, bound=float(bound), how=how, last=last)
+        if evidence.active():   # --repro-dir: the two passes and the bound this example used
+            evidence.record("model-shift", device=str(tgt[0].device), what="relative" if s.positional else "absent",
+                            float64=is_float64_twin(s), args=list(subject_args(src, tgt[0], mask)), offset=offset,
+                            mask=mask, bound=float(bound), how=how, last=last)
         diff = (moved - base).abs().amax(-1)
         worst = _largest(diff)
         assert worst <= bound, (
@@ -267,5 +266,5 @@ def test_cached_decoding_at_length(mut, data):
     if s.kind == "encoder_decoder":
         source = data.draw(batches(min(8, s.max_len), size=1), label="source")
         src = (source.tokens(s, mut.device), source.mask(mut.device))
-    _check_cached_decoding(s, src, tokens, torch.ones_like(tokens, dtype=torch.bool), [prefill, *cuts],
+    check_cached_decoding(s, src, tokens, torch.ones_like(tokens, dtype=torch.bool), [prefill, *cuts],
                            note=f"; a prompt of {prefill} then {length - prefill} new tokens")

@@ -33,13 +33,14 @@ import torch
 from hypothesis import HealthCheck, settings
 from torch import nn
 
-from properties.core import repro
+from properties.core import evidence
 from properties.core.strategies import derived_generator, require_dtype
 from properties.core.watchdog import describe_args, raised, user_call
-from properties.core.zoo_config import PARTS, ZooRun, with_layer_sizes, compose, zoo_run
+from properties.core.zoo_config import ZooRun, with_layer_sizes, compose, zoo_run
+from zoo.config.options import PARTS
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
-           "reinitialize", "call_module", "watch_module", "inputs", "OneLine", "PARTS"]
+           "reinitialize", "call_module", "watch_module", "inputs", "OneLine"]
 
 # Each composition names one option of every group; together they cover every option once.
 DEFAULT_COMPOSITIONS = (
@@ -100,12 +101,12 @@ class Part:
             module = factory(**given, device=device, dtype=dtype)
             module.eval()
         reinitialize(module, seed)
-        if repro.active():   # --repro-dir: how a script builds this part again (properties/plugin/repro_module.py)
+        if evidence.active():   # --repro-dir: how a script builds this part again (properties/repro/module.py)
             from omegaconf import OmegaConf
-            repro.observe_part(module, {"group": self.group, "choice": self.choice, "origin": self.origin,
-                                        "node": OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(
+            evidence.observe_part(module, {"group": self.group, "choice": self.choice, "origin": self.origin,
+                                           "node": OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(
                                             self.node, resolve=True))),
-                                        "sizes": given, "seed": seed, "dtype": str(dtype).removeprefix("torch.")})
+                                           "sizes": given, "seed": seed, "dtype": str(dtype).removeprefix("torch.")})
         return watch_module(module, self.plugin)
 
     @property
@@ -256,7 +257,7 @@ def call_module(module: nn.Module, *args, expect: tuple[int, ...], like: torch.T
         raise AssertionError(f"{text} raised {raised(exc)}") from exc
     if not torch.is_tensor(out):
         raise AssertionError(f"{text} returned {type(out).__name__}, not a tensor")
-    repro.observe_module_call(owner, getattr(module, "__name__", "forward"), args, kwargs, out)
+    evidence.observe_module_call(owner, getattr(module, "__name__", "forward"), args, kwargs, out)
     if tuple(out.shape) != tuple(expect):
         raise AssertionError(f"{text} returned shape {tuple(out.shape)}, expected {tuple(expect)}")
     if out.dtype != like.dtype or out.device != like.device:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_within
 from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, feed_forward
@@ -99,7 +99,7 @@ def test_formula_with_own_weights(ffn, device, p):
         pytest.skip(reason)
     out = forward(module, x)
     words = dict(what=f"FFN(x) ({ffn.get('activation')})", reference="formula with the module's weights (fp64)")
-    repro.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/oracle.py", **words)
+    evidence.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/oracle.py", **words)
     assert_within(out, ref.value, ref.error, **words)
 
 

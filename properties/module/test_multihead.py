@@ -19,7 +19,7 @@ from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, multihead
 from properties.module.oracle import (PROJECTION_NAMES, module_options, multihead_oracle, projections,
                                       single_head_oracle)
-from properties.core import repro
+from properties.core import evidence
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.strategies import PinnedData, derived_generator, seeds, selected_dtypes
 from properties.kernel.cases import dtypes
@@ -172,7 +172,7 @@ def test_concat_heads_times_w_o(attention, device, p):
     out = forward(module, p, x, memory, mask)
     ref = oracle(module, p, x, memory, mask)
     words = dict(what="MultiHead(x)", reference="concat(heads) W_O + b_O (fp64)")
-    repro.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
+    evidence.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
     assert_within(out, ref.value, ref.error, **words)
 
 
@@ -192,7 +192,7 @@ def test_one_head_is_attention_on_the_projections(attention, device, p):
     ref = single_head_oracle(proj, x, memory, key_padding_mask=mask, is_causal=p.causal, dtype=p.dtype,
                              **module_options(module))
     words = dict(what="MultiHead(x) with h=1", reference="Attention(xW_Q, mW_K, mW_V) W_O (fp64)")
-    repro.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
+    evidence.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
     assert_within(out, ref.value, ref.error, **words)
 
 
@@ -211,7 +211,7 @@ def test_query_head_reads_its_group(attention, device, p):
     ref = oracle(module, p, x, memory, mask)
     words = dict(what=f"MultiHead(x) with h={p.heads}, kv_heads={p.kv_heads}",
                  reference="oracle with query head i -> kv head i // (h/k)")
-    repro.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
+    evidence.record_module_oracle(out, ref.value, ref.error, oracle="properties/module/attention_oracle.py", **words)
     assert_within(out, ref.value, ref.error, **words)
 
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import assume, example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
@@ -129,9 +129,9 @@ def normalized(norm, p, device, check: str | None = None):
     n, e = recovered(out, weight, bias, y.error)
     if check == "standardize":   # --repro-dir: the script recovers n from the same call and applies the same checks
         _, v, _ = layer_norm_stats(x, eps)
-        repro.record_module_oracle(out, n_exact.value, y.error, check=check, variance=(v / (v + eps))[..., 0],
-                                   what="mean and variance of the normalized features (y - bias)/weight",
-                                   reference="0 and σ²/(σ² + eps)", oracle="properties/module/oracle.py")
+        evidence.record_module_oracle(out, n_exact.value, y.error, check=check, variance=(v / (v + eps))[..., 0],
+                                      what="mean and variance of the normalized features (y - bias)/weight",
+                                      reference="0 and σ²/(σ² + eps)", oracle="properties/module/oracle.py")
     return x, eps, n_exact, n, e
 
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.core import repro
+from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.module.oracle import rotary_pair_error, sinusoid_error, sinusoid_table
@@ -102,7 +102,7 @@ def test_sinusoid_formula(pos, device, p):
     bound = e_table + gamma(1, unit_roundoff(p.dtype) + U64) * (xd.abs() + table.abs() + e_table)
     words = dict(what=f"forward(x, offset={p.offset})",
                  reference="x + PE(pos) with PE(pos, 2i) = sin(pos/10000^(2i/d)), PE(pos, 2i+1) = cos(..)")
-    repro.record_module_oracle(out, xd + table, bound, oracle="the sinusoid table in float64 (SPEC.md, POS-*)", **words)
+    evidence.record_module_oracle(out, xd + table, bound, oracle="the sinusoid table in float64 (SPEC.md, POS-*)", **words)
     assert_within(out, xd + table, bound, **words)
 
 

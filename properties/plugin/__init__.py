@@ -1,338 +1,192 @@
-"""Pytest wiring for the spec suites: options, kernel/device parametrization, clause reports, profiles.
+"""The spec suite's pytest plug-in: the entry point (pyproject.toml, pytest11 ``properties.plugin``) that pytest
+loads in every run of an environment where the package is installed, in any project.
 
-Options (``pytest properties/ --help``, group "spec properties"):
-
-  --kernel SPEC           kernel under test, repeatable: a zoo backend (math, torch), 'pkg.module:function'
-                          or 'path/to/file.py:function'; default: math and torch
-  --device DEVICE         cpu, cuda, cuda:N, repeatable; default: cpu and every CUDA device (a bare
-                          'cuda' entry, skipped with a reason, when there is none)
-  --dtype DTYPE           float32, float64, bfloat16, float16, repeatable; default: all four
-  --causal-alignment A    top-left (PyTorch, default) or bottom-right (FlashAttention)
-  --fully-masked P        zeros (default), nan, mean or any: what a query with no admissible key must output
-  --finfo-min-rows R      softmax (default) or masked: a float-mask row of finfo.min (MASK-LOW-PRECISION)
-  --report-json PATH      write one record per (test, clause) for every test run
-  --repro-dir DIR         a standalone script per failing clause, DIR/<clause>-<n>.py (properties/core/repro.py)
-  --kernel-api API        sdpa (default), flash, flash-varlen or flash-kvcache: the calling convention of
-                          --kernel (flash-attn 2.x keywords, properties/kernel/test_flash*.py); with a flash
-                          API and no --kernel, the zoo's own kernels of that API (flash: all three)
-  --window-right-below-lk draw flash windows with 0 <= right < Lk only (flash-attn 2's CUDA kernel)
-  --reference-kernel SPEC a kernel each kernel under test must agree with, forward and backward (ATTN-DIFF*)
-  --kernel-head-size N, --kernel-no-mask, --kernel-equal-lengths, --kernel-equal-head-sizes
-                          the limits of an SDPA kernel (with --dtype): the draws stay inside them
-                          (properties/kernel/limits.py; a kernel may also decline problems as it meets them)
-  --reference FACTORY     a model the model under test must agree with (MODEL-DIFF-*; properties/plugin/reference.py)
-  --deterministic, --batch-invariant
-                          declared contracts: bitwise-equal repeats; a sequence's result independent of its batch
-                          (properties/plugin/contracts.py; their clauses are skipped without the option)
-  --call-timeout SECONDS  time limit for one call of the code under test (default 60; 0: none); a plug-in that
-                          exits, crashes or hangs is reported in one line (properties/plugin/watchdog.py)
+It imports pytest, the standard library, the option lists of properties/core/options.py and the suite's place
+(properties/core/levels.py; both import nothing else), and registers the suite's options (``pytest --help``: groups "spec properties" and "models"). Torch, Hydra, the zoo and the suite
+load only in a run that asks for them: one that collects the suite (``targets_suite``: a path inside properties/,
+a path that holds it, or ``--pyargs properties``), or gives one of these options a value other than its default.
+There, at configuration and before Hypothesis' plug-in reads ``--hypothesis-profile`` (which may name the suite's
+profiles), properties/plugin/suite.py is imported and registers the suite's hooks and fixtures. A run that loaded
+nothing and collects a clause module all the same (through a link into properties/, say) stops with a usage error
+that says how to name the suite.
 
 Which clauses run: with --kernel alone the kernel clauses; with --model the model clauses (and the kernel
-clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level.
-Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``: default, ci, thorough, quick, pinned),
-the run's seed and SIGTERM are properties/plugin/session.py's; the clause text of a failure and --report-json are
-properties/plugin/report.py's (their hooks are registered through this module, the plugin pytest loads).
+clauses too if --kernel is also given); with --zoo, or with no plug-in option, every level. The Hypothesis
+profiles (Hypothesis' own ``--hypothesis-profile``: default, ci, thorough, quick, pinned), the run's seed and
+SIGTERM are properties/plugin/session.py's; the clause text of a failure and --report-json are
+properties/plugin/report.py's; the watchdog of --call-timeout is properties/plugin/watchdog.py.
 """
 from __future__ import annotations
 
-import sys
+import functools
+import importlib
+from pathlib import Path
 
 import pytest
-import torch
 
-from properties.kernel import coverage, limits
-from properties.core.watchdog import CallTimeout, last_call, user_call
-from properties.plugin import contracts
-from properties.core.levels import LEVELS, in_suite, level_of
-from properties.core.zoo_config import zoo_run
-from properties.model import subjects  # --model / --zoo: which models the model clauses run on
-from properties.plugin.reference import reference_fixture, reference_kernel_fixture  # noqa: F401 (fixtures)
-from properties.plugin import reference  # --reference / --reference-kernel: what the differential clauses compare with
-from properties.kernel.guard import FINFO_MIN_ROWS, FULLY_MASKED_CONVENTIONS, GuardedKernel
-from properties.core.oracle import ALIGNMENTS
-from properties.core.spec import SpecError, load_clauses
-from properties.core.strategies import DTYPES, select_dtypes
-from properties.kernel.flash import set_window_right_below_lk
-from properties.kernel.flash_guard import KERNEL_APIS, kernel_params
-from properties.plugin.report import clause_ids, configure_report, configure_reproducers, write_reproducers
-from properties.core.dtypes import device_unavailable
-from properties.plugin.session import PROFILE_NAMES, configure_session, targets_suite
-from properties.plugin import watchdog as plugin_watchdog  # --call-timeout; the supervisor of a run (code that exits, crashes, hangs)
-from zoo.nn.kernel import KERNELS, resolve_kernel
-from zoo.plugins import PluginError
-# The hooks of the session and the report: pytest registers the hooks it finds in this module.
-from properties.plugin.report import (pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: F401
-                                      pytest_sessionfinish)
-from properties.plugin.report import write_coverage, write_model_basis
-from properties.plugin.session import pytest_report_header, pytest_unconfigure  # noqa: F401
-from properties.plugin.session import pytest_terminal_summary as _seed_summary
+from properties.core.levels import LEVELS, SUITE_DIR
+from properties.core.options import (ALIGNMENTS, DEFAULT_TIMEOUT, DTYPE_NAMES, FINFO_MIN_ROWS,
+                                     FULLY_MASKED_CONVENTIONS, KERNEL_APIS, MIN_TIMEOUT)
 
-__all__ = ["PROFILE_NAMES"]   # --hypothesis-profile values the suite registers (properties.catalog.mutation_report)
+__all__ = ["OPTIONS", "DEFAULTS", "SUITE_PLUGIN", "targets_suite", "options_given"]
 
-_KERNELS = pytest.StashKey[list]()
-_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.kernel.flash_guard.kernel_params)
-_DEVICES = pytest.StashKey[list]()
+SUITE_PLUGIN = "properties.plugin.suite"   # the module, and its name among pytest's plug-ins once registered
+_SPEC = ("spec properties", "kernel and options for the spec suites in properties/")
+_MODELS = ("models", "model-level clauses (properties/SPEC.md, section Models)")
+
+# Every option of the suite: (group, names, argparse keywords). pytest_addoption registers them in this order.
+OPTIONS = (
+    (_SPEC, ("--kernel",), dict(
+        action="append", metavar="SPEC",
+        help="kernel under test (repeatable): a zoo backend by name (zoo.nn.kernel.KERNELS: math, torch, ...), "
+             "'pkg.module:function' or 'path/to/file.py:function'; default: every zoo backend")),
+    (_SPEC, ("--device",), dict(
+        action="append", metavar="DEVICE",
+        help="device to test on (repeatable): cpu, cuda, cuda:N; default: every available device")),
+    (_SPEC, ("--dtype",), dict(action="append", choices=DTYPE_NAMES, help="dtype to draw (repeatable); default: all")),
+    (_SPEC, ("--causal-alignment",), dict(
+        choices=ALIGNMENTS, default="top-left",
+        help="is_causal diagonal for L != S: top-left (PyTorch, default) or bottom-right (FlashAttention)")),
+    (_SPEC, ("--fully-masked",), dict(
+        choices=FULLY_MASKED_CONVENTIONS, default="zeros",
+        help="output required for a query with no admissible key: zeros (default), nan, mean (of the values, as an "
+             "additive finfo.min mask gives) or any (no requirement)")),
+    (_SPEC, ("--finfo-min-rows",), dict(
+        choices=FINFO_MIN_ROWS, default="softmax",
+        help="a float-mask row whose every score lies below -finfo(float32).max/log2(e) (finfo.min in float32 or "
+             "bfloat16): softmax (default, SDPA's semantics: the softmax of the row's scores) or masked (it may also "
+             "come out as a query without admissible key, per --fully-masked: PyTorch's memory-efficient CUDA "
+             "kernel; MASK-LOW-PRECISION)")),
+    (_SPEC, ("--report-json",), dict(
+        metavar="PATH", help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")),
+    (_SPEC, ("--repro-dir",), dict(
+        metavar="DIR",
+        help="write DIR/<clause>-<n>.py for each failing clause: a script that needs only torch and the code under "
+             "test, exits 1 while the failure is there and 0 once it is fixed")),
+    (_SPEC, ("--kernel-api",), dict(
+        choices=KERNEL_APIS, default="sdpa",
+        help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's flash, "
+             "flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")),
+    (_SPEC, ("--window-right-below-lk",), dict(
+        action="store_true",
+        help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel follows its "
+             "docstring)")),
+    # The limits of an SDPA kernel (properties/core/options.py: LIMIT_OPTIONS; properties/kernel/limits.py).
+    (_SPEC, ("--kernel-head-size",), dict(
+        action="append", metavar="N",
+        help="a head size E the SDPA kernel accepts (repeatable, or comma-separated: 16,32,64,128); the kernel "
+             "clauses draw only these. Default: any")),
+    (_SPEC, ("--kernel-no-mask",), dict(
+        action="store_true",
+        help="the SDPA kernel accepts no attn_mask: the mask clauses are skipped, the others draw none")),
+    (_SPEC, ("--kernel-equal-lengths",), dict(
+        action="store_true", help="the SDPA kernel accepts only L = S (as many queries as keys)")),
+    (_SPEC, ("--kernel-equal-head-sizes",), dict(
+        action="store_true",
+        help="the SDPA kernel accepts only Ev = E (value head size equal to the query/key head size); the weights "
+             "are then read through V = I in slices of E columns")),
+    # Declared contracts (properties/plugin/contracts.py): their clauses are skipped without the option.
+    (_SPEC, ("--deterministic",), dict(
+        action="store_true",
+        help="declare that every kernel or model call, and its backward, is bitwise equal when repeated on the same "
+             "inputs (KERNEL-DETERMINISTIC, MODEL-DETERMINISTIC; skipped without it)")),
+    (_SPEC, ("--batch-invariant",), dict(
+        action="store_true",
+        help="declare that a sequence's output is bitwise the same whatever else is in its batch and wherever it "
+             "sits (KERNEL-BATCH-INVARIANT, MODEL-BATCH-INVARIANT; skipped without it)")),
+    # The watchdog (properties/plugin/watchdog.py).
+    (_SPEC, ("--call-timeout", "--kernel-timeout"), dict(
+        dest="call_timeout", default=None, metavar="SECONDS",
+        help=f"time limit for one call of the code under test (a kernel call or its backward pass, a module's or "
+             f"model's forward or decode step, importing a plug-in, a factory); a call past it fails its test and "
+             f"that code is not called again; 0: no limit, else at least {MIN_TIMEOUT:g}; default "
+             f"{DEFAULT_TIMEOUT:g}")),
+    # The models under test (properties/model/subjects.py) and the references (properties/plugin/reference.py).
+    (_MODELS, ("--model",), dict(
+        default=None, metavar="pkg.module:factory",
+        help="verify the model factory() returns (a zoo model or a properties.Subject); also "
+             "path/to/file.py:factory")),
+    (_MODELS, ("--zoo",), dict(
+        default=None, metavar="OVERRIDES",
+        help='verify the zoo model built from Hydra overrides, e.g. "model=decoder_only '
+             'attention._target_=mypkg.MyAttention"')),
+    (_MODELS, ("--zoo-config",), dict(
+        default=None, metavar="PATH",
+        help="verify the zoo model a saved config builds (a YAML such as `python -m zoo task=verify` writes); like "
+             "--zoo, every level runs")),
+    (_MODELS, ("--reference",), dict(
+        default=None, metavar="FILE.py:FACTORY",
+        help="a second model (pkg.module:factory or path/to/file.py:factory, called with no argument or with the "
+             "Subject under test) that the model under test must agree with: MODEL-DIFF-FORWARD, -GRADIENT, "
+             "-DECODE")),
+    (_SPEC, ("--reference-kernel",), dict(
+        default=None, metavar="SPEC",
+        help="a kernel (a zoo backend such as math or torch, pkg.module:function or path/to/file.py:function) that "
+             "each kernel under test must agree with, forward and backward: ATTN-DIFF, ATTN-DIFF-GRAD")),
+)
+# Each option's default, by its first name: a run that gives any option another value loads the suite.
+DEFAULTS = {names[0]: keywords.get("default", False if keywords.get("action") == "store_true" else None)
+            for _, names, keywords in OPTIONS}
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("spec properties", "kernel and options for the spec suites in properties/")
-    group.addoption("--kernel", action="append", metavar="SPEC",
-                    help=f"kernel under test (repeatable): one of {sorted(KERNELS)}, 'pkg.module:function' or "
-                         "'path/to/file.py:function'; default: the zoo's backends math and torch")
-    group.addoption("--device", action="append", metavar="DEVICE",
-                    help="device to test on (repeatable): cpu, cuda, cuda:N; default: every available device")
-    group.addoption("--dtype", action="append", choices=list(DTYPES),
-                    help="dtype to draw (repeatable); default: all four")
-    group.addoption("--causal-alignment", choices=ALIGNMENTS, default="top-left",
-                    help="is_causal diagonal for L != S: top-left (PyTorch, default) or bottom-right "
-                         "(FlashAttention)")
-    group.addoption("--fully-masked", choices=FULLY_MASKED_CONVENTIONS, default="zeros",
-                    help="output required for a query with no admissible key: zeros (default), nan, mean (of the "
-                         "values, as an additive finfo.min mask gives) or any (no requirement)")
-    group.addoption("--finfo-min-rows", choices=FINFO_MIN_ROWS, default="softmax",
-                    help="a float-mask row whose every score lies below -finfo(float32).max/log2(e) (finfo.min in "
-                         "float32 or bfloat16): softmax (default, SDPA's semantics: the softmax of the row's scores) "
-                         "or masked (it may also come out as a query without admissible key, per --fully-masked: "
-                         "PyTorch's memory-efficient CUDA kernel; MASK-LOW-PRECISION)")
-    group.addoption("--report-json", metavar="PATH",
-                    help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")
-    group.addoption("--repro-dir", metavar="DIR",
-                    help="write DIR/<clause>-<n>.py for each failing clause: a script that needs only torch and the "
-                         "code under test, exits 1 while the failure is there and 0 once it is fixed")
-    group.addoption("--kernel-api", choices=KERNEL_APIS, default="sdpa",
-                    help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's "
-                         "flash, flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")
-    group.addoption("--window-right-below-lk", action="store_true",
-                    help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel "
-                         "follows its docstring)")
-    limits.add_options(group)
-    contracts.add_options(group)
-    plugin_watchdog.add_options(group)
-    subjects.add_options(parser)
-    reference.add_options(parser)
+    for (name, description), names, keywords in OPTIONS:
+        parser.getgroup(name, description).addoption(*names, **keywords)
 
 
-def _default_devices() -> list[str]:
-    if torch.cuda.is_available():
-        return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return ["cpu", "cuda"]  # the cuda entry is skipped with its reason, so the report says why
+def options_given(config) -> bool:
+    """Whether the run gives one of the suite's options a value other than its default."""
+    return any(config.getoption(name, default) != default for name, default in DEFAULTS.items())
 
 
-def _device_param(name: str):
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        raise pytest.UsageError(f"--device {name!r}: {exc}") from None
-    reason = device_unavailable(device)
-    marks = [pytest.mark.skip(reason=reason)] if reason else []
-    return pytest.param(name, marks=marks, id=name)
+def targets_suite(config, part: str | None = None) -> bool:
+    """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
+    properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that an
+    unrelated test suite in an environment where the plug-in is installed keeps Hypothesis' own settings and
+    profiles. With ``part`` (a level's folder, ``"kernel"``): whether it collects that folder of the suite."""
+    suite = SUITE_DIR / part if part else SUITE_DIR
+    package = f"properties.{part}" if part else "properties"
+    for arg in config.args:
+        name = arg.split("::")[0]
+        if config.getoption("pyargs", False) and (name in ("properties", package) or name.startswith(package + ".")):
+            return True
+        path = (Path(config.invocation_params.dir) / name).resolve()
+        if path == suite or suite in path.parents:
+            return True
+        if path in suite.parents:   # collected from above, unless it lies where pytest does not look
+            hidden = [p for p in suite.relative_to(path).parts if p.startswith(".") or p.endswith("-packages")]
+            if not hidden:
+                return True
+    return False
 
 
-@pytest.hookimpl(tryfirst=True)   # before Hypothesis' plugin loads --hypothesis-profile, which may name ours
+@pytest.hookimpl(tryfirst=True)   # before Hypothesis' plug-in loads --hypothesis-profile, which may name the suite's
 def pytest_configure(config):
-    plugin_watchdog.configure(config, targets_suite(config))   # first: it may fork before any plug-in is imported
-    try:
-        _configure(config)
-    except CallTimeout as exc:   # importing a plug-in, its factory or building the model hung: one line
-        raise pytest.UsageError(str(exc)) from None
-    except KeyboardInterrupt as exc:   # pytest says nothing when interrupted before the session: say what stopped
-        sys.stderr.write(f"ERROR: interrupted ({str(exc) or type(exc).__name__}) while loading the code under test"
-                         f"{last_call()}\n")
-        raise
-
-
-def _loading(spec: str) -> str:
-    return f"importing {spec.rpartition(':')[0]!r}" if ":" in spec else f"loading {spec!r}"
-
-
-# Options that shape the kernel clauses only, and their defaults: given where no kernel clause runs, they would be
-# accepted and ignored.
-_KERNEL_ONLY = {"--causal-alignment": "top-left", "--fully-masked": "zeros", "--finfo-min-rows": "softmax",
-                "--window-right-below-lk": False, "--reference-kernel": None,
-                **{name: None for name in limits.LIMIT_OPTIONS}}
-
-
-def _kernel_clauses_run(config) -> bool:
-    """Whether the kernel level is selected (``_levels_selected``), read from the options alone: before --zoo is
-    parsed, which may be refused."""
-    kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
-    whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
-    return bool(kernel or whole or not config.getoption("--model", None))
-
-
-def _refuse_kernel_options_without_kernels(config) -> None:
-    """A kernel option where no kernel clause runs (--model alone) is a UsageError, not an option ignored."""
-    if _kernel_clauses_run(config):
-        return
-    given = [name for name, default in _KERNEL_ONLY.items() if config.getoption(name, default) not in (default, False)]
-    if given:
-        raise pytest.UsageError(f"{', '.join(given)}: {'a kernel option' if len(given) == 1 else 'kernel options'}, "
-                                f"but no kernel clause runs (--model alone checks the model clauses); add --kernel "
-                                f"SPEC to check a kernel, or leave {'it' if len(given) == 1 else 'them'} out")
-
-
-def _configure(config):
-    _refuse_kernel_options_without_kernels(config)
-    configure_session(config)
-    configure_report(config)
-    configure_reproducers(config)
     config.addinivalue_line("markers", "clause(*ids): the spec clauses (properties/SPEC.md) a test checks")
     for level in LEVELS:
-        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); select with -m {level}")
-    try:
-        load_clauses()
-    except SpecError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    kernels, api = [], config.getoption("--kernel-api")
-    select_dtypes([DTYPES[name] for name in config.getoption("--dtype") or DTYPES])
-    try:
-        declared = limits.declared_limits({name: config.getoption(name) for name in limits.LIMIT_OPTIONS},
-                                          [DTYPES[name] for name in config.getoption("--dtype") or ()], api)
-    except limits.LimitsError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
-        try:
-            with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
-                kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared))
-        except PluginError as exc:
-            raise pytest.UsageError(f"--kernel: {exc}") from None
-    config.stash[_KERNELS] = kernels
-    try:
-        specs = config.getoption("--kernel") or []
-        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", f"loading it (--kernel-api {api})"):
-            config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
-    except PluginError as exc:
-        raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
-    set_window_right_below_lk(config.getoption("--window-right-below-lk"))
-    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
-    # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
-    # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
-    # No probe where no kernel clause runs: --model alone, or only other levels' folders collected
-    # (pytest properties/model --zoo ...).
-    probed = kernels if _kernel_clauses_run(config) and targets_suite(config, "kernel") else []
-    for kernel in probed:
-        for device in [p.values[0] for p in config.stash[_DEVICES] if not p.marks]:
-            try:
-                kernel.learn(device)
-            except limits.LimitsError as exc:
-                raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
-                                        f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
-                                        f"--kernel-equal-head-sizes)") from None
-    subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
-    reference.configure(config)  # after the model under test, which a reference factory may copy
+        config.addinivalue_line("markers", f"{level}: a {level}-level clause (properties/{level}/); "
+                                           f"select with -m {level}")
+    if targets_suite(config) or options_given(config):
+        importlib.import_module(SUITE_PLUGIN).configure(config)
 
 
-def pytest_generate_tests(metafunc):
-    if not in_suite(metafunc.definition):
-        return
-    # Session scope lets fixtures of any scope use them (Hypothesis rejects function-scoped fixtures).
-    flash = metafunc.config.stash[_FLASH]
-    if "kernel" in metafunc.fixturenames and "kernel" in flash:   # --kernel-api flash*: SDPA clauses skipped
-        metafunc.parametrize("kernel", flash["kernel"], scope="session")
-    elif "kernel" in metafunc.fixturenames:
-        kernels = metafunc.config.stash[_KERNELS]
-        metafunc.parametrize("kernel", kernels, ids=[k.name for k in kernels], scope="session")
-    for fixture in set(flash) - {"kernel"}:
-        if fixture in metafunc.fixturenames:
-            metafunc.parametrize(fixture, flash[fixture], scope="session")
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", metafunc.config.stash[_DEVICES], scope="session")
-    if "mut" in metafunc.fixturenames:  # the model clauses: once per model under test (zoo families, --model, --zoo)
-        metafunc.parametrize("mut", subjects.subject_ids(metafunc.config), indirect=True)
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    write_coverage(terminalreporter)
-    write_model_basis(terminalreporter)
-    write_reproducers(terminalreporter)
-    _seed_summary(terminalreporter, exitstatus, config)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    """Around each kernel-level test: the draws steer into the kernel's limits on its device, and the examples
-    run and declined are counted (properties/kernel/coverage.py)."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
-    if level_of(item) != "kernel" or kernel is None:
-        return (yield)
-    device = params.get("device", "cpu")
-    limits.set_active((lambda: kernel.limits(device)) if isinstance(kernel, GuardedKernel) else None, device)
-    try:
-        with coverage.counting(item, kernel.name, device):
-            return (yield)
-    finally:
-        limits.set_active(None)
-
-
-@pytest.fixture(scope="session")
-def mut(request):
-    """The model under test (properties.model.subjects.ModelUnderTest), built once per session."""
-    return subjects.model_under_test(request.config, request.param)
-
-
-@pytest.fixture(scope="session")
-def causal_alignment(pytestconfig) -> str:
-    return pytestconfig.getoption("--causal-alignment")
-
-
-@pytest.fixture(scope="session")
-def fully_masked(pytestconfig) -> str:
-    return pytestconfig.getoption("--fully-masked")
-
-
-@pytest.fixture(scope="session")
-def finfo_min_rows(pytestconfig) -> str:
-    return pytestconfig.getoption("--finfo-min-rows")
-
-
-def _levels_selected(config) -> set[str]:
-    """--kernel alone checks kernels; --model alone checks the model (plus kernels if --kernel is also
-    given); --zoo or --zoo-config checks the assembled model at every level; no plug-in option checks the zoo
-    at every level."""
-    kernel, model = config.getoption("--kernel", None), config.getoption("--model", None)
-    kernel = kernel or config.getoption("--kernel-api", "sdpa") != "sdpa"   # a flash API is a kernel option
-    if zoo_run(config) is not None or not (kernel or model):
-        return {"kernel", "module", "model"}
-    return ({"kernel"} if kernel else set()) | ({"model"} if model else set())
-
-
-def pytest_collection_modifyitems(config, items):
-    mine = [item for item in items if in_suite(item)]
-    unbound = [item.nodeid for item in mine if not clause_ids(item)]
-    if unbound:
-        raise pytest.UsageError(f"property tests must name their spec clause with @properties.clause(...): "
-                                f"{', '.join(unbound[:5])}{' ...' if len(unbound) > 5 else ''}")
-    for item in mine:   # a kernel that accepts no problem on a device: its clauses there are skipped, with its reason
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        kernel, device = params.get("kernel"), params.get("device")
-        if isinstance(kernel, GuardedKernel) and device is not None and kernel.limits(device).unusable:
-            item.add_marker(pytest.mark.skip(reason=f"kernel {kernel.name} declines every problem on {device} "
-                                                    f"(not covered): {kernel.limits(device).unusable}"))
-    contracts.skip_undeclared(config, mine, clause_ids)   # --deterministic, --batch-invariant
-    levels = _levels_selected(config)
-    deselected = [item for item in mine if level_of(item) not in levels]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item not in set(deselected)]
+@functools.lru_cache(maxsize=None)
+def _inside_suite(path: str) -> bool:
+    """``properties.core.levels.in_suite`` for a test file, once per file: links resolved."""
+    return SUITE_DIR in Path(path).resolve().parents
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_itemcollected(item):
-    level = level_of(item)
-    if level is not None:  # before -m selects: `pytest properties/ -m kernel`
-        item.add_marker(level)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread(request):
-    """The suite's tensors are tiny: CPU intra-op threads only add synchronization, which costs 35x on a loaded
-    2-core machine (measured: 355 ms vs 10 ms for one oracle bound of 2048 small problems). Restored after
-    each module, and other test suites are left alone."""
-    if not in_suite(request.node):
-        yield
+def pytest_collection_modifyitems(config, items):
+    """A clause module collected by a run that did not load the suite (pytest reached properties/ through a link,
+    or a plug-in of its own): its tests would run without the suite's kernels, profiles and watchdog. A usage
+    error, naming the way to run them."""
+    if config.pluginmanager.has_plugin(SUITE_PLUGIN):
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    strays = sorted({str(item.path) for item in items if _inside_suite(str(item.path))})
+    if strays:
+        more = f" and {len(strays) - 1} more" if len(strays) > 1 else ""
+        raise pytest.UsageError(f"{strays[0]}{more}: clause modules of the spec suite ({SUITE_DIR}), collected by a "
+                                f"run that did not load the suite at its start (it names no path inside the suite "
+                                f"or holding it, no --pyargs properties and no suite option); run them as "
+                                f"`pytest {SUITE_DIR}` or `pytest --pyargs properties`")

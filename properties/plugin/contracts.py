@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-__all__ = ["CONTRACTS", "add_options", "skip_undeclared"]
+__all__ = ["CONTRACTS", "skip_undeclared"]
 
 # clause -> the option that declares it
 CONTRACTS = {"KERNEL-DETERMINISTIC": "--deterministic", "MODEL-DETERMINISTIC": "--deterministic",
              "KERNEL-BATCH-INVARIANT": "--batch-invariant", "MODEL-BATCH-INVARIANT": "--batch-invariant"}
-
-
-def add_options(group) -> None:
-    group.addoption("--deterministic", action="store_true",
-                    help="declare that every kernel or model call, and its backward, is bitwise equal when repeated "
-                         "on the same inputs (KERNEL-DETERMINISTIC, MODEL-DETERMINISTIC; skipped without it)")
-    group.addoption("--batch-invariant", action="store_true",
-                    help="declare that a sequence's output is bitwise the same whatever else is in its batch and "
-                         "wherever it sits (KERNEL-BATCH-INVARIANT, MODEL-BATCH-INVARIANT; skipped without it)")
 
 
 def skip_undeclared(config, items, clause_ids) -> None:

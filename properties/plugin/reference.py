@@ -25,7 +25,7 @@ from properties.core.subject import Subject, SubjectError, as_subject, moved, sa
 from properties.core.watchdog import raised, user_call
 from zoo.plugins import PluginError, load_object
 
-__all__ = ["Reference", "add_options", "configure", "reference_of", "reference_kernel_of"]
+__all__ = ["Reference", "configure", "reference_of", "reference_kernel_of"]
 
 _MODEL = pytest.StashKey[object]()
 _KERNEL = pytest.StashKey[object]()
@@ -43,17 +43,6 @@ class Reference:
 
     def __repr__(self) -> str:  # Hypothesis prints fixtures' reprs in counterexamples
         return f"<reference {self.spec}>"
-
-
-def add_options(parser) -> None:
-    parser.getgroup("models").addoption(
-        "--reference", default=None, metavar="FILE.py:FACTORY",
-        help="a second model (pkg.module:factory or path/to/file.py:factory, called with no argument or with the "
-             "Subject under test) that the model under test must agree with: MODEL-DIFF-FORWARD, -GRADIENT, -DECODE")
-    parser.getgroup("spec properties").addoption(
-        "--reference-kernel", default=None, metavar="SPEC",
-        help="a kernel (math, torch, memory_efficient, pkg.module:function or path/to/file.py:function) that each "
-             "kernel under test must agree with, forward and backward: ATTN-DIFF, ATTN-DIFF-GRAD")
 
 
 def configure(config) -> None:
@@ -74,7 +63,8 @@ def reference_kernel_of(config):
     return config.stash.get(_KERNEL, None)
 
 
-# The fixtures of the differential clauses (registered by properties.plugin): a test without the option is skipped.
+# The fixtures of the differential clauses (properties/plugin/suite.py registers this module as a plug-in): a test
+# without the option is skipped.
 @pytest.fixture(name="reference", scope="session")
 def reference_fixture(pytestconfig):
     return required(reference_of(pytestconfig),
@@ -159,7 +149,7 @@ def _float64(ref: Subject, device, spec: str) -> tuple[Subject | None, str]:
 
 def _model(config, spec: str) -> Reference | None:
     from properties.model import subjects
-    from properties.model.checks import register_precision
+    from properties.model.precision import register_precision
     if not (config.getoption("model", None) or config.getoption("zoo", None) or config.getoption("zoo_config", None)):
         raise pytest.UsageError(f"--reference {spec!r}: needs the model it is compared with: --model, --zoo or "
                                 f"--zoo-config")

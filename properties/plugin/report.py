@@ -1,8 +1,8 @@
-"""The spec suite's reports (properties/plugin/__init__.py calls ``configure_report``): each failure opens with the text of
-the clauses it violates, and ``--report-json PATH`` gets one record per (test, clause) with its status, duration,
-message, Hypothesis' counterexample and, for a kernel clause, its coverage (problems run and declined with the reasons
-grouped, the largest L, S and E reached, the dtypes: properties/kernel/coverage.py), which the terminal summary also
-prints.
+"""The spec suite's reports (properties/plugin/suite.py calls ``configure_report`` and registers this module for its
+hooks): each failure opens with the text of the clauses it violates, and ``--report-json PATH`` gets one record per
+(test, clause) with its status, duration, message, Hypothesis' counterexample and, for a kernel clause, its coverage
+(problems run and declined with the reasons grouped, the largest L, S and E reached, the dtypes:
+properties/kernel/coverage.py), which the terminal summary also prints.
 """
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import json
 import pytest
 
 from properties.kernel import coverage
-from properties.core import repro
-from properties.plugin.repro import reset as reset_reproducers, write as write_reproducer
+from properties.core import evidence
+from properties.repro import write as reproducers
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.core.subject import called_dtypes
 from properties.model.twin import ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
-__all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
+__all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_coverage", "write_model_basis",
+           "write_reproducers", "unverified", "model_basis", "pytest_runtest_makereport", "pytest_runtest_logreport",
            "pytest_sessionfinish"]
 
 _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
@@ -62,19 +63,19 @@ def pytest_runtest_makereport(item, call):
     report.repro = None
     report.repro_missing = ""
     if call.when == "setup":
-        repro.clear()
+        evidence.clear()
     if report.failed and ids:
         clauses = load_clauses()
         report.sections.insert(0, (f"spec clause {', '.join(ids)}",
                                    "\n\n".join(clauses[i].describe() for i in ids)))
-        if call.when == "call" and repro.active():   # --repro-dir: the script of this failure
+        if call.when == "call" and evidence.active():   # --repro-dir: the script of this failure
             from properties.core.watchdog import CallTimeout
             if call.excinfo is not None and call.excinfo.errisinstance(CallTimeout):   # its script would hang too
-                repro.clear()
+                evidence.clear()
                 report.repro_missing = "a call did not return within --call-timeout; a script would hang too"
             else:
-                report.repro, report.repro_missing = write_reproducer(clauses[ids[0]], item.nodeid,
-                                                                      _counterexample(report))
+                report.repro, report.repro_missing = reproducers.write(clauses[ids[0]], item.nodeid,
+                                                                       _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
         item.user_properties.append(("clauses", " ".join(ids)))
         if report.failed:
@@ -253,7 +254,7 @@ def write_model_basis(terminalreporter) -> None:
 
 
 def write_reproducers(terminalreporter) -> None:
-    """The reproducers --repro-dir wrote, one line each (properties/core/repro.py)."""
+    """The reproducers --repro-dir wrote, one line each (properties/repro/write.py)."""
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
     missing = [(nodeid, r["repro_missing"]) for nodeid, r in _records.items() if r.get("repro_missing")]
     if written or missing:
@@ -271,8 +272,8 @@ def configure_reproducers(config) -> None:
         from zoo.io.atomic import unwritable
         if problem := unwritable(directory):
             raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
-    repro.activate(directory, config.getoption("--causal-alignment", "top-left"))
-    reset_reproducers()
+    evidence.activate(directory, config.getoption("--causal-alignment", "top-left"))
+    reproducers.reset()
 
 
 def pytest_sessionfinish(session):

@@ -1,5 +1,5 @@
-"""The spec suite's run as a whole (properties/plugin/__init__.py calls ``configure_session``): its Hypothesis profiles
-and seed, SIGTERM as Ctrl-C, whether a pytest run targets the suite at all.
+"""The spec suite's run as a whole (properties/plugin/suite.py calls ``configure`` and registers this module for its
+hooks): its Hypothesis profiles and seed, SIGTERM as Ctrl-C.
 
 Hypothesis profiles (select with Hypothesis' own ``--hypothesis-profile``): ``default`` (few examples, so
 the whole suite stays fast), ``ci`` (the same, derandomized: reproducible runs), ``thorough`` (many
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["PROFILE_NAMES", "configure_session", "targets_suite", "pytest_report_header",
-           "pytest_terminal_summary", "pytest_unconfigure"]
+from properties.plugin import targets_suite
+
+__all__ = ["PROFILE_NAMES", "configure", "write_seed", "pytest_report_header", "pytest_unconfigure"]
 
 # No "explain" phase: its report names lines of the assertion helpers, never the property's cause.
 _PHASES = tuple(p for p in Phase if p != Phase.explain)
@@ -62,35 +63,13 @@ def pytest_report_header(config):
         return f"spec suite: Hypothesis seed {seed} (reproduce with --hypothesis-seed={seed})"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
+def write_seed(terminalreporter, config) -> None:
+    """After failures: the seed that reproduces them."""
     if _SEED in config.stash and terminalreporter.stats.get("failed"):
         seed = config.stash[_SEED]
         terminalreporter.write_line(f"spec suite: reproduce these failures with --hypothesis-seed={seed} "
                                     f"(the counterexamples above are also kept in .hypothesis/)")
 
-
-def targets_suite(config, part: str | None = None) -> bool:
-    """Whether this pytest run collects the spec suite (a path inside it, a path that holds it, or --pyargs
-    properties): only then are the suite's Hypothesis profiles registered and ``default`` loaded, so that
-    an unrelated test suite in an environment where the plugin is installed keeps Hypothesis' own settings
-    and profiles. With ``part`` (a level's folder, ``"kernel"``): whether it collects that folder of the suite."""
-    from pathlib import Path
-
-    from properties.core.levels import SUITE_DIR
-    suite = SUITE_DIR / part if part else SUITE_DIR
-    package = f"properties.{part}" if part else "properties"
-    for arg in config.args:
-        name = arg.split("::")[0]
-        if config.getoption("pyargs", False) and (name in ("properties", package) or name.startswith(package + ".")):
-            return True
-        path = (Path(config.invocation_params.dir) / name).resolve()
-        if path == suite or suite in path.parents:
-            return True
-        if path in suite.parents:   # collected from above, unless it lies where pytest does not look
-            hidden = [p for p in suite.relative_to(path).parts if p.startswith(".") or p.endswith("-packages")]
-            if not hidden:
-                return True
-    return False
 
 _SIGTERM = pytest.StashKey[object]()
 
@@ -114,7 +93,7 @@ def pytest_unconfigure(config):
         signal.signal(signal.SIGTERM, config.stash[_SIGTERM])
 
 
-def configure_session(config) -> None:
+def configure(config) -> None:
     """For a run that collects the suite: its profiles (``default`` loaded), one seed, SIGTERM as Ctrl-C."""
     if targets_suite(config):
         _use_suite_profiles()

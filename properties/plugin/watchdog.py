@@ -1,5 +1,6 @@
-"""The spec suite's watchdog (properties/plugin/__init__.py calls ``add_options`` and ``configure``): ``--call-timeout``, and
-a supervisor process, so that code under test that ends the process, crashes or hangs never reads as a pass.
+"""The spec suite's watchdog (properties/plugin/suite.py calls ``configure``; the entry point registers
+``--call-timeout``): the per-call limit, and a supervisor process, so that code under test that ends the process,
+crashes or hangs never reads as a pass.
 
 A run started as ``pytest`` or ``python -m pytest`` (so also ``python -m properties`` and ``task=verify``) forks
 once, at configuration, before any code under test is imported: the child runs the session as usual, the parent
@@ -37,9 +38,10 @@ import time
 import pytest
 
 from properties.core import watchdog
-from properties.core.watchdog import DEFAULT_TIMEOUT, MIN_TIMEOUT, Record
+from properties.core.options import DEFAULT_TIMEOUT, MIN_TIMEOUT
+from properties.core.watchdog import Record
 
-__all__ = ["add_options", "configure"]
+__all__ = ["configure"]
 
 _ENV = "PROPERTIES_WATCHDOG"          # "supervisor pid:fd": where pytest-xdist workers find the shared records
 _SLOTS = 64                            # slot 0: the supervised process; 1..63: xdist workers (by number)
@@ -49,14 +51,6 @@ _OFFSET = 64                           # the slots start here
 _KILL_AFTER = 2.0                      # seconds between the stack dump (SIGUSR1) and SIGKILL
 _session = None
 _BEFORE = pytest.StashKey[dict]()      # the watchdog as it was before this run (restored at its end)
-
-
-def add_options(group) -> None:
-    group.addoption("--call-timeout", "--kernel-timeout", dest="call_timeout", default=None, metavar="SECONDS",
-                    help=f"time limit for one call of the code under test (a kernel call or its backward pass, a "
-                         f"module's or model's forward or decode step, importing a plug-in, a factory); a call past it "
-                         f"fails its test and that code is not called again; 0: no limit, else at least "
-                         f"{MIN_TIMEOUT:g}; default {DEFAULT_TIMEOUT:g}")
 
 
 def _timeout(config) -> float:

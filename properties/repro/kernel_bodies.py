@@ -1,25 +1,22 @@
-"""The reproducers of the kernel clauses whose comparison the SDPA oracle, two calls or the statistical bodies of
-properties/plugin/repro.py cannot express (SPEC.md, "Reproducers"): ``shifted`` (ATTN-SHIFT-INVARIANT: the call with a
-row-constant mask against the oracle without it), ``rowsum`` (weights read through V = I summing to 1: MASK-LOW-PRECISION,
-ATTN-LARGE-SCORES), ``group-sum`` (ATTN-GRAD-GQA: dK, dV of the shared heads against the group sums of the repeated
-heads), ``dropout-independent`` (DROPOUT-INDEPENDENT's two Hoeffding tests over the same copies),
-``integrity`` (ATTN-INPUTS-UNCHANGED, ATTN-OUTPUT-FRESH: the inputs bitwise unchanged by the forward and
+"""The bodies of the kernel clauses' reproducers whose comparison the SDPA oracle, two calls or the statistical
+bodies of properties/repro/kernel.py cannot express (SPEC.md, "Reproducers"): ``shifted`` (ATTN-SHIFT-INVARIANT:
+the call with a row-constant mask against the oracle without it), ``rowsum`` (weights read through V = I summing to
+1: MASK-LOW-PRECISION, ATTN-LARGE-SCORES), ``group-sum`` (ATTN-GRAD-GQA: dK, dV of the shared heads against the
+group sums of the repeated heads), ``dropout-independent`` (DROPOUT-INDEPENDENT's two Hoeffding tests over the same
+copies), ``integrity`` (ATTN-INPUTS-UNCHANGED, ATTN-OUTPUT-FRESH: the inputs bitwise unchanged by the forward and
 backward, outputs sharing no storage, a second call on the same tensors written in place), and for a kernel with
-FlashAttention's API ``flash-oracle`` (its output, or its weights through identity columns, against flash_attn_func's
-semantics in float64), ``flash-varlen`` (each packed sequence against that oracle of its own slices),
-``flash-kvcache`` (each batch entry against it over the keys the entry may see, and the caches after the call) and
-``flash-gradient`` (dQ, dK, dV through that oracle's autograd; packed sequences too). ``saved_tensor``: how the
-``.pt`` file keeps a tensor (a view over a larger storage as that storage).  Each body follows the
-header of properties/plugin/repro.py (``subject``, ``DATA``, ``oracle``, ``verdict``, ``worst``, ``copies``)."""
+FlashAttention's API ``flash-oracle`` (its output, or its weights through identity columns, against
+flash_attn_func's semantics in float64), ``flash-varlen`` (each packed sequence against that oracle of its own
+slices), ``flash-kvcache`` (each batch entry against it over the keys the entry may see, and the caches after the
+call) and ``flash-gradient`` (dQ, dK, dV through that oracle's autograd; packed sequences too). Each body follows the
+header of properties/repro/kernel.py (``subject``, ``DATA``, ``on_device``, ``oracle``, ``verdict``, ``worst``,
+``stacked_copies``, ``hoeffding_halfwidth``, ``FALSE_ALARM``) and is a ``str.format`` template: doubled braces are
+the script's own."""
 from __future__ import annotations
 
 import textwrap
 
-from properties.core import repro
-
-import torch
-
-__all__ = ["KERNEL_BODIES", "flash_call_evidence", "keep_views", "saved_tensor"]
+__all__ = ["BODIES"]
 
 _FLASH_ORACLE = '''
 def flash_call(q, k, v, kwargs):
@@ -74,7 +71,7 @@ def varlen_oracle(q, k, v):
     return torch.cat(rows)
 '''
 
-KERNEL_BODIES = {
+BODIES = {
     "shifted": '''
 inputs = {{name: on_device(x) for name, x in DATA["inputs"].items()}}
 query, key, value, shift = (inputs.pop(name) for name in ("query", "key", "value", "attn_mask"))
@@ -129,7 +126,7 @@ query, key = on_device(DATA["query"]), on_device(DATA["key"])
 eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    w = subject(*copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
+    w = subject(*stacked_copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
 kept = w.reshape(n, *positive.shape) != 0   # (copies, B, H, L, S)
 agree = p ** 2 + (1 - p) ** 2
 for axis, dim in (("heads", 2), ("batch entries", 1)):
@@ -137,7 +134,7 @@ for axis, dim in (("heads", 2), ("batch entries", 1)):
     first, second = kept.index_select(dim, evens), kept.index_select(dim, odds)
     both = (positive.index_select(dim - 1, evens) & positive.index_select(dim - 1, odds)).expand_as(first)
     observed = float((first == second)[both].float().mean())
-    halfwidth = math.sqrt(math.log(2 / ({false_alarm!r} / 2)) / (2 * int(both.sum())))
+    halfwidth = hoeffding_halfwidth(int(both.sum()), 1.0, FALSE_ALARM / 2)
     if abs(observed - agree) > halfwidth:
         verdict(True, f"dropout p = {{p:.6g}}: {{axis}} agree on a fraction {{observed:.6g}} of {{int(both.sum())}} pairs "
                 f"of weights, independent drops agree on p^2 + (1-p)^2 = {{agree:.6g}}: |difference| > {{halfwidth:.6g}} "
@@ -270,51 +267,3 @@ for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):   # co
 verdict(False, "")
 ''',
 }
-
-
-def flash_call_evidence() -> dict | None:
-    """The oracle check of the failing test's last call of a ``flash``-API kernel (its output against the float64
-    flash oracle with FLASH-ORACLE's bound): the reproducer of a flash clause whose own comparison (weights summing
-    to 1, a relation between calls) records nothing, kept only where that call departs from the oracle too."""
-    call = repro.take_flash_call()
-    if call is None:
-        return None
-    subject, query, key, value, kwargs = call
-    if kwargs.get("dropout_p", 0.0) or set(kwargs) - {"softmax_scale", "causal", "window_size", "softcap",
-                                                      "alibi_slopes"}:
-        return None   # a random output, or keywords the oracle does not model
-    from properties.kernel.flash import flash_bounds
-    query, key, value = (t.detach() for t in (query, key, value))
-    bounds = flash_bounds(query, key, value, **kwargs)
-    return {"kind": "flash-oracle", "subject": subject, "device": str(query.device), "query": query, "key": key,
-            "value": value, "kwargs": kwargs, "bound": bounds.output_bound(),
-            "what": "out of the failing test's last kernel call (FLASH-ORACLE's bound)"}
-
-
-def saved_tensor(t: torch.Tensor):
-    """A tensor as the ``.pt`` file keeps it: a copy with its strides where it is its whole storage, dense; else (a
-    key expanded with stride 0, a slice of a larger buffer) that storage and the view over it, which the script
-    rebuilds with ``torch.as_strided`` (its header's ``on_device``): a kernel that mishandles stride 0, or reads outside
-    the view, meets the same memory (ATTN-LAYOUT)."""
-    t = t.detach()
-    elements = t.untyped_storage().nbytes() // max(1, t.element_size())
-    if t.storage_offset() == 0 and elements == t.numel() and torch.empty_like(t).stride() == t.stride():
-        return t.cpu().clone()
-    storage = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (elements,), (1,))
-    return {"view_of": storage.cpu().clone(), "size": list(t.shape), "stride": list(t.stride()),
-            "offset": t.storage_offset()}
-
-
-_CALL_INPUTS = ("inputs", "query", "key", "value", "first", "second", "between", "args")   # what on_device reads
-
-
-def keep_views(evidence: dict) -> dict:
-    """The evidence with the call inputs' float and bool tensors as ``saved_tensor`` keeps them (the scripts read
-    those through ``on_device``, which rebuilds a view; bounds, indices and counts stay plain copies)."""
-    def walk(x):
-        if torch.is_tensor(x) and (x.is_floating_point() or x.dtype == torch.bool):
-            return saved_tensor(x)
-        if isinstance(x, dict):
-            return {name: walk(v) for name, v in x.items()}
-        return [walk(v) for v in x] if isinstance(x, (list, tuple)) else x
-    return {name: walk(v) if name in _CALL_INPUTS else v for name, v in evidence.items()}

@@ -1,32 +1,27 @@
-'''The reproducers of the module clauses (properties/plugin/repro.py writes them): the script builds the zoo part the
+'''The reproducers of the module clauses (properties/repro/write.py writes them): the script builds the zoo part the
 failing example checked as the run built it — its config node as the run composed it (the --zoo overrides, or the
 zoo's default composition), called with the example's sizes, in eval mode, every floating parameter redrawn from the
-example's seed as properties/module/parts.py (reinitialize) draws them — replays the part's failing call on the
-recorded inputs and compares the output, within the elementwise bound the clause used, with a float64 oracle: the
-formula inline in plain torch where it is a few lines (the FFN, the sinusoid table), else (multi-head attention, the
-norms) the float64 values the suite's oracle computed from the part's own weights in the run, saved with the inputs.
+example's seed by the suite's own ``reinitialize`` (properties/module/parts.py, its source in the script) — replays
+the part's failing call on the recorded inputs and compares the output, within the elementwise bound the clause
+used, with a float64 oracle: the formula in plain torch where it is a few lines (the FFN; the sinusoid table, by the
+suite's own ``sinusoid_table``), else (multi-head attention, the norms) the float64 values the suite's oracle
+computed from the part's own weights in the run, saved with the inputs.
 
-Kind ``module-oracle`` (properties/core/repro.py: record_module_oracle): MHA-ORACLE, MHA-SINGLE-HEAD, MHA-GQA,
+Kind ``module-oracle`` (properties/core/evidence.py: record_module_oracle): MHA-ORACLE, MHA-SINGLE-HEAD, MHA-GQA,
 FFN-FORMULA, POS-SINUSOID-FORMULA elementwise; NORM-STANDARDIZE's mean and variance of the features recovered from
-the output, with the clause's bounds computed in the script from the oracle's saved output bound.'''
+the output, with the clause's bounds computed in the script from the oracle's saved output bound (Higham's gamma of
+properties/core/tolerance.py).'''
 from __future__ import annotations
 
-import textwrap
-
 from properties.core.zoo_config import LAYER_SIZES
-from properties.plugin.repro_model import VERDICT, _literal
+from properties.repro.script import VERDICT, intro, literal, source_of
 
 __all__ = ["KINDS", "render"]
 
 KINDS = frozenset({"module-oracle"})
 
 _HEADER = '''\
-#!/usr/bin/env python3
-"""Reproducer of {clause} ({title}), written by the spec suite's --repro-dir.
-
-Clause: {statement}
-Failing test: {nodeid}
-Counterexample: {counterexample}
+{intro}
 Part: the {group} part ({target}) of {origin}, sizes {sizes}, {dtype}, parameters redrawn from seed {seed}
 
     python {stem}.py [OVERRIDES]
@@ -38,6 +33,8 @@ there, 0 once it is gone. Needs torch and the zoo only; the inputs are in {data_
 Oracle: {oracle_words} The elementwise bound is the one the clause used, saved in {data_file} (the suite's float64
 error model of a correct part in {dtype}, {oracle}).
 """
+from __future__ import annotations
+
 import math
 import pathlib
 import shlex
@@ -66,20 +63,8 @@ def part_node():
     return compose_config(words if "task" in given else ["task=verify", *words])[GROUP]
 
 
-def reinitialize(module, seed):
-    """The suite's draw: matrices N(0, 1/fan_in), gains (1-D weight) U[0.5, 1.5], other vectors N(0, 0.25)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if not p.is_floating_point():
-                continue
-            if p.dim() >= 2:
-                new = torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(p.shape[-1])
-            elif name.rsplit(".", 1)[-1] == "weight":
-                new = 0.5 + torch.rand(p.shape, generator=g, dtype=torch.float64)
-            else:
-                new = 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64)
-            p.copy_(new.to(p.dtype))
+# The suite's own: the parameters' draw, the sinusoid table, Higham's gamma.
+{suite_functions}
 
 
 def built_part():
@@ -97,11 +82,8 @@ def formula(part, args):
     """The clause's formula in float64 plain torch from the part's own weights, where it is a few lines (the FFN,
     the sinusoid table); None where the saved oracle values are the reference (attention, norms)."""
     x = args[0].double().cpu()
-    if {formula!r} == "sinusoid":   # PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(..)
-        d = x.shape[-1]
-        pos = torch.arange(args[1], args[1] + x.shape[-2], dtype=torch.float64)[:, None]
-        angle = pos / 10000.0 ** (2 * (torch.arange(d, dtype=torch.float64) // 2) / d)
-        return x + torch.where(torch.arange(d) % 2 == 0, angle.sin(), angle.cos())
+    if {formula!r} == "sinusoid":   # the table at positions offset, offset + 1, ... (args[1]: the offset)
+        return x + sinusoid_table(range(args[1], args[1] + x.shape[-2]), x.shape[-1])
     if {formula!r} == "ffn":   # act(x W1ᵀ + b1) W2ᵀ + b2; swiglu: (SiLU(x W_gᵀ + b_g) ⊙ (x W1ᵀ + b1)) W2ᵀ + b2
         def lin(name, t):
             layer = getattr(part, name)
@@ -136,17 +118,16 @@ if formula(part, args) is not None:   # recomputed here rather than read from th
 if out.shape != expected.shape:
     verdict(True, f"{WHAT} has shape {tuple(out.shape)}, expected {tuple(expected.shape)}")
 if DATA["check"] == "standardize":   # NORM-STANDARDIZE: the features n = (y - bias)/weight recovered from the output
-    def gamma(n, u=2.0 ** -53):   # Higham's gamma_n: n successive float64 roundings
-        return n * u / (1 - n * u)
+    u = unit_roundoff(torch.float64)
     g = part.weight.detach().double().cpu()
     b = part.bias.detach().double().cpu() if getattr(part, "bias", None) is not None else torch.zeros_like(g)
     n, d = (out - b) / g, out.shape[-1]
-    e = bound / g.abs() + gamma(2) * (out.abs() + b.abs()) / g.abs()   # n's bound, from the output's
+    e = bound / g.abs() + gamma(2, u) * (out.abs() + b.abs()) / g.abs()   # n's bound, from the output's
     mean, square = n.mean(-1), (n * n).mean(-1)
     checks = [("mean of the normalized features", mean, torch.zeros_like(mean), "0",
-               e.mean(-1) + gamma(d + 1) * n.abs().mean(-1)),
+               e.mean(-1) + gamma(d + 1, u) * n.abs().mean(-1)),
               ("variance of the normalized features", square, DATA["variance"], "σ²/(σ² + eps) (1 up to eps)",
-               ((2 * expected.abs() + e) * e).mean(-1) + gamma(d + 2) * square)]
+               ((2 * expected.abs() + e) * e).mean(-1) + gamma(d + 2, u) * square)]
     for what, value, target, reference, limit in checks:
         error = torch.nan_to_num((value - target).abs(), nan=math.inf)
         if (error > limit).any():
@@ -177,19 +158,25 @@ _ORACLE_WORDS = {
 
 
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
+    """The script of a module clause's evidence (``evidence["kind"]`` in KINDS)."""
+    # Imported when a script is written, not with the plug-in: properties/module/parts.py builds its Hypothesis
+    # settings when imported, from the profile loaded then, which must be the run's (--hypothesis-profile).
+    from properties.core.tolerance import gamma, unit_roundoff
+    from properties.module.oracle import sinusoid_table
+    from properties.module.parts import reinitialize
     recipe = evidence["recipe"]
     origin = recipe["origin"]
     origin = "the zoo's default composition" if origin == "zoo" else f"the config the run's {origin} composed"
     target = next((line.split(":", 1)[1].strip() for line in recipe["node"].splitlines()
                    if line.startswith("_target_:")), "?")
-    header = _HEADER.format(clause=clause.id, title=clause.title, nodeid=nodeid, stem=data_file.removesuffix(".pt"),
-                            statement=textwrap.fill(clause.statement, 110, subsequent_indent="    "),
-                            counterexample=counterexample or "(see the test's report)", group=recipe["group"],
+    header = _HEADER.format(intro=intro(clause, nodeid, counterexample), stem=data_file.removesuffix(".pt"),
+                            group=recipe["group"],
                             target=target, origin=origin, sizes=recipe["sizes"], dtype=recipe["dtype"],
                             seed=recipe["seed"], data_file=data_file, oracle=evidence["oracle"],
-                            method=evidence["method"], node=_literal(recipe["node"]), layer_sizes=LAYER_SIZES,
+                            method=evidence["method"], node=literal(recipe["node"]), layer_sizes=LAYER_SIZES,
                             formula=_FORMULAS.get(recipe["group"]), oracle_words=_ORACLE_WORDS[
                                 "inline" if _FORMULAS.get(recipe["group"]) else "saved"].format(data_file=data_file),
                             device=evidence.get("device", "cpu"), what=evidence["what"],
-                            reference=evidence["reference"], verdict=VERDICT.format(clause=clause.id))
+                            reference=evidence["reference"], verdict=VERDICT.format(clause=clause.id),
+                            suite_functions=source_of(reinitialize, sinusoid_table, gamma, unit_roundoff))
     return header + _BODY

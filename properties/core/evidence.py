@@ -1,9 +1,11 @@
-"""--repro-dir DIR: a standalone script for each failing clause (SPEC.md, "Reproducers").
+"""The evidence of each comparison, for --repro-dir DIR (SPEC.md, "Reproducers"): a standalone script for each failing
+clause.
 
 The comparisons that decide a clause record their evidence as they run (``record``: the subject, the inputs of the
 call or calls, how they were compared and with which bound); nothing is kept unless the run asks for reproducers.
 When a test fails, the evidence of its last comparison — Hypothesis replays the minimal failing example last — is
-written as ``DIR/<clause>-<n>.py`` with its tensors beside it (properties/plugin/repro.py).
+written as ``DIR/<clause>-<n>.py`` with its tensors beside it (properties/repro/write.py). This recorder sits on the
+core floor, below the levels whose comparisons call it; the writers are the package properties/repro/.
 """
 from __future__ import annotations
 
@@ -64,13 +66,14 @@ def record_call(subject: str, args: tuple, kwargs: dict, *, shape, nan_rows, fir
 
 def observe_kernel_call(subject: str, query, key, value, kwargs: dict) -> None:
     """A kernel call (SDPA signature) of the running test that kept the calling contract: the last one is the
-    fallback of a failing clause whose own comparison records nothing (properties/plugin/repro.py: last_call)."""
+    fallback of a failing clause whose own comparison records nothing (properties/repro/write.py:
+    last_call_evidence)."""
     if _state["dir"] is not None:
         _state["kernel_call"] = (subject, query, key, value, dict(kwargs))
 
 
 def observe_flash_call(subject: str, q, key, value, kwargs: dict) -> None:
-    """The same for a kernel with FlashAttention's ``flash`` API (properties/plugin/repro_kernel.py)."""
+    """The same for a kernel with FlashAttention's ``flash`` API (properties/repro/write.py: flash_call_evidence)."""
     if _state["dir"] is not None:
         _state["flash_call"] = (subject, q, key, value, dict(kwargs))
 

@@ -1,37 +1,21 @@
-'''The text of a reproducer (properties/core/repro.py writes it through properties/plugin/report.py): a header that loads the subject as the run did and holds
-the float64 oracle in plain torch, then one body per kind of comparison: ``oracle`` (a call against the oracle and
-the clause's bound), ``two-calls`` (two calls compared bitwise or within a bound; forward and, when recorded,
-backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule), ``dropout-rate`` (the statistical test over
-the same number of draws), the model kinds of properties/plugin/repro_model.py, and
-``call`` (a call that broke the calling contract: it raised, or its output's shape, dtype, device or finiteness).'''
+'''The reproducers of the kernel clauses (properties/repro/write.py writes them): a header that loads the kernel as
+the run did and holds a float64 oracle of SDPA's semantics in plain torch, then one body per kind of comparison:
+``oracle`` (a call against the oracle and the clause's bound), ``two-calls`` (two calls compared bitwise or within a
+bound; forward and, when recorded, backward), ``gradient`` (dQ, dK, dV against the oracle's chain rule, by autograd
+through it: the suite's own oracle, properties/core/oracle.py, detaches its inputs and derives the gradients by hand,
+properties/kernel/gradients.py), the dropout kinds (the statistical tests over the same number of draws, with the
+suite's own stacking of the copies and Hoeffding bound), ``call`` (a call that broke the calling contract: it
+raised, or its output's shape, dtype, device or finiteness), and the kinds of properties/repro/kernel_bodies.py.'''
 from __future__ import annotations
 
-import os
-import textwrap
-from pathlib import Path
+from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth, stacked_copies
+from properties.repro import kernel_bodies
+from properties.repro.script import LOAD, VERDICT, intro, source_of
 
-import torch
-
-from properties.core import repro
-from properties.plugin import repro_model, repro_module
-from properties.plugin.repro_kernel import KERNEL_BODIES, flash_call_evidence, keep_views
-from zoo.io.atomic import replacing, write_text
-
-__all__ = ["render", "write", "reset"]
-
-_counts: dict[str, int] = {}   # clause -> reproducers written this run
-
-
-def reset() -> None:
-    _counts.clear()
+__all__ = ["KINDS", "render"]
 
 _HEADER = '''\
-#!/usr/bin/env python3
-"""Reproducer of {clause} ({title}), written by the spec suite's --repro-dir.
-
-Clause: {statement}
-Failing test: {nodeid}
-Counterexample: {counterexample}
+{intro}
 
     python {stem}.py [SUBJECT]
 
@@ -39,6 +23,8 @@ SUBJECT: the code to check instead of the one that failed (same form as on the s
 kernel). Exits 1 while the departure is there, 0 once it is gone. Needs torch and the subject's module only; the
 inputs are in {data_file} beside this file.
 """
+from __future__ import annotations
+
 import importlib
 import importlib.util
 import math
@@ -93,11 +79,8 @@ def worst(excess, *named):
     return f"at index {{index}}: " + ", ".join(f"{{n}} = {{float(t.reshape(-1)[i]):.6g}}" for n, t in named)
 
 
-def copies(n, *tensors):
-    """n copies of each tensor in one call (n independent dropout draws): on a new leading axis of a 2-D problem,
-    else on its batch axis, copy-major (a 4-D problem stays 4-D), as the suite stacked them."""
-    return [t.expand(n, *t.shape).contiguous() if t.dim() == 2 else t.repeat(n, *[1] * (t.dim() - 1))
-            for t in tensors]
+# The suite's own: how the dropout clauses stack their copies, and the Hoeffding bound they test with.
+{suite_functions}
 
 
 subject = load(sys.argv[1] if len(sys.argv) > 1 else SUBJECT)
@@ -177,11 +160,11 @@ query, key, positive = on_device(DATA["query"]), on_device(DATA["key"]), DATA["p
 eye = torch.eye(key.shape[-2], dtype=key.dtype, device=key.device).expand(*key.shape[:-1], key.shape[-2])
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    w = subject(*copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
+    w = subject(*stacked_copies(n, query, key, eye.contiguous()), dropout_p=p).double().cpu()
 w = w.reshape(n, *w.shape[1:]) if query.dim() == 2 else w.reshape(n, -1, *w.shape[1:])   # the copies first
 count = n * int(positive.sum())
 dropped = float((w[:, positive] == 0).sum()) / count
-halfwidth = math.sqrt(math.log(2 / {false_alarm!r}) / (2 * count))
+halfwidth = hoeffding_halfwidth(count, 1.0, FALSE_ALARM)
 verdict(abs(dropped - p) > halfwidth, f"fraction of dropped weights = {{dropped:.6g}}, dropout_p = {{p:.6g}}: "
         f"|difference| > {{halfwidth:.6g}} (Hoeffding, n = {{count}} weights, false-alarm probability <= {false_alarm:g})")
 ''',
@@ -192,7 +175,7 @@ n, p, seed = DATA["copies"], DATA["p"], DATA["seed"]
 query, key, value = (on_device(DATA[name]) for name in ("query", "key", "value"))
 with torch.random.fork_rng(devices=[]):
     torch.manual_seed(seed)
-    out = subject(*copies(n, query, key, value), dropout_p=p).double().cpu()
+    out = subject(*stacked_copies(n, query, key, value), dropout_p=p).double().cpu()
 mean = (out if query.dim() == 2 else out.reshape(n, -1, *out.shape[1:])).mean(dim=0)
 expected, _ = oracle(query, key, value)
 excess = torch.nan_to_num((mean - expected).abs() - DATA["bound"], nan=math.inf)
@@ -251,117 +234,16 @@ verdict(first is not None, f"output is not finite at {{int((~finite).sum())}} of
 }
 
 
+KINDS = frozenset(_BODIES) | frozenset(kernel_bodies.BODIES)
+
+
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
-    from properties.kernel.statistics import FALSE_ALARM
-    if evidence["kind"] in repro_module.KINDS:
-        return repro_module.render(evidence, clause=clause, data_file=data_file, nodeid=nodeid,
-                                   counterexample=counterexample)
-    if evidence["kind"] in repro_model.KINDS:
-        return repro_model.render(evidence, clause=clause, data_file=data_file, nodeid=nodeid,
-                                  counterexample=counterexample)
-    stem = data_file.removesuffix(".pt")
-    statement = textwrap.fill(clause.statement, 110, subsequent_indent="    ")
-    what, reference = evidence.get("what", "out"), evidence.get("reference", "the first call")
-    header = _HEADER.format(load=repro_model.LOAD, verdict=repro_model.VERDICT.format(clause=clause.id),
-                            what=what, reference=reference, clause=clause.id, title=clause.title, statement=statement,
-                            nodeid=nodeid,
-                            counterexample=counterexample or "(see the test's report)", stem=stem,
-                            data_file=data_file, subject=evidence["subject"], device=evidence.get("device", "cpu"))
-    body = {**_BODIES, **KERNEL_BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)
+    """The script of a kernel clause's evidence (``evidence["kind"]`` in KINDS)."""
+    header = _HEADER.format(intro=intro(clause, nodeid, counterexample), load=LOAD,
+                            verdict=VERDICT.format(clause=clause.id), what=evidence.get("what", "out"),
+                            reference=evidence.get("reference", "the first call"),
+                            stem=data_file.removesuffix(".pt"), data_file=data_file, subject=evidence["subject"],
+                            device=evidence.get("device", "cpu"),
+                            suite_functions=source_of(stacked_copies, hoeffding_halfwidth))
+    body = {**_BODIES, **kernel_bodies.BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)
     return header + body
-
-
-# ------------------------------------------------------------------------------------------------- writing
-def _cpu(value):
-    if torch.is_tensor(value):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_cpu(v) for v in value]
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    return value
-
-
-def write(clause, nodeid: str, counterexample: str) -> tuple[str | None, str]:
-    """Write the reproducer of the failing test for ``clause`` (a properties.core.spec.Clause) and run it once here:
-    (its path, '') when it exits 1 on the subject that failed, else (None, why no script is left).  The evidence
-    its comparison recorded comes first; then the test's last kernel call against the float64 oracle."""
-    evidence = repro.take()
-    last_call, alignment = repro.take_kernel_call()
-    if repro.directory() is None:
-        return None, ""
-    reasons = []
-    for candidate in (evidence, last_call_evidence(last_call, alignment), flash_call_evidence()):
-        if candidate is not None:
-            path, why = _write_one(clause, dict(candidate), nodeid, counterexample)
-            if path:
-                return path, ""
-            reasons += [why] if why not in reasons else []
-    return None, "; ".join(reasons) or repro_model.unsupported(clause.id) or (
-        "the failing check records no comparison this writer can rebuild")
-
-
-def last_call_evidence(call, alignment: str) -> dict | None:
-    """The oracle check of a test's last kernel call (SDPA API) with ATTN-ORACLE's bound: the reproducer of a clause
-    whose own comparison (two calls related, a rule on the weights) records nothing, kept only where that call
-    departs from the oracle too.  Queries without an admissible key are not compared (their convention varies)."""
-    if call is None:
-        return None
-    subject, query, key, value, kwargs = call
-    if kwargs.get("dropout_p", 0.0):   # a random output has no oracle
-        return None
-    from properties.core.tolerance import output_bound, softmax_bounds
-    query, key, value = (t.detach() for t in (query, key, value))
-    kwargs = {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items() if k != "dropout_p"}
-    bound = output_bound(softmax_bounds(query, key, value, causal_alignment=alignment, **kwargs), value)
-    return {"kind": "oracle", "subject": subject, "device": str(query.device), "bound": bound,
-            "what": "out of the failing test's last kernel call (ATTN-ORACLE's bound)", "alignment": alignment,
-            "inputs": dict(query=query, key=key, value=value, **kwargs), "fully_masked": "any"}
-
-
-def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tuple[str | None, str]:
-    if evidence["kind"] in repro_model.KINDS and (why := repro_model.prepare(evidence, nodeid)):
-        return None, why
-    n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
-    directory = Path(repro.directory())
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = f"{clause.id}-{n}"
-    data = {k: _cpu(v) for k, v in keep_views(evidence).items() if k not in ("kind", "subject", "device", "what", "sticky")}
-    with replacing(directory / f"{stem}.pt") as temporary:
-        torch.save(data, temporary)
-    script = render(evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid, counterexample=counterexample)
-    write_text(directory / f"{stem}.py", script)
-    os.chmod(directory / f"{stem}.py", 0o755)
-    status, printed = _rehearse(directory / f"{stem}.py")
-    if status == 1:
-        return str(directory / f"{stem}.py"), ""
-    for path in (directory / f"{stem}.py", directory / f"{stem}.pt"):   # a script that does not fail is no reproducer
-        path.unlink(missing_ok=True)
-    _counts[clause.id] -= 1
-    last = printed.strip().splitlines()[-1] if printed.strip() else ""
-    return None, (f"the {evidence['kind']} comparison recorded does not reproduce the failure (its script exited "
-                  f"{status}: {last})" if status == 0 else f"its script could not run here (exit {status}: {last})")
-
-
-def _rehearse(path: Path) -> tuple[object, str]:
-    """Run the script in this process, as `python path` would, leaving the random state as it was: its exit status
-    and what it printed (an exception of the script: its one-line description, status 'error')."""
-    import contextlib
-    import io
-    import runpy
-    import sys
-    printed, argv = io.StringIO(), sys.argv
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=devices), contextlib.redirect_stdout(printed):
-            sys.argv = [str(path)]
-            runpy.run_path(str(path), run_name="__main__")
-        return 0, printed.getvalue()   # a script that ends without verdict(): no departure found
-    except SystemExit as exit_:
-        return exit_.code, printed.getvalue()
-    except Exception as exc:   # noqa: BLE001 -- the script's own failure is reported, not raised into the suite
-        return "error", f"{printed.getvalue()}\n{type(exc).__name__}: {exc}"
-    finally:
-        sys.argv = argv

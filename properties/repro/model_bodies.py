@@ -1,7 +1,7 @@
-"""The bodies of the model clauses' reproducers (properties/plugin/repro_model.py puts each after its header, which has
-built the model and defined ``module``, ``forward``, ``decode_step``, ``built``, ``parts``, ``load``, ``on_device``,
-``verdict``, ``DATA``, ``WHAT`` and ``REFERENCE``). Each body is a ``str.format`` template: doubled braces are the
-script's own."""
+"""The bodies of the model clauses' reproducers (properties/repro/model.py puts each after its header, which has
+built the model and defined ``module``, ``forward``, ``decode_step``, ``shifted``, ``built``, ``parts``, ``load``,
+``on_device``, ``verdict``, ``DATA``, ``WHAT`` and ``REFERENCE``). Each body is a ``str.format`` template: doubled
+braces are the script's own."""
 from __future__ import annotations
 
 __all__ = ["BODIES"]
@@ -107,7 +107,7 @@ takes = [p for p in inspect.signature(factory).parameters.values()
 under_test = built if not isinstance(built, torch.nn.Module) else types.SimpleNamespace(
     module=module, forward=forward, decode_step=decode_step)
 torch.manual_seed(FACTORY_SEED)
-ref_module, ref_forward, ref_decode_step = parts(factory(under_test) if takes else factory())
+ref_module, ref_forward, ref_decode_step, _ = parts(factory(under_test) if takes else factory())
 if DATA["float64"]:
     ref_module.to(torch.float64)
 bound, mask = DATA["bound"], DATA["mask"]   # the clause's: each model's own tolerance plus 16 x their noise here
@@ -194,24 +194,6 @@ verdict(bool(leaking) or not torch.isfinite(grad).all(), f"d logits[:, {{i}}] / 
         f"finite) for later positions (sample, j - {{i + 1}}) = {{leaking}}: position {{i}} sees the future")
 ''',
     "model-shift": '''
-def zoo_shifted(model):
-    """A zoo model's positions count columns: offset masked pad columns prepended shift every real position."""
-    def pad(tokens, mask, offset):
-        pads = torch.full((tokens.shape[0], offset), model.pad_id, dtype=tokens.dtype, device=tokens.device)
-        real = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
-        return torch.cat([pads, tokens], 1), torch.cat([torch.zeros_like(pads, dtype=torch.bool), real], 1)
-
-    def shifted(*args):
-        *args, offset = args
-        if hasattr(model, "encode"):
-            src, tgt, src_mask, tgt_mask = args
-            (src, src_mask), (tgt, tgt_mask) = pad(src, src_mask, offset), pad(tgt, tgt_mask, offset)
-            return model(src, tgt, src_mask, tgt_mask)[:, offset:]
-        return model(*pad(*args, offset))[:, offset:]
-    return shifted
-
-
-shifted = zoo_shifted(built) if isinstance(built, torch.nn.Module) else built.shifted
 args, offset, mask = [on_device(x) for x in DATA["args"]], DATA["offset"], DATA["mask"]
 with torch.no_grad():
     base, moved = forward(*args).double().cpu(), shifted(*args, offset).double().cpu()
