@@ -42,7 +42,9 @@ def _run(tmp_path, option, spec, clauses, *extra):
                           ("--repro-dir", str(out), "--device", "cpu", *extra)),
                     clauses=clauses, seed=0, extra=("--hypothesis-profile", "pinned"))
     assert run.returncode == 1, run.output[-3000:]
-    return run, out
+    runs = sorted(out.iterdir())   # each run writes into a fresh subdirectory of its own
+    assert len(runs) == 1 and runs[0].name.startswith("run-"), runs
+    return run, runs[0]
 
 
 def _script(out, clause):
@@ -55,10 +57,11 @@ def _script(out, clause):
 
 
 def _execute(path, *subject):
-    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site)."""
+    """The script in a fresh isolated interpreter (-I: no PYTHONPATH, no script directory, no user site), run from the
+    file system's root: a script finds its subject from any directory."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run([sys.executable, "-I", str(path), *subject], capture_output=True, text=True, env=env,
-                          cwd=path.parent.parent, timeout=300)
+                          cwd="/", timeout=300)
 
 
 def test_kernel_reproducers_run_without_the_suite(tmp_path):
@@ -269,3 +272,83 @@ def test_a_failure_without_a_script_says_why(tmp_path):
     finally:
         evidence.activate(None)
     assert path is None and "records no comparison" in why and not (tmp_path / "repro").exists()
+
+
+_OFF_BY_ONE = "from properties.catalog.kernels import causal_off_by_one as attention\n"
+
+
+def _suite_run(cwd, *args):
+    from properties.catalog.run import SUITE
+    from properties.catalog.sessions import run_pytest
+    return run_pytest([str(SUITE / "kernel" / "test_causal.py"), "-p", "no:cacheprovider", "--hypothesis-profile",
+                       "pinned", "-k", "test_outputs_ignore_later_keys_and_values", *args], cwd=cwd, timeout=600)
+
+
+def test_a_run_writes_only_into_a_fresh_directory_of_its_own(tmp_path):
+    """What DIR already holds (a user's script of the same name, a link named like a script, a directory named like a
+    data file) is never written: the run's scripts go to DIR/run-*; and a `--kernel mod:fn` importable only from
+    the run's directory is found by the script from anywhere, its exit statuses meaning one thing each."""
+    work, repro = tmp_path / "work", tmp_path / "repro"
+    work.mkdir()
+    repro.mkdir()
+    (work / "mykern.py").write_text(_OFF_BY_ONE)
+    (repro / "CAUSAL-NO-FUTURE-1.py").write_text("mine\n")
+    (tmp_path / "outside.txt").write_text("keep\n")
+    (repro / "CAUSAL-NO-FUTURE-2.py").symlink_to(tmp_path / "outside.txt")
+    (repro / "CAUSAL-NO-FUTURE-1.pt").mkdir()
+    session = _suite_run(work, "--kernel", "mykern:attention", "--repro-dir", str(repro))
+    assert session.returncode == 1, session.output[-3000:]
+    assert (repro / "CAUSAL-NO-FUTURE-1.py").read_text() == "mine\n"
+    assert (tmp_path / "outside.txt").read_text() == "keep\n"
+    runs = [p for p in repro.iterdir() if p.name.startswith("run-")]
+    assert len(runs) == 1 and f"in {runs[0]}" in session.output, session.output[-3000:]
+    script = _script(runs[0], "CAUSAL-NO-FUTURE")
+    assert _execute(script).returncode == 1   # from /, where `mykern` is not importable but for SUBJECT_ROOTS
+    refused = _execute(script, "nosuch_module:attention")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("CANNOT RUN: the subject"), \
+        refused.stderr
+    assert _execute(script, "a", "b").returncode == 2
+    script.with_suffix(".pt").rename(tmp_path / "moved.pt")
+    moved = _execute(script)
+    assert moved.returncode == 2 and "CANNOT RUN: FileNotFoundError" in moved.stderr, moved.stderr[-2000:]
+
+
+@pytest.mark.parametrize("outputs", [("--report-json", "X", "--junitxml", "X"),
+                                     ("--repro-dir", "R", "--report-json", "R/report.json")])
+def test_two_outputs_on_one_path_are_refused_before_the_run(tmp_path, outputs):
+    args = [str(tmp_path / word) if word in ("X", "R", "R/report.json") else word for word in outputs]
+    session = _suite_run(tmp_path, "--kernel", "math", *args)
+    assert session.returncode == 4, session.output[-2000:]
+    assert "give each its own path" in session.output or "write the report elsewhere" in session.output
+    assert not (tmp_path / "X").exists() and not (tmp_path / "R").exists()
+
+
+_VARLEN_NAN = '''
+from zoo.nn.flash_varlen import flash_attn_varlen_loop
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+    """A sequence with no keys comes out NaN (a 0/0 normaliser) instead of zeros."""
+    out = flash_attn_varlen_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+        if k1 == k0:
+            out[q0:q1] = float("nan")
+    return out
+'''
+
+
+def test_a_failing_explicit_example_keeps_its_script_when_later_examples_pass(tmp_path):
+    """Hypothesis runs every explicit example, those after a failing one too: the script is the failing example's
+    (here a NaN output for a packed sequence without keys, which the guard's finiteness check catches), not the
+    comparison of an example that passed after it."""
+    from properties.catalog.run import SUITE
+    from properties.catalog.sessions import run_pytest
+    (tmp_path / "varnan.py").write_text(_VARLEN_NAN)
+    session = run_pytest([str(SUITE / "kernel" / "test_flash_varlen.py"), "-p", "no:cacheprovider",
+                          "--hypothesis-profile", "pinned", "-k", "each_packed_sequence", "--kernel-api", "flash-varlen",
+                          "--kernel", "varnan.py:attention", "--repro-dir", "repro"], cwd=tmp_path, timeout=600)
+    assert session.returncode == 1 and "no reproducer" not in session.output, session.output[-3000:]
+    (script,) = (tmp_path / "repro").glob("run-*/VARLEN-EQUALS-PADDED-1.py")
+    done = _execute(script)
+    assert done.returncode == 1 and "not finite" in done.stdout, done.stdout + done.stderr

@@ -4,7 +4,7 @@ clause.
 The comparisons that decide a clause record their evidence as they run (``record``: the subject, the inputs of the
 call or calls, how they were compared and with which bound); nothing is kept unless the run asks for reproducers.
 When a test fails, the evidence of its last comparison — Hypothesis replays the minimal failing example last — is
-written as ``DIR/<clause>-<n>.py`` with its tensors beside it (properties/repro/write.py). This recorder sits on the
+written as ``<clause>-<n>.py`` in the run's own subdirectory of DIR, its tensors beside it (properties/repro/write.py). This recorder sits on the
 core floor, below the levels whose comparisons call it; the writers are the package properties/repro/.
 """
 from __future__ import annotations
@@ -13,10 +13,11 @@ import torch
 
 __all__ = ["activate", "active", "directory", "set_model_recipes", "model_recipe", "record", "record_call",
            "observe_kernel_call", "clear", "take", "take_kernel_call", "observe_flash_call", "take_flash_call",
-           "flat_index", "view_index", "observe_call", "observe_part", "observe_module_call", "record_module_oracle"]
+           "flat_index", "view_index", "observe_call", "observe_part", "observe_module_call", "record_module_oracle",
+           "new_example", "example_failed", "use_failing_example"]
 
 _state: dict = {"dir": None, "evidence": None, "calls": [], "kernel_call": None, "flash_call": None,
-                "alignment": "top-left", "recipes": {}, "parts": {}, "module_call": None}
+                "alignment": "top-left", "recipes": {}, "parts": {}, "module_call": None, "failed": None}
 
 
 def activate(directory: str | None, causal_alignment: str = "top-left") -> None:
@@ -78,13 +79,30 @@ def observe_flash_call(subject: str, q, key, value, kwargs: dict) -> None:
         _state["flash_call"] = (subject, q, key, value, dict(kwargs))
 
 
+_EXAMPLE = ("evidence", "kernel_call", "flash_call", "calls", "module_call", "parts")   # what one example records
+
+
 def clear() -> None:
-    _state["evidence"] = None
-    _state["kernel_call"] = None
-    _state["flash_call"] = None
-    _state["calls"].clear()
-    _state["module_call"] = None
-    _state["parts"] = {}
+    """A new test: nothing recorded, no failing example kept."""
+    new_example()
+    _state["failed"] = None
+
+
+def new_example() -> None:
+    """A new Hypothesis example of the running test: its records start empty."""
+    _state.update(evidence=None, kernel_call=None, flash_call=None, calls=[], module_call=None, parts={})
+
+
+def example_failed() -> None:
+    """The running example raised: its records are kept as the test's failing example, which the examples Hypothesis
+    runs after it (the other explicit examples, which it runs all) do not replace."""
+    _state["failed"] = {name: _state[name] for name in _EXAMPLE}
+
+
+def use_failing_example() -> None:
+    """Before a failure's script is written: the records of the test's last failing example, where one was kept."""
+    if _state.get("failed"):
+        _state.update(_state["failed"])
 
 
 def take() -> dict | None:

@@ -61,8 +61,9 @@ OPTIONS = (
         metavar="PATH", help="write a JSON list of {clause, title, status, nodeid, duration_s, message}")),
     (_SPEC, ("--repro-dir",), dict(
         metavar="DIR",
-        help="write DIR/<clause>-<n>.py for each failing clause: a script that needs only torch and the code under "
-             "test, exits 1 while the failure is there and 0 once it is fixed")),
+        help="write <clause>-<n>.py for each failing clause into a fresh subdirectory of DIR (DIR/run-<date>-<time>): "
+             "a script that needs only torch and the code under test, exits 1 while the failure is there, 0 once it "
+             "is fixed, 2 if it cannot run")),
     (_SPEC, ("--kernel-api",), dict(
         choices=KERNEL_APIS, default="sdpa",
         help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's flash, "

@@ -7,6 +7,7 @@ properties/kernel/coverage.py), which the terminal summary also prints.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,8 @@ from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_coverage", "write_model_basis",
            "write_reproducers", "unverified", "model_basis", "pytest_runtest_makereport", "pytest_runtest_logreport",
-           "pytest_sessionfinish"]
+           "pytest_sessionfinish", "pytest_configure_node", "pytest_unconfigure", "remove_empty_run_dir", "run_dir",
+           "pytest_collection_modifyitems"]
 
 _records: dict[str, dict] = {}  # nodeid -> outcome over its phases, for --report-json
 
@@ -37,7 +39,33 @@ def configure_report(config) -> None:
     report_json = config.getoption("--report-json", None)
     if report_json is not None and (problem := _report_path_problem(report_json)):
         raise pytest.UsageError(f"--report-json {report_json}: cannot be written: {problem}")
+    _refuse_shared_outputs(config)
     _records.clear()
+
+
+def _refuse_shared_outputs(config) -> None:
+    """Two outputs on one path would lose one of them at the end of the run (the last writer wins): refused now, as is
+    a report inside the reproducer directory."""
+    if hasattr(config, "workerinput"):
+        return
+    outputs = [(option, value) for option, value in (
+        ("--report-json", config.getoption("--report-json", None)),
+        ("--junitxml", getattr(config.option, "xmlpath", None)),
+        ("--report-log", getattr(config.option, "report_log", None)),
+        ("--resultlog", getattr(config.option, "resultlog", None))) if value]
+    resolved = [(option, Path(value).expanduser().resolve()) for option, value in outputs]
+    for i, (option, path) in enumerate(resolved):
+        for other, other_path in resolved[:i]:
+            if path == other_path:
+                raise pytest.UsageError(f"{other} and {option} name the same file {outputs[i][1]}: one would overwrite "
+                                        f"the other; give each its own path")
+    repro = config.getoption("--repro-dir", None)
+    if repro:
+        folder = Path(repro).expanduser().resolve()
+        for (option, path), (_, given) in zip(resolved, outputs):
+            if path == folder or folder in path.parents:
+                raise pytest.UsageError(f"{option} {given}: inside --repro-dir {repro}, which holds only reproducers; "
+                                        f"write the report elsewhere")
 
 
 def clause_ids(item) -> list[str]:
@@ -74,6 +102,7 @@ def pytest_runtest_makereport(item, call):
                 evidence.clear()
                 report.repro_missing = "a call did not return within --call-timeout; a script would hang too"
             else:
+                evidence.use_failing_example()
                 report.repro, report.repro_missing = reproducers.write(clauses[ids[0]], item.nodeid,
                                                                        _counterexample(report))
     if call.when == "call" and ids:   # --junitxml writes the item's properties with its test case
@@ -258,22 +287,105 @@ def write_reproducers(terminalreporter) -> None:
     written = [(r["clauses"], r["repro"]) for r in _records.values() if r.get("repro")]
     missing = [(nodeid, r["repro_missing"]) for nodeid, r in _records.items() if r.get("repro_missing")]
     if written or missing:
-        terminalreporter.write_sep("=", f"reproducers ({len(written)}; each exits 1 while its failure is there)")
+        where = run_dir(terminalreporter.config)
+        terminalreporter.write_sep("=", f"reproducers ({len(written)} in {where}; each exits 1 while its failure is "
+                                        f"there, 0 once fixed, 2 if it cannot run)")
         for ids, path in written:
             terminalreporter.write_line(f"{', '.join(ids)}: python {path}")
         for nodeid, why in missing:   # never silently missing
             terminalreporter.write_line(f"no reproducer for {nodeid}: {why}")
 
 
+_RUN_DIR = pytest.StashKey[str]()   # --repro-dir: this run's own subdirectory
+
+
 def configure_reproducers(config) -> None:
-    """--repro-dir DIR: keep the evidence of each comparison, and write a script for each failing clause."""
+    """--repro-dir DIR: keep the evidence of each comparison, and write a script for each failing clause into a fresh
+    subdirectory of DIR made for this run (``DIR/run-<date>-<time>[-k]``), so that no file already in DIR, nor the
+    target of a link there, is ever written: the controller makes it (pytest-xdist's workers are handed its name,
+    ``pytest_configure_node``) and removes it at the end if no script was kept."""
     directory = config.getoption("--repro-dir", None)
+    run_dir = None
     if directory is not None:
-        from zoo.io.atomic import unwritable
-        if problem := unwritable(directory):
-            raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
-    evidence.activate(directory, config.getoption("--causal-alignment", "top-left"))
+        run_dir = getattr(config, "workerinput", {}).get("repro_run_dir") or _fresh_run_dir(directory)
+        config.stash[_RUN_DIR] = run_dir
+    evidence.activate(run_dir, config.getoption("--causal-alignment", "top-left"))
     reproducers.reset()
+
+
+def _fresh_run_dir(directory: str) -> str:
+    import os
+    import time
+    from zoo.io.atomic import unwritable
+    if problem := unwritable(directory):
+        raise pytest.UsageError(f"--repro-dir {directory}: {problem}")
+    base = Path(directory)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise pytest.UsageError(f"--repro-dir {directory}: cannot be made ({exc.strerror or exc})") from None
+    stamp = time.strftime("run-%Y%m%d-%H%M%S")
+    for k in range(1, 1000):
+        candidate = base / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            os.mkdir(candidate)   # exclusive: a directory or link of that name already there is never reused
+            return str(candidate)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise pytest.UsageError(f"--repro-dir {directory}: no subdirectory can be made there "
+                                    f"({exc.strerror or exc})") from None
+    raise pytest.UsageError(f"--repro-dir {directory}: 999 runs of this second already there")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist: each worker writes into the controller's run directory."""
+    if _RUN_DIR in node.config.stash:
+        node.workerinput["repro_run_dir"] = node.config.stash[_RUN_DIR]
+
+
+def remove_empty_run_dir(config) -> None:
+    """At the end of the controller's run: the run directory goes if it holds nothing (no failure left a script)."""
+    if _RUN_DIR in config.stash and not hasattr(config, "workerinput"):
+        try:
+            Path(config.stash[_RUN_DIR]).rmdir()
+        except OSError:   # it holds scripts (or went away): kept as it is
+            pass
+
+
+def pytest_unconfigure(config):
+    remove_empty_run_dir(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    """--repro-dir: each Hypothesis example starts with no evidence, so that a failure's script is built from the
+    failing example's own comparisons, never from an earlier example's that passed (a record marked sticky, which
+    later records of its test do not replace, would otherwise outlive its example), and a failing example's records
+    are kept past the examples run after it (Hypothesis runs every explicit example, the passing ones after a
+    failing one too). Hypothesis' documented hook for wrapping each example is the test's ``hypothesis.inner_test``."""
+    if not evidence.active():
+        return
+    for item in items:
+        handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+        inner = getattr(handle, "inner_test", None)
+        if inner is None or getattr(inner, "_clears_evidence", False):
+            continue
+
+        def each_example(*args, _inner=inner, **kwargs):
+            evidence.new_example()
+            try:
+                return _inner(*args, **kwargs)
+            except BaseException:
+                evidence.example_failed()
+                raise
+        each_example._clears_evidence = True
+        handle.inner_test = each_example
+
+
+def run_dir(config) -> str | None:
+    """This run's reproducer directory (None without --repro-dir)."""
+    return config.stash.get(_RUN_DIR, None)
 
 
 def pytest_sessionfinish(session):

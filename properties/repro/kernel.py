@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth, stacked_copies
 from properties.repro import kernel_bodies
-from properties.repro.script import LOAD, VERDICT, intro, source_of
+from properties.repro.script import LOAD, VERDICT, absolute_spec, intro, prelude, source_of
 
 __all__ = ["KINDS", "render"]
 
@@ -20,14 +20,16 @@ _HEADER = '''\
     python {stem}.py [SUBJECT]
 
 SUBJECT: the code to check instead of the one that failed (same form as on the suite's command line, e.g. the fixed
-kernel). Exits 1 while the departure is there, 0 once it is gone. Needs torch and the subject's module only; the
-inputs are in {data_file} beside this file.
+kernel). Exits 1 while the departure is there, 0 once it is gone, 2 when it could not check (the subject does not
+load, {data_file} is not beside this file, an error before any verdict). Needs torch and the subject's module only;
+run it from any directory (SUBJECT below, or the argument, names the code to check).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import math
+import os
 import pathlib
 import sys
 
@@ -36,6 +38,7 @@ import torch
 SUBJECT = {subject!r}
 DEVICE = {device!r}
 WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it compares
+{prelude}
 DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
 
 
@@ -239,10 +242,12 @@ KINDS = frozenset(_BODIES) | frozenset(kernel_bodies.BODIES)
 
 def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexample: str) -> str:
     """The script of a kernel clause's evidence (``evidence["kind"]`` in KINDS)."""
+    subject = absolute_spec(evidence["subject"])
     header = _HEADER.format(intro=intro(clause, nodeid, counterexample), load=LOAD,
+                            prelude=prelude([subject], "SUBJECT: the kernel to check"),
                             verdict=VERDICT.format(clause=clause.id), what=evidence.get("what", "out"),
                             reference=evidence.get("reference", "the first call"),
-                            stem=data_file.removesuffix(".pt"), data_file=data_file, subject=evidence["subject"],
+                            stem=data_file.removesuffix(".pt"), data_file=data_file, subject=subject,
                             device=evidence.get("device", "cpu"),
                             suite_functions=source_of(stacked_copies, hoeffding_halfwidth))
     body = {**_BODIES, **kernel_bodies.BODIES}[evidence["kind"]].format(false_alarm=FALSE_ALARM)

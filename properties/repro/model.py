@@ -12,7 +12,7 @@ from __future__ import annotations
 from properties.core.evidence import model_recipe
 from properties.core.subject import FACTORY_SEED, zoo_decode_step, zoo_shifted
 from properties.repro.model_bodies import BODIES
-from properties.repro.script import LOAD, VERDICT, intro, literal, source_of
+from properties.repro.script import LOAD, VERDICT, absolute_spec, intro, literal, prelude, source_of
 
 __all__ = ["KINDS", "prepare", "render", "unsupported"]
 
@@ -23,14 +23,16 @@ Model: {origin}
     python {stem}.py [MODEL]
 
 MODEL: the model to check instead of the one that failed, in the form the run took it:
-{argument}. Exits 1 while the departure is there, 0 once it is gone. Needs torch and the model's module only (a zoo model: the zoo); the
-inputs are in {data_file} beside this file.
+{argument}. Exits 1 while the departure is there, 0 once it is gone, 2 when it could not check (the model does not
+load, {data_file} is not beside this file, an error before any verdict). Needs torch and the model's module only (a
+zoo model: the zoo); run it from any directory.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import math
+import os
 import pathlib
 import shlex
 import sys
@@ -43,6 +45,7 @@ DTYPE = {dtype!r}   # the dtype the suite built the zoo model in (None: the conf
 CONFIG = {config}   # the config the run composed, built exactly when no MODEL is given (None: build OVERRIDES)
 DEVICE = {device!r}
 WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it compares
+{prelude}
 DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
 FACTORY_SEED = {factory_seed!r}   # the suite builds every model with torch's generator seeded so: the same weights here
 
@@ -60,7 +63,10 @@ def built_model():
         words = shlex.split(given) if given is not None else OVERRIDES
         if not any(w.lstrip("+~").split("=", 1)[0] == "task" for w in words):
             words = ["task=verify", *words]
-        return build_model(words, device=DEVICE, dtype=dtype)
+        try:
+            return build_model(words, device=DEVICE, dtype=dtype)
+        except Exception as exc:   # noqa: BLE001 -- overrides that do not compose or build: nothing to check
+            cannot_run(f"the overrides {{' '.join(words)}} do not build a zoo model ({{type(exc).__name__}}: {{exc}})")
     from omegaconf import OmegaConf
     return model_from_config(OmegaConf.create(CONFIG), device=DEVICE, dtype=dtype)
 
@@ -112,9 +118,11 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     else:
         origin = f"the zoo's own model built from the overrides {' '.join(recipe['overrides'])}"
         argument = "Hydra overrides as --zoo takes them, one argument"
+    factory = absolute_spec(recipe.get("factory"))
     header = _HEADER.format(intro=intro(clause, nodeid, counterexample), load=LOAD,
+                            prelude=prelude([factory, evidence.get("reference_factory")], "MODEL: the model to check"),
                             verdict=VERDICT.format(clause=clause.id), stem=data_file.removesuffix(".pt"), origin=origin,
-                            argument=argument, data_file=data_file, factory=recipe.get("factory"),
+                            argument=argument, data_file=data_file, factory=factory,
                             overrides=recipe.get("overrides", []), dtype=recipe.get("dtype"),
                             config=literal(recipe.get("config")), factory_seed=FACTORY_SEED,
                             zoo_functions=source_of(zoo_decode_step, zoo_shifted),

@@ -14,7 +14,7 @@ properties/core/tolerance.py).'''
 from __future__ import annotations
 
 from properties.core.zoo_config import LAYER_SIZES
-from properties.repro.script import VERDICT, intro, literal, source_of
+from properties.repro.script import VERDICT, intro, literal, prelude, source_of
 
 __all__ = ["KINDS", "render"]
 
@@ -28,7 +28,8 @@ Part: the {group} part ({target}) of {origin}, sizes {sizes}, {dtype}, parameter
 
 OVERRIDES: Hydra overrides as --zoo takes them, one argument (e.g. "{group}._target_=mypkg.FixedPart"): the
 {group} part they compose is built instead, with the same sizes, seed and inputs. Exits 1 while the departure is
-there, 0 once it is gone. Needs torch and the zoo only; the inputs are in {data_file} beside this file.
+there, 0 once it is gone, 2 when it could not check (the part does not build, {data_file} is not beside this file, an
+error before any verdict). Needs torch and the zoo only; run it from any directory.
 
 Oracle: {oracle_words} The elementwise bound is the one the clause used, saved in {data_file} (the suite's float64
 error model of a correct part in {dtype}, {oracle}).
@@ -36,6 +37,7 @@ error model of a correct part in {dtype}, {oracle}).
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import shlex
 import sys
@@ -48,6 +50,7 @@ SIZES, SEED, DTYPE = {sizes!r}, {seed!r}, {dtype!r}
 LAYER_SIZES = {layer_sizes!r}   # the sizes the suite composes --zoo with, where the overrides set none
 DEVICE = {device!r}
 WHAT, REFERENCE = {what!r}, {reference!r}   # the clause's words for what it compares
+{prelude}
 DATA = torch.load(pathlib.Path(__file__).with_name({data_file!r}), weights_only=True)
 
 
@@ -60,7 +63,10 @@ def part_node():
     words = shlex.split(sys.argv[1])
     given = {{w.split("=", 1)[0].lstrip("+~") for w in words}}
     words = [s for s in LAYER_SIZES if s.split("=", 1)[0] not in given] + words
-    return compose_config(words if "task" in given else ["task=verify", *words])[GROUP]
+    try:
+        return compose_config(words if "task" in given else ["task=verify", *words])[GROUP]
+    except Exception as exc:   # noqa: BLE001 -- overrides that do not compose: nothing to check
+        cannot_run(f"the overrides {{sys.argv[1]}} do not compose ({{type(exc).__name__}}: {{exc}})")
 
 
 # The suite's own: the parameters' draw, the sinusoid table, Higham's gamma.
@@ -169,7 +175,12 @@ def render(evidence: dict, *, clause, data_file: str, nodeid: str, counterexampl
     origin = "the zoo's default composition" if origin == "zoo" else f"the config the run's {origin} composed"
     target = next((line.split(":", 1)[1].strip() for line in recipe["node"].splitlines()
                    if line.startswith("_target_:")), "?")
+    # the classes and kernels the node names, as specs: a user's part is imported from where the run found it
+    named = [line.split(":", 1)[1].strip() for line in recipe["node"].splitlines()
+             if line.strip().startswith(("_target_:", "kernel:"))]
+    specs = [name if ":" in name else ":".join(name.rsplit(".", 1)) for name in named]
     header = _HEADER.format(intro=intro(clause, nodeid, counterexample), stem=data_file.removesuffix(".pt"),
+                            prelude=prelude(specs, "OVERRIDES: the part to build instead"),
                             group=recipe["group"],
                             target=target, origin=origin, sizes=recipe["sizes"], dtype=recipe["dtype"],
                             seed=recipe["seed"], data_file=data_file, oracle=evidence["oracle"],

@@ -5,12 +5,15 @@ copy kept in a template, which would drift from the code that decided the clause
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
+import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
-__all__ = ["intro", "LOAD", "VERDICT", "literal", "source_of"]
+__all__ = ["intro", "prelude", "LOAD", "VERDICT", "literal", "source_of", "absolute_spec", "subject_roots"]
 
 _INTRO = '''\
 #!/usr/bin/env python3
@@ -28,24 +31,100 @@ def intro(clause, nodeid: str, counterexample: str) -> str:
                          counterexample=counterexample or "(see the test's report)")
 
 
-# The scripts' plug-in loader: the forms zoo/plugins.py (load_object) accepts, without the suite's watchdog.
+# Every script's exit status means one thing: 0 the departure is gone, 1 it is there (verdict), 2 the script could not
+# check (its subject does not load, its data file moved, a bad argument, an error before any verdict). Python's own
+# status for an uncaught exception is 1, the verdict's: the hook below turns it into 2.
+_PRELUDE = '''\
+SUBJECT_ROOTS = {roots!r}   # where the run imported the code under test from (searched after this directory)
+
+
+def cannot_run(why):
+    """Exit 2: nothing was checked (not a verdict on the subject)."""
+    sys.stdout.flush()
+    print(f"CANNOT RUN: {{why}}", file=sys.stderr)
+    sys.exit(2)
+
+
+def could_not_finish(kind, exc, tb):
+    """An error before any verdict: shown, then exit 2, never Python's 1 (which means "the departure is there")."""
+    import traceback
+    sys.stdout.flush()
+    traceback.print_exception(kind, exc, tb)
+    print(f"CANNOT RUN: {{kind.__name__}}: {{exc}}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(2)
+
+
+sys.excepthook = could_not_finish
+sys.path.extend(root for root in SUBJECT_ROOTS if root not in sys.path)
+if len(sys.argv) > 2:
+    cannot_run(f"one argument at most ({usage}), got {{len(sys.argv) - 1}}")
+'''
+
+
+def prelude(specs, usage: str) -> str:
+    """The lines every script runs first: the exit statuses' meaning enforced, the directories its subjects were
+    imported from, its command line checked (``usage``: what its one optional argument is)."""
+    return _PRELUDE.format(roots=subject_roots(specs), usage=usage)
+
+
+def absolute_spec(spec: str | None) -> str | None:
+    """'path/file.py:name' with the path made absolute (against this process's directory, the run's), so that the
+    script finds the file from any directory; any other spec as it is."""
+    if not spec or ":" not in spec:
+        return spec
+    where, _, name = spec.rpartition(":")
+    return f"{Path(where).resolve()}:{name}" if where.endswith(".py") else spec
+
+
+def subject_roots(specs) -> list[str]:
+    """For each 'pkg.module:name' spec, the directory on sys.path that holds pkg (as the run found it): a script run
+    from elsewhere imports the module from there."""
+    roots = []
+    for spec in specs:
+        if not spec or ":" not in spec or spec.rpartition(":")[0].endswith(".py"):
+            continue
+        where = spec.rpartition(":")[0]
+        module = sys.modules.get(where)
+        origin = getattr(module, "__file__", None)
+        if origin is None:
+            try:
+                found = importlib.util.find_spec(where)
+            except (ImportError, ValueError):
+                continue
+            origin = found.origin if found is not None else None
+        if not origin or not origin.endswith(".py"):
+            continue
+        depth = where.count(".") + (1 if Path(origin).name == "__init__.py" else 0)
+        root = str(Path(origin).resolve().parents[depth])
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+# The scripts' plug-in loader: the forms zoo/plugins.py (load_object) accepts, without the suite's watchdog. A subject
+# that does not load is exit 2 with one line, never a traceback that would read as the departure.
 LOAD = '''\
 def load(spec):
     """'pkg.module:name', 'path/to/file.py:name', or (a kernel) one of the zoo's kernel names."""
-    if ":" not in spec:
-        from zoo.nn.kernel import resolve_kernel
-        return resolve_kernel(spec)
-    module_name, _, name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
-        module = importlib.util.module_from_spec(where)
-        sys.modules[where.name] = module
-        where.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
+    try:
+        if ":" not in spec:
+            from zoo.nn.kernel import resolve_kernel
+            return resolve_kernel(spec)
+        module_name, _, name = spec.rpartition(":")
+        if module_name.endswith(".py"):
+            where = importlib.util.spec_from_file_location(pathlib.Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(where)
+            sys.modules[where.name] = module
+            where.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        for part in name.split("."):
+            module = getattr(module, part)
+        return module
+    except Exception as exc:   # noqa: BLE001 -- whatever importing it raised
+        cannot_run(f"the subject {spec!r} could not be loaded ({type(exc).__name__}: {exc}); give the code to "
+                   f"check as this script's argument, in the form the suite's command line takes it")
 '''
 
 # The scripts' verdict, formatted with the clause's id.

@@ -1,5 +1,6 @@
 """--repro-dir DIR: write the reproducer of each failing clause (properties/plugin/report.py calls ``write`` as a
-test fails), ``DIR/<clause>-<n>.py`` with its tensors in ``DIR/<clause>-<n>.pt``, from the evidence its comparison
+test fails), ``<clause>-<n>.py`` with its tensors in ``<clause>-<n>.pt`` in the run's own directory (a fresh
+subdirectory of --repro-dir's DIR, properties/plugin/report.py), from the evidence its comparison
 recorded (properties/core/evidence.py) or, where that records nothing, from the test's last kernel call checked
 against the float64 oracle. Each script is rehearsed here once, as ``python`` would run it: only a script that exits
 1 on the code that failed is kept. The text of a script is properties/repro/kernel.py's, model.py's or
@@ -13,7 +14,7 @@ import torch
 
 from properties.core.evidence import directory, take, take_flash_call, take_kernel_call
 from properties.repro import kernel, model, module
-from zoo.io.atomic import replacing, write_text
+from properties.repro.script import absolute_spec
 
 __all__ = ["write", "reset", "last_call_evidence", "flash_call_evidence", "saved_tensor", "keep_views"]
 
@@ -80,27 +81,48 @@ def last_call_evidence(call, alignment: str) -> dict | None:
 def _write_one(clause, evidence: dict, nodeid: str, counterexample: str) -> tuple[str | None, str]:
     if evidence["kind"] in model.KINDS and (why := model.prepare(evidence, nodeid)):
         return None, why
-    n = _counts[clause.id] = _counts.get(clause.id, 0) + 1
+    if evidence.get("reference_factory"):   # found from any directory, as the subject is
+        evidence["reference_factory"] = absolute_spec(evidence["reference_factory"])
     folder = Path(directory())
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = f"{clause.id}-{n}"
+    stem, script_file = _reserve(folder, clause.id)
     data = {k: _cpu(v) for k, v in keep_views(evidence).items()
             if k not in ("kind", "subject", "device", "what", "sticky")}
-    with replacing(folder / f"{stem}.pt") as temporary:
-        torch.save(data, temporary)
     script = _RENDER[evidence["kind"]](evidence, clause=clause, data_file=f"{stem}.pt", nodeid=nodeid,
                                        counterexample=counterexample)
-    write_text(folder / f"{stem}.py", script)
+    try:
+        with open(folder / f"{stem}.pt", "xb") as f:   # exclusive: never onto a file or link already there
+            torch.save(data, f)
+        with script_file:
+            script_file.write(script)
+    except BaseException:
+        script_file.close()
+        for path in (folder / f"{stem}.py", folder / f"{stem}.pt"):
+            path.unlink(missing_ok=True)
+        raise
     os.chmod(folder / f"{stem}.py", 0o755)
     status, printed = _rehearse(folder / f"{stem}.py")
     if status == 1:
         return str(folder / f"{stem}.py"), ""
     for path in (folder / f"{stem}.py", folder / f"{stem}.pt"):   # a script that does not fail is no reproducer
         path.unlink(missing_ok=True)
-    _counts[clause.id] -= 1
     last = printed.strip().splitlines()[-1] if printed.strip() else ""
     return None, (f"the {evidence['kind']} comparison recorded does not reproduce the failure (its script exited "
                   f"{status}: {last})" if status == 0 else f"its script could not run here (exit {status}: {last})")
+
+
+def _reserve(folder: Path, clause_id: str):
+    """The next free name <clause>-<n> in the run's directory, its .py created exclusively (O_EXCL: a name another
+    writer of this run took, pytest-xdist's workers share the directory, is skipped; nothing is ever replaced):
+    (stem, the script's file open for writing)."""
+    n = _counts.get(clause_id, 0)
+    while True:
+        n += 1
+        try:
+            script_file = open(folder / f"{clause_id}-{n}.py", "x", encoding="utf-8")
+        except FileExistsError:
+            continue
+        _counts[clause_id] = n
+        return f"{clause_id}-{n}", script_file
 
 
 def _rehearse(path: Path) -> tuple[object, str]:
@@ -110,7 +132,7 @@ def _rehearse(path: Path) -> tuple[object, str]:
     import io
     import runpy
     import sys
-    printed, argv = io.StringIO(), sys.argv
+    printed, argv, hook, path_entries = io.StringIO(), sys.argv, sys.excepthook, list(sys.path)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), contextlib.redirect_stdout(printed):
@@ -121,8 +143,8 @@ def _rehearse(path: Path) -> tuple[object, str]:
         return exit_.code, printed.getvalue()
     except Exception as exc:   # noqa: BLE001 -- the script's own failure is reported, not raised into the suite
         return "error", f"{printed.getvalue()}\n{type(exc).__name__}: {exc}"
-    finally:
-        sys.argv = argv
+    finally:   # the script's own settings (its exit-status hook, its subject's directories) end with it
+        sys.argv, sys.excepthook, sys.path[:] = argv, hook, path_entries
 
 
 def flash_call_evidence() -> dict | None:
