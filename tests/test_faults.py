@@ -337,20 +337,68 @@ def test_bad_suite_options_are_one_line_before_anything_runs(tmp_path):
         assert "INTERNALERROR" not in result.stdout + result.stderr
 
 
-def test_a_device_this_machine_lacks_skips_every_clause_with_its_reason(tmp_path):
+def test_a_device_this_machine_lacks_is_refused_in_one_line(tmp_path):
+    """An asked-for device this machine lacks is refused before anything is collected, as `python -m zoo device=mps`
+    refuses it (a default 'cuda' entry without CUDA is kept and its clauses skipped with the reason instead)."""
     import torch
     try:  # in this process: a failed allocation leaves nothing behind, and an interpreter costs seconds
         torch.empty(1, device="mps")
         pytest.skip("this machine has MPS")
     except Exception:  # noqa: BLE001  torch says why in its own type (NotImplementedError on a CPU build)
         pass
-    result = suite("--device", "mps", "-rs", cwd=tmp_path)
-    # nothing verified never passes: status 5 and one line saying why
-    assert result.returncode == 5 and "ERROR: nothing verified" in result.stderr, result.stdout[-3000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert "skipped" in summary and "passed" not in summary and "error" not in summary and "failed" not in summary
-    reasons = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
-    for level in ("kernel", "module", "model"):  # every level says why
-        assert any(f"properties/{level}/" in line and "mps not available on this machine" in line
-                   for line in reasons), level
-    assert any("--device mps: mps not available on this machine, model clauses not run" in line for line in reasons)
+    result = suite("--device", "mps", cwd=tmp_path)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 4 and len(lines) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert lines[0].startswith("ERROR: --device mps: mps not available on this machine"), lines[0]
+
+
+def test_a_model_whose_float64_cast_hangs_fails_each_clause_in_one_line(tmp_path):
+    """--call-timeout inside a fixture (the float64 twin's cast hangs): each model clause errors with the timeout's
+    line, and no later test meets pytest's internal fixture state (`assert not self._finalizers`)."""
+    (tmp_path / "stubborn.py").write_text(textwrap.dedent('''
+        import torch
+        from zoo import build_model
+
+        def make():
+            model = build_model(["model=decoder_only", "d_model=16", "heads=2", "layers=1", "d_ff=32",
+                                 "vocab_size=32", "max_len=32"])
+            base = type(model)
+
+            def _apply(self, fn, *args, **kwargs):
+                if fn(torch.zeros(1)).dtype == torch.float64:   # the cast to the float64 twin never returns
+                    while True:
+                        pass
+                return base._apply(self, fn, *args, **kwargs)
+            model.__class__ = type("Stubborn", (base,), {"_apply": _apply})
+            return model
+        '''))
+    result = run_pytest([str(ROOT / "properties" / "model" / "test_models.py"), "-q", "-p", "no:cacheprovider",
+                         "--rootdir", str(ROOT), "--model", "stubborn.py:make", "--call-timeout", "2",
+                         "-k", "output_shape or causal_perturbation or batch_independence"], cwd=tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "_finalizers" not in output and "INTERNALERROR" not in output, output[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("ERROR ")]
+    assert len(errors) == 3, errors
+    assert output.count("stubborn.py:make did not return within 2 s (--call-timeout) in module.to(float64)") >= 3, \
+        output[-3000:]
+
+def test_a_kernel_that_closes_the_standard_streams_fails_its_clauses_and_the_run_goes_on(tmp_path):
+    """A kernel closing file descriptors 1 and 2 (from its first call, the start-up probe's, on): each call's clause
+    fails naming the kernel and what it closed, the streams are put back, and pytest reports as usual."""
+    (tmp_path / "closer.py").write_text(textwrap.dedent('''
+        import os
+        import torch.nn.functional as F
+
+        def attention(query, key, value, **kw):
+            os.close(1)
+            os.close(2)
+            return F.scaled_dot_product_attention(query, key, value, **kw)
+        '''))
+    result = run_pytest([str(ROOT / "properties" / "kernel" / "test_causal.py"), "-q", "-p", "no:cacheprovider",
+                         "--rootdir", str(ROOT), "--kernel", "closer.py:attention", "--hypothesis-profile", "pinned",
+                         "-k", "ignore_later_keys"], cwd=tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "INTERNALERROR" not in output, output[-3000:]
+    assert "kernel closer.py:attention raised a fault: it closed the standard output (file descriptor 1) and the " \
+           "standard error (file descriptor 2)" in output, output[-3000:]
+    assert "1 failed" in result.stdout.strip().splitlines()[-1]

@@ -22,6 +22,7 @@ Nested calls (a user's kernel inside a user's module) are timed and recorded onc
 """
 from __future__ import annotations
 
+import os
 import signal
 import struct
 import time
@@ -192,6 +193,31 @@ def _on_alarm(signum, frame):
     raise CallTimeout(f"{plugin} did not return within {_Watch.limit:g} s (--call-timeout) in {call}")
 
 
+_STANDARD = {1: "the standard output (file descriptor 1)", 2: "the standard error (file descriptor 2)"}
+_saved_standard: dict[int, int] = {}   # fd -> a duplicate made before the first call, to put it back from
+
+
+def _keep_standard_streams() -> None:
+    if not _saved_standard:
+        for fd in _STANDARD:
+            try:
+                _saved_standard[fd] = os.dup(fd)
+            except OSError:   # not open when the run began: nothing to protect
+                pass
+
+
+def _restore_standard_streams() -> list[str]:
+    """The standard streams the call closed (or pointed elsewhere than a file), each put back as it was before it."""
+    closed = []
+    for fd, backup in _saved_standard.items():
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(backup, fd)
+            closed.append(_STANDARD[fd])
+    return closed
+
+
 class user_call:
     """``with user_call("kernel k.py:f", "kernel(float32(1, 2, 3, 4), ...)"):`` around one call of the code under test;
     ``call`` may be a function returning that text (computed only if needed)."""
@@ -205,6 +231,7 @@ class user_call:
             raise CallTimeout(f"{self.plugin} is not called again: {_Watch.hung[self.plugin]}")
         self.outer = _Watch.active is None
         if self.outer:
+            _keep_standard_streams()
             if _Watch.record is not None:
                 self.call = self.call() if callable(self.call) else self.call
                 _Watch.record.write(True, (self.plugin, *_Watch.test, self.call), time.monotonic(), _Watch.limit)
@@ -214,12 +241,18 @@ class user_call:
         return self
 
     def __exit__(self, kind, exc, tb):
+        closed = []
         if self.outer:
             _Watch.active = None
             if _Watch.alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if _Watch.record is not None:
                 _Watch.record.clear()
+            closed = _restore_standard_streams()
+        if closed and not isinstance(exc, (KeyboardInterrupt, CallTimeout)):   # the run's own output, taken from it
+            call = self.call() if callable(self.call) else self.call
+            raise UserExit(self.plugin, f"a fault: it closed {' and '.join(closed)}, which the test run writes to (put back "
+                                        f"for the calls after it)", call) from exc
         if exc is None and self.outer and self.plugin in _Watch.hung:   # it swallowed the interrupt, then returned
             raise CallTimeout(f"{self.plugin} did not return within {_Watch.limit:g} s (--call-timeout) in "
                               f"{self.call() if callable(self.call) else self.call}; the interrupt was caught inside the call, "

@@ -44,12 +44,18 @@ def _default_devices() -> list[str]:
     return ["cpu", "cuda"]  # the cuda entry is skipped with its reason, so the report says why
 
 
-def _device_param(name: str):
+def _device_param(name: str, *, asked: bool):
+    """A device the clauses are parametrized with. One the command line asks for (``asked``) and this machine lacks
+    is refused now in one line, as ``python -m zoo device=...`` refuses it; a default one (a bare 'cuda' where there
+    is none) is kept, its clauses skipped with the reason, so that the report says why nothing ran there."""
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise pytest.UsageError(f"--device {name!r}: {exc}") from None
     reason = device_unavailable(device)
+    if reason and asked:
+        raise pytest.UsageError(f"--device {name}: {reason}; nothing would be verified (omit --device to check every "
+                                f"device this machine has)")
     marks = [pytest.mark.skip(reason=reason)] if reason else []
     return pytest.param(name, marks=marks, id=name)
 
@@ -135,7 +141,8 @@ def _configure(config):
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
-    config.stash[_DEVICES] = [_device_param(d) for d in config.getoption("--device") or _default_devices()]
+    asked = config.getoption("--device")
+    config.stash[_DEVICES] = [_device_param(d, asked=bool(asked)) for d in asked or _default_devices()]
     # Every kernel's limits now, before any test draws (properties/kernel/limits.py): limits learned in the middle of
     # a test would change what its strategy draws between Hypothesis' runs of one example (FlakyStrategyDefinition).
     # No probe where no kernel clause runs: --model alone, or only other levels' folders collected
@@ -194,6 +201,21 @@ def pytest_runtest_call(item):
             return (yield)
     finally:
         limits.set_active(None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A fixture that calls the code under test (building the model, its float64 twin) and meets --call-timeout fails
+    as pytest's own failure, cached for the tests that share the fixture. CallTimeout is a BaseException, so that the
+    code under test cannot catch it; pytest caches only its own outcomes and Exceptions, and a fixture left uncached
+    with its finalizer registered breaks every later test that requests it (``assert not self._finalizers``)."""
+    try:
+        return (yield)
+    except CallTimeout as exc:
+        failure = pytest.fail.Exception(str(exc), pytrace=False)
+        failure.__cause__ = exc
+        fixturedef.cached_result = (None, fixturedef.cache_key(request), (failure, exc.__traceback__))
+        raise failure from exc
 
 
 @pytest.fixture(scope="session")
