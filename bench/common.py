@@ -53,9 +53,9 @@ def default_device() -> str:
 
 
 def timing_device_problem(name: str) -> str | None:
-    """Why nothing can be timed on device ``name`` (None when it can): what zoo.cli_args.device_problem says, and the
+    """Why nothing can be timed on device ``name`` (None when it can): what zoo.cli.arguments.device_problem says, and the
     meta device, whose tensors hold no data: its 'timings' would be of nothing, recorded as if measured."""
-    from zoo.cli_args import device_problem
+    from zoo.cli.arguments import device_problem
 
     problem = device_problem(name)
     if problem is None and torch.device(name).type == "meta":

@@ -31,7 +31,7 @@ import torch
 
 from bench.common import ROOT, machine_info, write_json_atomic
 from bench.report import decode_markdown, markdown, train_seeds_markdown
-from zoo.cli_args import Parser, check_outputs, device_problem, output_problem, seconds
+from zoo.cli.arguments import Parser, check_outputs, device_problem, output_problem, seconds
 from zoo.io.atomic import write_text
 
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"

@@ -82,7 +82,7 @@ def decode_host_overhead(*, layers: int = 2, tokens: int = 128, rounds: int = 9)
 
 def main(argv=None) -> None:
     from bench.common import timing_device_problem
-    from zoo.cli_args import Parser, count
+    from zoo.cli.arguments import Parser, count
 
     p = Parser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="decoder_only", choices=list(FAMILIES))

@@ -213,7 +213,7 @@ def read_results(parser, path: str, only: str | None) -> dict:
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser
+    from zoo.cli.arguments import Parser
 
     p = Parser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("path", nargs="?", default="bench/results.json")

@@ -41,7 +41,7 @@ from bench.common import (
     write_json_atomic,
 )
 from bench.decode import bench_decode
-from zoo.cli_args import Parser, count, output_problem, seconds
+from zoo.cli.arguments import Parser, count, output_problem, seconds
 from bench.kernels import bench_kernel, kernel_geometry
 from bench.models import MODEL_HEADER, bench_models, overrides
 from bench.suite import bench_mutation, bench_suite

@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zoo.cli
+import zoo.cli.command
+import zoo.cli.tasks
 
 
 @dataclass
@@ -46,10 +47,10 @@ def zoo_in_process(argv: list[str], cwd: Path, *, watch: Path | None = None, rea
     watch = watch or cwd
     before = _tree(watch)
     ran: list[str] = []
-    tasks = dict(zoo.cli.TASKS)
+    tasks = dict(zoo.cli.tasks.TASKS)
     if not real_tasks:
         for name in tasks:
-            zoo.cli.TASKS[name] = lambda cfg: ran.append(str(cfg.task.name))
+            zoo.cli.tasks.TASKS[name] = lambda job: ran.append(str(job.cfg.task.name))
     previous = (os.getcwd(), list(sys.argv), signal.getsignal(signal.SIGTERM), dict(os.environ))
     loggers = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).level) for name in ("", "hydra")}
     out, err = io.StringIO(), io.StringIO()
@@ -58,12 +59,12 @@ def zoo_in_process(argv: list[str], cwd: Path, *, watch: Path | None = None, rea
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                zoo.cli.main(list(argv))
+                zoo.cli.command.main(list(argv))
             except SystemExit as exit_:
                 status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:
-        zoo.cli.TASKS.clear()
-        zoo.cli.TASKS.update(tasks)
+        zoo.cli.tasks.TASKS.clear()
+        zoo.cli.tasks.TASKS.update(tasks)
         os.chdir(previous[0])
         sys.argv[:] = previous[1]
         signal.signal(signal.SIGTERM, previous[2])

@@ -1,4 +1,4 @@
-"""``python -m zoo call_timeout=SECONDS`` (zoo/call_limit.py): a plug-in that hangs while imported, or in the forward
+"""``python -m zoo call_timeout=SECONDS`` (zoo/runtime/call_limit.py): a plug-in that hangs while imported, or in the forward
 pass (in Python, or where no signal handler runs), ends the command with one line and status 1, and a child
 process it started is killed. The hangs that need the hard stop run as commands (about 8 s of CPU each, mostly
 start-up); the rest run in this process (tests/cli_harness.py)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_harness import assert_one_line_refusal, zoo_in_process
-from zoo.call_limit import DEFAULT_TIMEOUT
+from zoo.runtime.call_limit import DEFAULT_TIMEOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):\n"

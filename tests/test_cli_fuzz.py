@@ -153,7 +153,7 @@ def test_a_real_process_refuses_in_one_line_and_writes_nothing(tmp_path, argv, w
 
 # ---------------------------------------------------------------------------------- the project's other commands
 # Every argparse command README and --help name, called in this process: a bad value is one line `PROG: error: ...`
-# and exit status 2 before any work (zoo/cli_args.py), never a traceback, never accepted and ignored. Every value
+# and exit status 2 before any work (zoo/cli/arguments.py), never a traceback, never accepted and ignored. Every value
 # below is refused by argument checks alone, so each case costs milliseconds.
 def _commands():
     from bench import gpu_check, profile, report

@@ -204,11 +204,11 @@ def _readme_commands() -> list[str]:
 
 @pytest.mark.parametrize("command", _readme_commands())
 def test_every_readme_command_passes_the_checks(tmp_path, monkeypatch, command):
-    """bars/12's commands keep working: each passes every check before Hydra (zoo.cli_checks.plan), which is
+    """bars/12's commands keep working: each passes every check before Hydra (zoo.cli.plan.plan), which is
     where a bad input stops; its task then runs as it did before (tests/test_cli.py, test_train.py ...)."""
     import shlex
 
-    from zoo.cli_checks import plan
+    from zoo.cli.plan import plan
 
     monkeypatch.chdir(tmp_path)
     if "task.resume=true" in command or "task=generate" in command:  # what the earlier command would have left

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.plugins import load_object
+from zoo.runtime.plugins import load_object
 from zoo.nn.kernel import _shift_overflowing_rows, torch_attention
 
 ROOT = Path(__file__).resolve().parents[1]

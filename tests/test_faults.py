@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import zoo.cli
+import zoo.cli.command
 from properties.catalog.sessions import Session, run_pytest
 from zoo.io.checkpoint import checkpoints_in, read_state
 
@@ -50,16 +50,17 @@ def cli(monkeypatch, capsys):
     reached: every refusal here comes first)."""
     previous = signal.getsignal(signal.SIGTERM)
 
-    def reached_hydra():
+    def reached_hydra(*args):
         raise AssertionError("the bad input reached Hydra's run: it was not refused up front")
 
-    monkeypatch.setattr(zoo.cli, "_hydra_main", reached_hydra)
+    monkeypatch.setattr(zoo.cli.command, "_run", reached_hydra)
+    monkeypatch.setattr(zoo.cli.command, "_hydra_entry", reached_hydra)
 
     def run(*arguments):
         monkeypatch.setattr(sys, "argv", ["zoo", *arguments])
         try:
             with pytest.raises(SystemExit) as exited:
-                zoo.cli.main()
+                zoo.cli.command.main()
         finally:
             signal.signal(signal.SIGTERM, previous)
         captured = capsys.readouterr()

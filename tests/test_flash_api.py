@@ -128,7 +128,7 @@ def test_a_bad_flash_kernel_is_a_one_line_usage_error():
 # ---------------------------------------------------------------------------------------------- the adapters
 def _flex_works() -> str | None:
     try:
-        from zoo.plugins import load_object
+        from zoo.runtime.plugins import load_object
         flash_attn_func = load_object(f"{ROOT / 'examples' / 'flex_attention_adapter.py'}:flash_attn_func")
         q, k, v = _problem()
         flash_attn_func(q.float(), k.float(), v.float(), causal=True)

@@ -15,11 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORS = {
     "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "adapters": 3, "repro": 3, "plugin": 4,
                    "catalog": 5},
-    "zoo": {"leftovers": 0, "call_limit": 1, "plugins": 2, "nn": 3, "config": 4, "io": 5, "interop": 6, "tasks": 7,
-            "cli_dirs": 8, "cli_args": 8, "cli_checks": 9, "cli": 10, "__main__": 11},
+    "zoo": {"runtime": 0, "nn": 1, "config": 2, "io": 3, "interop": 4, "tasks": 5, "cli": 6, "__main__": 7},
 }
 # properties/__init__.py (clause, Subject) reads core/ only; zoo/__init__.py names zoo.config lazily, by string.
-FRONT = {"properties": 0, "zoo": 11}
+FRONT = {"properties": 0, "zoo": 7}
 
 
 def _module(path: Path) -> str:

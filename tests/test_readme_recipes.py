@@ -111,7 +111,7 @@ def test_hugging_face_recipe_passes_the_model_clauses(workdir):
 def test_zoo_recipe_runs_its_card_and_its_verify_commands_pass_every_check(workdir, monkeypatch):
     from cli_harness import zoo_in_process
 
-    from zoo.cli_checks import plan
+    from zoo.cli.plan import plan
 
     lines = commands(recipes(README.read_text(encoding="utf-8"))["zoo"][1])
     assert lines and all(line.startswith("python -m zoo ") for line in lines), lines

@@ -117,7 +117,7 @@ def test_a_kernel_option_without_a_kernel_clause_is_refused(option, value):
 
 def test_a_kernel_that_cannot_take_query_key_value_and_a_limit_that_cannot_bind_are_refused():
     from properties.plugin.watchdog import _timeout
-    from zoo.plugins import PluginError
+    from zoo.runtime.plugins import PluginError
     from zoo.nn.kernel import resolve_kernel
     with pytest.raises(PluginError, match="does not take the arguments of the SDPA signature"):
         resolve_kernel("os:getcwd")
@@ -180,7 +180,7 @@ def test_threads_and_processes_left_running_do_not_keep_a_command_alive(tmp_path
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         threading.Thread(target=time.sleep, args=(120,), name="left-behind").start()
         print(child.pid, flush=True)
-        from zoo.leftovers import end_leftovers
+        from zoo.runtime.leftovers import end_leftovers
         end_leftovers(3)
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -21,7 +21,7 @@ from properties.core.subject import Subject, watched
 from properties.core.watchdog import CallTimeout, UserExit, user_call
 from properties.kernel.guard import GuardedKernel, KernelContractError
 from properties.module.parts import call_module, watch_module
-from zoo.plugins import PluginError, load_object
+from zoo.runtime.plugins import PluginError, load_object
 from zoo.config.schema import ConfigError
 from zoo.nn.norm import LayerNorm
 

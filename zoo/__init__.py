@@ -1,6 +1,6 @@
 """transformer-zoo: Transformer parts written with einops, assembled by Hydra configs.
 
-    zoo.plugins   loading user plug-ins by import path (used by zoo.nn, zoo.config and the suite)
+    zoo.runtime.plugins   loading user plug-ins by import path (used by zoo.nn, zoo.config and the suite)
     zoo.nn        the parts and the three model families (kernel, attention, caches, ffn, norm, positional, ...)
     zoo.config    option lists, schema and checks, the builder from config to model
     zoo.tasks     what `python -m zoo task=NAME` runs (summary, train, generate, verify, compare)

@@ -139,7 +139,7 @@ def pytest_refuses(options: list[str]) -> str | None:
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser, count, seconds
+    from zoo.cli.arguments import Parser, count, seconds
     from zoo.io.atomic import unwritable, write_text
     parser = Parser(prog="python -m properties.adapters.conformance", description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=count(1, 64), default=2, help="runs at a time (default 2)")

@@ -161,12 +161,12 @@ def run(kernel, name: str = "", *, stop_first: bool = False, gradients: bool = T
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser
+    from zoo.cli.arguments import Parser
     parser = Parser(prog="python -m properties.catalog.example_based", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="append", required=True, help="kernel spec (repeatable)")
     parser.add_argument("-x", "--stop-first", action="store_true", help="stop a kernel at its first failing case")
     args = parser.parse_args(argv)
-    from zoo.plugins import PluginError
+    from zoo.runtime.plugins import PluginError
     from zoo.nn.kernel import resolve_kernel
     kernels = {}
     for spec in args.kernel:   # every kernel resolved before the first is run

@@ -27,7 +27,7 @@ SUBJECTS: list[Entry] = [ZOO] + [e for e in CORRECT if e.name not in ("zoo math"
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser, check_outputs, count
+    from zoo.cli.arguments import Parser, check_outputs, count
     parser = Parser(prog="python -m properties.catalog.flakiness",
                     description="Run the suite on the correct implementations under many seeds.")
     parser.add_argument("--seeds", type=count(1), default=20, help="how many seeds (>= 1; default 20)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zoo.plugins import load_object
+from zoo.runtime.plugins import load_object
 
 __all__ = ["Result", "attention_ref", "run", "main"]
 
@@ -221,7 +221,7 @@ def run(spec, api: str = "flash", name: str | None = None, *, device: str = "cpu
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser, device_problem
+    from zoo.cli.arguments import Parser, device_problem
     parser = Parser(prog="python -m properties.catalog.flash_example_based", description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", required=True)
     parser.add_argument("--kernel-api", default="flash", choices=("flash", "flash-varlen", "flash-kvcache"))
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     problem = device_problem(args.device)   # else every case fails, blamed on the kernel
     if problem:
         parser.error(f"--device {args.device}: {problem}")
-    from zoo.plugins import PluginError
+    from zoo.runtime.plugins import PluginError
     from zoo.nn.flash import resolve_flash_kernel
     try:
         kernel = resolve_flash_kernel(args.kernel, args.kernel_api)

@@ -119,7 +119,7 @@ def summary(t: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from zoo.cli_args import Parser, check_outputs, count
+    from zoo.cli.arguments import Parser, check_outputs, count
     parser = Parser(prog="python -m properties.catalog.mutation_report",
                                      description="Run the spec suite on the bug catalog and the correct implementations.")
     parser.add_argument("--json", metavar="PATH", help="write every row and the totals as JSON")

@@ -15,7 +15,7 @@ from torch import nn
 
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
-from zoo.plugins import PluginError, load_object
+from zoo.runtime.plugins import PluginError, load_object
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 

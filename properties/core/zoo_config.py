@@ -130,7 +130,7 @@ def zoo_run(config) -> ZooRun | None:
         cfg = _load(path)
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
-        from zoo.plugins import PluginError
+        from zoo.runtime.plugins import PluginError
         from zoo.config.schema import ConfigError
         words = tuple(shlex.split(text))
         if any(word.lstrip("+~").split("=", 1)[0] == "call_timeout" for word in words):   # the CLI's limit, not read here

@@ -206,7 +206,7 @@ def kernel_params(specs, api: str) -> dict[str, list]:
     {fixture: [pytest.param, ...]}. ``kernel`` (the SDPA clauses) is absent under ``sdpa`` (the plugin's own
     list applies). Fixtures of an API not selected get one skipped entry whose reason says how to select it.
     Without --kernel, ``flash`` selects the zoo's kernels of all three flash APIs, ``flash-varlen`` and
-    ``flash-kvcache`` those of their own API. Raises zoo.plugins.PluginError for a bad spec."""
+    ``flash-kvcache`` those of their own API. Raises zoo.runtime.plugins.PluginError for a bad spec."""
     from zoo.nn.flash import FLASH_KERNELS, resolve_flash_kernel
 
     params: dict[str, list] = {}

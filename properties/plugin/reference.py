@@ -23,7 +23,7 @@ import torch
 from properties.core.strategies import required
 from properties.core.subject import Subject, SubjectError, as_subject, moved, same_draws, watched
 from properties.core.watchdog import raised, user_call
-from zoo.plugins import PluginError, load_object
+from zoo.runtime.plugins import PluginError, load_object
 
 __all__ = ["Reference", "configure", "reference_of", "reference_kernel_of"]
 

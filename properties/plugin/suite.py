@@ -29,7 +29,7 @@ from properties.kernel.flash_guard import kernel_params
 from properties.plugin import report, session
 from properties.plugin import watchdog as plugin_watchdog  # --call-timeout: the supervisor of code that exits, crashes, hangs
 from zoo.nn.kernel import KERNELS, resolve_kernel
-from zoo.plugins import PluginError
+from zoo.runtime.plugins import PluginError
 
 __all__ = ["configure"]
 

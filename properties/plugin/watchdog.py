@@ -227,7 +227,7 @@ def pytest_unconfigure(config):
         _HEADER.pack_into(_shared, 0, _MAGIC, 1, -1 if status is None else int(status))
     if _BEFORE in config.stash and (_shared is not None or _command_line()):
         # the report is written: processes and threads the code under test left running do not keep the run alive
-        from zoo.leftovers import end_leftovers
+        from zoo.runtime.leftovers import end_leftovers
         end_leftovers(1 if status is None else int(status))
 
 

@@ -102,7 +102,7 @@ def subject_roots(specs) -> list[str]:
     return roots
 
 
-# The scripts' plug-in loader: the forms zoo/plugins.py (load_object) accepts, without the suite's watchdog. A subject
+# The scripts' plug-in loader: the forms zoo/runtime/plugins.py (load_object) accepts, without the suite's watchdog. A subject
 # that does not load is exit 2 with one line, never a traceback that would read as the departure.
 LOAD = '''\
 def load(spec):

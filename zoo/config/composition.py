@@ -8,6 +8,7 @@ say them in one.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Sequence
 
@@ -22,7 +23,7 @@ from zoo.config.options import options
 from zoo.config.schema import integral_overrides, validate
 from zoo.config.task_schemas import check_applies, override_key
 
-__all__ = ["compose_checked", "compose_config", "explain_composition_error", "explain_config_error",
+__all__ = ["compose_checked", "check_composed", "composition_errors", "compose_config", "explain_composition_error", "explain_config_error",
            "validate_checked", "check_override_words", "OPTIONAL_GROUPS"]
 
 OPTIONAL_GROUPS = ("recipe",)  # `optional` entries of conf/config.yaml's defaults: Hydra skips a missing option
@@ -36,16 +37,29 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
     building a model from overrides (build_model) runs no task and reads every model key."""
     overrides = integral_overrides(list(overrides))
     check_override_words(overrides)
-    try:
-        if GlobalHydra.instance().is_initialized():  # inside a running Hydra app, or the CLI's pre-check
+    with composition_errors(overrides):
+        if GlobalHydra.instance().is_initialized():  # inside a running Hydra app
             whole = compose(config_name, overrides=overrides, return_hydra_config=True)
         else:
             with initialize_config_module("zoo.conf", version_base="1.3"):
                 whole = compose(config_name, overrides=overrides, return_hydra_config=True)
+    return check_composed(whole, overrides, command_line=command_line), whole
+
+
+@contextlib.contextmanager
+def composition_errors(overrides: Sequence[str]):
+    """What composing with ``overrides`` raises, as a one-line ConfigError."""
+    try:
+        yield
     except HydraException as exc:
         raise ConfigError(explain_composition_error(exc, overrides)) from None
     except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError, RecursionError, OSError) as exc:
         raise ConfigError(explain_config_error(exc, overrides)) from None
+
+
+def check_composed(whole: DictConfig, overrides: Sequence[str], *, command_line: bool = False) -> DictConfig:
+    """The config a composition gave (``whole``, with Hydra's node), checked: an optional group's option that does not
+    exist, a key the task does not read (``command_line``), every value (validate). Returns it without Hydra's node."""
     _check_optional_choices(whole, overrides)
     cfg = copy.deepcopy(whole)
     with open_dict(cfg):
@@ -56,7 +70,7 @@ def compose_checked(overrides: Sequence[str] = (), *, config_name: str = "config
         except OmegaConfBaseException as exc:
             raise ConfigError(explain_config_error(exc, overrides)) from None
     validate_checked(cfg, overrides)
-    return cfg, whole
+    return cfg
 
 
 # Bounds on the command line, checked before Hydra's parser (recursive, and slow on long text) reads it.

@@ -30,8 +30,8 @@ from zoo.nn.blocks import NORM_PLACEMENTS
 from zoo.config.errors import ConfigError, _fail
 from zoo.config.options import DTYPES, MAX_LAYERS, PARTS
 from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
-from zoo.call_limit import parse_limit
-from zoo.plugins import PluginError, locate
+from zoo.runtime.call_limit import parse_limit
+from zoo.runtime.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 
 __all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets", "plugin_in",
@@ -52,7 +52,7 @@ class ZooSchema:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
-    call_timeout: float = 60.0  # seconds one call of a plug-in may take (zoo/call_limit.py); 0: no limit
+    call_timeout: float = 60.0  # seconds one call of a plug-in may take (zoo/runtime/call_limit.py); 0: no limit
     reference: Optional[str] = None  # task=compare: hf (gpt2_small, bert_base) or torch (vaswani_base)
     model: Any = MISSING
     attention: Any = MISSING

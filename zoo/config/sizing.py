@@ -27,7 +27,7 @@ from zoo.config.device_memory import available_memory
 from zoo.config.errors import ConfigError
 from zoo.config.parts import instantiate_part
 from zoo.config.options import DTYPES, PARTS
-from zoo.plugins import PluginError, locate
+from zoo.runtime.plugins import PluginError, locate
 
 __all__ = ["ModelTooLarge", "Count", "ModelSize", "model_size", "memory_needed", "available_memory", "check_fits"]
 

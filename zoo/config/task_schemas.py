@@ -11,7 +11,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zoo.config.errors import _fail
 from zoo.config.options import DATA_TASKS, MAX_LAYERS, SEED_RANGE
-from zoo.plugins import locate
+from zoo.runtime.plugins import locate
 
 __all__ = ["TASK_SCHEMAS", "DataOptions", "PROFILES", "COMPILE_MODES", "RunTask", "VerifyTask", "SummaryTask",
            "TrainTask", "GenerateTask", "CompareTask", "check_task", "check_seed", "check_applies", "override_key",

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from zoo.plugins import PluginError, load_object
+from zoo.runtime.plugins import PluginError, load_object
 from zoo.nn.flash_dense import (KEY_BLOCK, QUERY_BLOCK, admissible_softmax, band_allowed,  # noqa: F401
                                 flash_attn_reference, flash_attn_tiled, soft_cap)
 from zoo.nn.flash_kvcache import flash_attn_kvcache_gather, flash_attn_kvcache_paged, paged_slots

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from einops import einsum, repeat
 
-from zoo.plugins import PluginError, load_object
+from zoo.runtime.plugins import PluginError, load_object
 from zoo.nn.flash import admissible_softmax, soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from zoo.call_limit import bounded
+from zoo.runtime.call_limit import bounded
 from zoo.nn.cache import KVCache, PagedKVCache
 from zoo.nn.static_cache import StaticKVCache, refusal
 from zoo.config.builder import model_from_config

@@ -31,7 +31,7 @@ from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, la
                                read_state, save_training_checkpoint)
 from zoo.tasks.interrupts import Interrupted
 from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
-from zoo.plugins import PluginError, locate
+from zoo.runtime.plugins import PluginError, locate
 from zoo.config.schema import ConfigError
 
 __all__ = ["check_out_dir", "training_fits", "fit_config_to_data", "family_of", "recipe_values", "recipe_line",

@@ -207,7 +207,7 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
         exit_status = 2 if problem else status
         pictures = Path(scratch) / "pictures"
         pictures.mkdir()
-        from zoo.call_limit import bounded
+        from zoo.runtime.call_limit import bounded
         from zoo.config.schema import plugin_in
         with bounded(plugin_in(cfg), "drawing the attention pictures of task=verify"):   # the kernel runs here too
             drawn, notes = _draw(model, cfg.d_model, pictures)

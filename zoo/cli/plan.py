@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.cli_dirs import output_dir
+from zoo.cli.directories import output_dir
 from zoo.config.errors import ConfigError
 
-__all__ = ["Plan", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks"]
+__all__ = ["Plan", "PlannedJobs", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks"]
 
 MAX_JOBS = 1024            # jobs in one sweep; each is composed and checked before the first one starts
 MAX_RERUN_BYTES = 16 << 20  # an --experimental-rerun pickle (Hydra's config.pickle is a few KiB)
@@ -35,16 +35,61 @@ _TASK_MODULE = "zoo.cli"   # where the @hydra.main function lives: Hydra's searc
 
 @dataclass
 class Plan:
-    """What to hand Hydra, and what to remove if the run refuses its config after all."""
+    """A command line checked whole: what to run, composed once per job, and what to remove if a job is refused
+    after all (a bad input a task finds only once it runs)."""
     mode: str                      # run, multirun, cfg, info, help, shell, rerun
-    argv: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)   # for Hydra's own entry (--cfg, --info, --help, completion)
     rerun: str | None = None
     # (output directory, its deepest ancestor that existed before): a refusal inside the run removes what it made
     output: tuple[Path, Path] | None = None
+    config_name: str = "config"
+    hydra: object = None           # the Hydra instance the configs were composed with (search path, task name)
+    whole: DictConfig | None = None   # run: the job's config as Hydra runs it; multirun: the sweep's own config
+    loader: object = None          # multirun: serves the sweep's launcher the jobs composed here (PlannedJobs)
+    jobs: int = 0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Hydra initialized as it was when the configs were composed (tasks that compose read it), cleared after."""
+        from hydra.core.global_hydra import GlobalHydra
+
+        previous = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+        GlobalHydra.instance().clear()
+        GlobalHydra.instance().initialize(self.hydra)
+        try:
+            yield
+        finally:
+            GlobalHydra.instance().clear()
+            if previous is not None:
+                GlobalHydra.instance().initialize(previous)
+
+
+class PlannedJobs:
+    """The config loader a sweep's launcher is handed: ``load_sweep_config`` returns the job's config as the plan
+    composed and checked it (keyed by the job's overrides, as Hydra's basic sweeper forms them), so that no job is
+    composed twice (Hydra's sweeper asks once to check a batch, its launcher once to run each job); a job the plan did
+    not foresee is composed and checked here. Everything else is the loader's."""
+
+    def __init__(self, loader, composed: dict[tuple[str, ...], DictConfig]):
+        self._loader, self._composed = loader, composed
+
+    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        planned = self._composed.get(tuple(sweep_overrides))   # asked twice: the sweeper's check, then the launch
+        if planned is not None:
+            return planned
+        whole = self._loader.load_sweep_config(master_config, list(sweep_overrides))
+        from zoo.config.composition import check_composed
+        check_composed(whole, list(sweep_overrides), command_line=True)
+        return whole
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_loader", "_composed"):   # unpickling (joblib's workers) asks first
+            raise AttributeError(name)
+        return getattr(self._loader, name)
 
 
 def plan(argv: list[str]) -> Plan:
-    """Check the whole command line; ConfigError (one line) for the first problem."""
+    """Check the whole command line, composing each job once; ConfigError (one line) for the first problem."""
     from zoo.config.schema import integral_overrides
 
     args = _parse(integral_overrides(list(argv)))
@@ -57,21 +102,31 @@ def plan(argv: list[str]) -> Plan:
         _check_shell_completion(overrides)
         return Plan("shell", argv=_hydra_argv(args, overrides))
     with _hydra_for(args) as config_name:
+        from hydra.core.global_hydra import GlobalHydra
+        hydra = GlobalHydra.instance().hydra
         if mode == "multirun":
-            jobs, whole = _sweep_jobs(overrides, config_name)
-            for job in jobs:
-                cfg, job_whole = _compose(job, config_name)
-                task_checks(cfg, job_whole)
+            whole, jobs = _sweep_jobs(overrides, config_name)
             directory, extra = output_dir(whole, "sweep", overrides)
-        else:
-            cfg, whole = _compose(overrides, config_name)
-            if mode == "cfg" and args.package:
-                _check_package(whole, args.package)
-            if mode != "run":  # --cfg, --info, --help print and write nothing
-                return Plan(mode, argv=_hydra_argv(args, overrides))
-            task_checks(cfg, whole)
-            directory, extra = output_dir(whole, "run", overrides)
-    return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory)
+            _set_hydra_overrides(whole, extra)   # before the jobs are composed: each reads the sweep's hydra overrides
+            composed = {}
+            for job in jobs:
+                with _composition_errors(job):
+                    job_whole = hydra.config_loader.load_sweep_config(whole, list(job))
+                task_checks(_checked(job_whole, job), job_whole)
+                composed[tuple(job)] = job_whole
+            return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory, config_name=config_name,
+                        hydra=hydra, whole=whole, loader=PlannedJobs(hydra.config_loader, composed), jobs=len(jobs))
+        whole = _compose(hydra, overrides, config_name, run_mode="run" if mode == "run" else "show")
+        cfg = _checked(whole, overrides)
+        if mode == "cfg" and args.package:
+            _check_package(whole, args.package)
+        if mode != "run":  # --cfg, --info, --help print and write nothing
+            return Plan(mode, argv=_hydra_argv(args, overrides))
+        task_checks(cfg, whole)
+        directory, extra = output_dir(whole, "run", overrides)
+        _set_hydra_overrides(whole, extra)
+    return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory, config_name=config_name,
+                hydra=hydra, whole=whole, jobs=1)
 
 
 # ------------------------------------------------------------------------------------------- the command line
@@ -271,14 +326,48 @@ def _check_config_files(directory: str, flag: str) -> None:
                                   f"{MAX_CONFIG_BYTES:,} a config file may have")
 
 
-def _compose(overrides: list[str], config_name: str) -> tuple[DictConfig, DictConfig]:
-    from zoo.config.composition import compose_checked
-    return compose_checked(overrides, config_name=config_name, command_line=True)
+def _composition_errors(overrides: list[str]):
+    from zoo.config.composition import composition_errors
+    return composition_errors(overrides)
 
 
-def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]], DictConfig]:
-    """The jobs of a sweep as Hydra's basic sweeper forms them (the product of the comma lists, range() and
-    choice() of each key, the last override of a key winning), at most MAX_JOBS; and the sweep's own config."""
+def _compose(hydra, overrides: list[str], config_name: str, run_mode: str) -> DictConfig:
+    """The config of a single run, composed as Hydra's own run composes it (logging configured when it is to run)."""
+    from hydra.types import RunMode
+
+    from zoo.config.composition import check_override_words
+
+    check_override_words(overrides)
+    with _composition_errors(overrides):
+        whole = hydra.compose_config(config_name, overrides, run_mode=RunMode.RUN,
+                                     with_log_configuration=run_mode == "run")
+    if whole.hydra.mode is None:
+        with read_write(whole.hydra), open_dict(whole.hydra):
+            whole.hydra.mode = RunMode.RUN
+    return whole
+
+
+def _checked(whole: DictConfig, overrides: list[str]) -> DictConfig:
+    from zoo.config.composition import check_composed
+    return check_composed(whole, overrides, command_line=True)
+
+
+def _set_hydra_overrides(whole: DictConfig, extra: list[str]) -> None:
+    """Hydra overrides the plan adds (the run's own output directory), set in the composed config as Hydra would have
+    set them from the command line: the value, and the word in hydra.overrides.hydra (hydra.yaml records it, and a
+    sweep's jobs are composed with it)."""
+    for word in extra:
+        key, _, value = word.partition("=")
+        with read_write(whole), open_dict(whole):
+            OmegaConf.update(whole, key, value, merge=False)
+            whole.hydra.overrides.hydra.append(word)
+
+
+def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[DictConfig, list[list[str]]]:
+    """The sweep's own config and its jobs, each a list of overrides exactly as Hydra's basic sweeper forms them (the
+    product of the comma lists, range() and choice() of each task key, the last override of a key winning), at most
+    MAX_JOBS, counted before any list is expanded."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -288,22 +377,18 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
 
     check_override_words(overrides)
     hydra = GlobalHydra.instance().hydra
-    try:
-        whole = hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN)
-        parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(overrides)
-    except HydraException as exc:
-        raise ConfigError(explain_composition_error(exc, overrides)) from None
-    except (OmegaConfBaseException, ValueError, TypeError, KeyError, RecursionError, OSError) as exc:
-        from zoo.config.composition import explain_config_error
-        raise ConfigError(explain_config_error(exc, overrides)) from None
+    with _composition_errors(overrides):
+        whole = hydra.compose_config(config_name, overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=True)
+        task_overrides = OmegaConf.to_container(whole.hydra.overrides.task, resolve=False)
+        parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(task_overrides)
     batch = whole.hydra.get("sweeper", {}).get("max_batch_size")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ConfigError(f"hydra.sweeper.max_batch_size={batch}: must be a positive integer or null (all at once)")
-    lists: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
     for override in parsed:
         key = override.get_key_element()
         if not override.is_sweep_override():
-            lists[key] = [f"{key}={override.get_value_element_as_str()}"]
+            counts[key] = 1
             continue
         if not override.is_discrete_sweep():
             raise ConfigError(f"{override.input_line}: Hydra's basic sweeper takes comma lists, range() and "
@@ -317,14 +402,16 @@ def _sweep_jobs(overrides: list[str], config_name: str) -> tuple[list[list[str]]
         if len(values) > MAX_JOBS:
             raise ConfigError(f"{override.input_line}: more than {MAX_JOBS:,} values (allowed: at most {MAX_JOBS:,} "
                               f"jobs in one sweep)")
-        lists[key] = [f"{key}={value}" for value in values]
+        counts[key] = len(values)
     count = 1
-    for values in lists.values():
-        count *= len(values)
+    for n in counts.values():
+        count *= n
     if count > MAX_JOBS:
         raise ConfigError(f"-m {' '.join(o for o in overrides if ',' in o or '(' in o)[:200]}: {count:,} jobs "
                           f"(allowed: at most {MAX_JOBS:,} jobs in one sweep)")
-    return [list(job) for job in itertools.product(*lists.values())], whole
+    with _composition_errors(overrides):
+        batches = BasicSweeper.split_arguments(parsed, None)
+    return whole, [job for batch_ in batches for job in batch_]
 
 
 # ---------------------------------------------------------------------------------------- each task's checks

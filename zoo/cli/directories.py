@@ -1,4 +1,4 @@
-"""The output directory of a `python -m zoo` run, checked before Hydra makes it (zoo/cli_checks.py), and removed
+"""The output directory of a `python -m zoo` run, checked before Hydra makes it (zoo/cli/plan.py), and removed
 again if the run refuses its config once Hydra has started (a bad input leaves nothing behind)."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from zoo.call_limit import CallLimitExceeded, bounded
+from zoo.runtime.call_limit import CallLimitExceeded, bounded
 
 __all__ = ["PluginError", "load_object", "locate"]
 

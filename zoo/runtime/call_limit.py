@@ -111,7 +111,7 @@ def _watch() -> None:
                 continue
             if _State.active is not active:
                 continue
-            from zoo.leftovers import children
+            from zoo.runtime.leftovers import children
             for pid in children():
                 try:
                     os.kill(pid, signal.SIGKILL)
