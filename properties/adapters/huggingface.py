@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from properties.adapters.declared import read_declared
 from properties.adapters.moe import eager_experts_in_float64, routing as moe_routing
 from properties.adapters.probe import absolute_position_tables, reached_parameters
 from properties.core.subject import Subject, SubjectError
@@ -159,9 +160,22 @@ def _module_windows(modules, encoder: bool) -> tuple[int | None, ...] | None:
         return tuple(_half_width(m) + 1 for m in modules)
     if not modules or not all(hasattr(m, "sliding_window") for m in modules):
         return None
-    windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0 else None
-                    for m in modules)
+    # EXAONE 4 keeps the config's window on every layer's module and marks the windowed ones ``is_sliding``: its
+    # global layers are called with sliding_window=None (modeling_exaone4.py), as its config's layer_types say.
+    windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0
+                    and getattr(m, "is_sliding", True) else None for m in modules)
     return windows if any(w is not None for w in windows) else None
+
+
+def _declared(model, kind: str, window):
+    """Subject.declared; a config the reading cannot follow is named, never guessed."""
+    from properties.core.declared import Declared
+    try:
+        return read_declared(model, kind, window)
+    except Exception as exc:   # noqa: BLE001  an architecture the tables do not know may fail in any way
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return Declared(not_checked=(f"every declared setting (reading the config raised {type(exc).__name__}: "
+                                     f"{first})",))
 
 
 def _probe_output(model, kind: str, tokens, mask):
@@ -261,7 +275,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         relative, tabulated = False, not _regrows(model)
     unused_parameters = _unused(model, reached, unused_parameters)
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
-        extrapolates = (relative and not tabulated) or _regrows(model) or (False if positional else None)
+        # Rotary tables computed per call (dynamic NTK and LongRoPE included) take any length.
+        extrapolates = ((relative or rotary) and not tabulated) or _regrows(model) or (False if positional else None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
@@ -278,7 +293,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                   relative_positions=relative if relative_positions is None else relative_positions,
                   window=window, edges=tuple(edges),
                   attention_modules=found if window is not None and found and len(found) == len(window) else None,
-                  routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized))
+                  routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized),
+                  declared=_declared(model, kind, window))
 
     def run(**inputs):
         eager_experts_in_float64(model)   # the suite's float64 twin: cast after this subject was made

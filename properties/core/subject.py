@@ -17,6 +17,8 @@ from zoo.nn.cache import KVCache
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
 from zoo.plugins import PluginError, load_object
+from properties.core.declared import Declared
+from properties.core.routing import RoutingRule
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
@@ -43,16 +45,18 @@ class Route:
 
     logits (N, E): the router's scores; experts (N, k): the experts each token is sent to; weights (N, k): the
     weights their outputs are combined with. top_k: True when the model routes each token to the k experts of its
-    largest logits (a softmax top-k router), False when its rule is another (biased or grouped scores): then only
-    batch and padding invariance are checked. normalized: True when the weights are the chosen experts' softmax
-    probabilities divided by their sum (they sum to 1), False when they are those probabilities themselves, None
-    when the model does not say (only their ratios, exp(logit difference), are checked).
+    largest logits (a softmax top-k router), False when its rule is unknown: then only batch and padding invariance
+    are checked. normalized: True when the weights are the chosen experts' softmax probabilities divided by their
+    sum (they sum to 1), False when they are those probabilities themselves, None when the model does not say (only
+    their ratios, exp(logit difference), are checked). rule: the whole declared rule (scores, a correction bias,
+    groups, a scaling factor: properties/core/routing.py); when given it takes the place of top_k and normalized.
     """
     logits: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
     top_k: bool = True
     normalized: bool | None = None
+    rule: RoutingRule | None = None
 
 
 @dataclass
@@ -107,6 +111,10 @@ class Subject:
         whatever the other layers do (Gemma 2's alternating layers), through hooks on these modules.
     routing: mixture-of-experts routing, enabling MODEL-ROUTING: ``with routing() as routes:`` records every routed
         layer's call during the forward passes inside the block, appending one ``Route`` per call.
+    declared: what the model's config declares about each part (properties/core/declared.py: each attention layer's
+        scale, window, soft cap, grouping and rotary embedding, each norm's formula, each feed-forward network's
+        activation, each mixture-of-experts block's routing and combine), enabling MODEL-LAYER-*; settings the adapter
+        could not read are listed there and named in the report.
     """
     kind: str
     forward: Callable
@@ -126,6 +134,7 @@ class Subject:
     edges: tuple[int, ...] = ()
     attention_modules: tuple[nn.Module, ...] | None = None
     routing: Callable | None = None
+    declared: Declared | None = None
 
     def __post_init__(self):
         check_subject(self)
@@ -166,6 +175,8 @@ def check_subject(s: Subject) -> None:
         if s.window is None or len(s.attention_modules) != len(s.window):
             fail("attention_modules", f"<{len(s.attention_modules)} modules>",
                  f"one module per entry of Subject.window ({'None' if s.window is None else len(s.window)})")
+    if s.declared is not None and not isinstance(s.declared, Declared):
+        fail("declared", type(s.declared).__name__, "None or a properties.core.declared.Declared")
     if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
         fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):

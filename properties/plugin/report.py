@@ -16,7 +16,7 @@ from properties.plugin.repro import reset as reset_reproducers, write as write_r
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.core.subject import called_dtypes
-from properties.model.twin import ON_TWIN, pop_notes, pop_precision
+from properties.model.twin import NOT_CHECKED, ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -222,7 +222,10 @@ def model_basis(records) -> list[str]:
         if r["level"] != "model":
             continue
         for cid in r["clauses"]:
-            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set(), "unchecked": {}})
+            for note in (r.get("note") or "").split("; "):   # what the clause could not check, named
+                if note.startswith(NOT_CHECKED):
+                    row["unchecked"].update(dict.fromkeys(note.removeprefix(NOT_CHECKED).split(" | ")))
             if r["status"] == "skipped" and r["message"].startswith(LACKS):
                 row["lacks"].add(r["message"].split(":")[0])
             elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
@@ -238,6 +241,7 @@ def model_basis(records) -> list[str]:
             else []
         parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
         parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        parts += [NOT_CHECKED + ", ".join(row["unchecked"])] if row["unchecked"] else []
         if parts:
             lines.append(f"{cid}: " + "; ".join(parts))
     return lines
