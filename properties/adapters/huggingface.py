@@ -167,6 +167,21 @@ def _module_windows(modules, encoder: bool) -> tuple[int | None, ...] | None:
     return windows if any(w is not None for w in windows) else None
 
 
+SPECIAL_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                    "cls_token_id")
+
+
+def _special_ids(config) -> tuple[int, ...]:
+    """The config's special token ids inside the vocabulary (eos may be a list), each once."""
+    found = []
+    for name in SPECIAL_ID_NAMES:
+        value = getattr(config, name, None)
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size:
+                found.append(i)
+    return tuple(dict.fromkeys(found))
+
+
 def _declared(model, kind: str, window):
     """Subject.declared; a config the reading cannot follow is named, never guessed."""
     from properties.core.declared import Declared
@@ -289,7 +304,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                            f"is unknown; pass window= (per layer: W - 1 keys on either side, or None)")
     window = window if window is not None else declared or _windows(config)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
-                  pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
+                  pad_id=0 if pad is None else pad, special_ids=_special_ids(config), module=model,
+                  extrapolates=extrapolates,
                   relative_positions=relative if relative_positions is None else relative_positions,
                   window=window, edges=tuple(edges),
                   attention_modules=found if window is not None and found and len(found) == len(window) else None,

@@ -274,6 +274,59 @@ def stablelm_full_rotary():
     return _subject((model, keywords))
 
 
+def _rotary_table_cached(self, x, position_ids):
+    """A rotary module that computes its cos/sin table once, in the dtype of its first call, and indexes it after."""
+    table = getattr(self, "table", None)
+    if table is None:
+        positions = torch.arange(self.original_max_seq_len, device=x.device, dtype=torch.float)
+        angles = positions[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        self.table = table = ((angles.cos() * self.attention_scaling).to(x.dtype),
+                              (angles.sin() * self.attention_scaling).to(x.dtype))   # kept as a plain attribute
+    return table[0][position_ids].to(x.dtype), table[1][position_ids].to(x.dtype)
+
+
+def rotary_table_kept_after_cast():
+    model, keywords = _build("Llama", torch.bfloat16)
+    return _subject((_patch(model, "LlamaRotaryEmbedding", _rotary_table_cached), keywords))
+
+
+def dynamic_ntk_never_restored():
+    model, keywords = _build("Llama", rope_parameters=dict(DYNAMIC))
+    # transformers #25306: the base enlarged by a call past max_position_embeddings is kept for every later call
+    model.model.rotary_emb.original_max_seq_len = 10 ** 9
+    return _subject((model, keywords))
+
+
+def padding_from_ids():
+    """pad = eos; the model ANDs the attention mask with ``input_ids != pad_token_id``: every real eos is dropped."""
+    model, keywords = _build("Llama", pad_token_id=2, eos_token_id=2)
+    inner = model.forward
+
+    def forward(input_ids=None, attention_mask=None, **kwargs):
+        if input_ids is not None and attention_mask is not None:   # the bug: padding inferred from the ids
+            attention_mask = attention_mask.clone()
+            attention_mask[:, -input_ids.shape[1]:] *= (input_ids != model.config.pad_token_id).to(attention_mask)
+        return inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    model.forward = forward
+    return _subject((model, keywords))
+
+
+def _jitter_always(self, hidden_states):
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    if self.jitter_noise > 0:   # the bug: `self.training and` lost, the router jitter multiplies in eval too
+        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise,
+                                                                                 1.0 + self.jitter_noise)
+    hidden_states = hidden_states.view(-1, hidden_dim)
+    _, weights, experts = self.gate(hidden_states)
+    return self.experts(hidden_states, experts, weights).reshape(batch_size, sequence_length, hidden_dim)
+
+
+def router_jitter_in_eval():
+    model, keywords = _build("Mixtral", **MOE, num_local_experts=4, router_jitter_noise=0.1)
+    return _subject((_patch(model, "MixtralSparseMoeBlock", _jitter_always), keywords))
+
+
 BUGS = {
     "gemma3_local_layers_global_base": ("Gemma 3's sliding layers rotate with the global layers' base (1e6, not 1e4)",
                                         ("MODEL-LAYER-ATTENTION",)),
@@ -297,4 +350,11 @@ BUGS = {
                                                         "length", ("MODEL-LAYER-ATTENTION",)),
     "stablelm_full_rotary": ("StableLM rotates every feature where partial_rotary_factor says a quarter",
                              ("MODEL-LAYER-ATTENTION",)),
+    "rotary_table_kept_after_cast": ("a bfloat16 Llama's rotary table, cached at its first call, kept in bfloat16 "
+                                     "after .to(float64)", ("MODEL-HISTORY",)),
+    "padding_from_ids": ("pad = eos, padding taken from input_ids != pad_token_id: real eos tokens dropped",
+                         ("MODEL-PADDING-IDS",)),
+    "router_jitter_in_eval": ("Mixtral's router jitter noise applied in eval mode", ("MODEL-DETERMINISM",)),
+    "dynamic_ntk_never_restored": ("dynamic NTK's base, enlarged by an input past max_position_embeddings, never "
+                                   "restored (transformers #25306)", ("MODEL-HISTORY", "MODEL-LAYER-ATTENTION")),
 }

@@ -71,6 +71,9 @@ class Subject:
     vocab_size, max_len: token ids lie in [0, vocab_size); inputs have at most max_len positions.
     positional: False when the model injects no order information (MODEL-PERMUTATION).
     pad_id: the token placed at padded positions.
+    special_ids: further ids with a meaning of their own (bos, eos, a decoder's start id; ``hf_subject`` reads them
+        from the config): MODEL-PADDING-IDS places them, and pad_id, at attended positions, where the mask alone
+        decides that they are real.
 
     Optional, each enabling (part of) one clause; a clause whose field is missing is skipped
     with the reason:
@@ -122,6 +125,7 @@ class Subject:
     max_len: int
     positional: bool = True
     pad_id: int = 0
+    special_ids: tuple[int, ...] = ()
     module: nn.Module | None = None
     embedding: nn.Module | None = None
     decode_step: Callable | None = None
@@ -177,6 +181,9 @@ def check_subject(s: Subject) -> None:
                  f"one module per entry of Subject.window ({'None' if s.window is None else len(s.window)})")
     if s.declared is not None and not isinstance(s.declared, Declared):
         fail("declared", type(s.declared).__name__, "None or a properties.core.declared.Declared")
+    if not isinstance(s.special_ids, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < s.vocab_size for i in s.special_ids):
+        fail("special_ids", s.special_ids, f"a tuple of ids in [0, vocab_size={s.vocab_size})")
     if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
         fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):
