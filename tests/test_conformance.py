@@ -134,7 +134,8 @@ def test_hf_subject_guesses_what_the_config_says():
                                                       max_position_embeddings=32,
                                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                        "rope_theta": 10000.0}))
-    assert not dynamic.relative_positions   # its frequencies depend on the length reached, not only on offsets
+    # relative below max_position_embeddings, past which its frequencies change: MODEL-SHIFT shifts below it
+    assert dynamic.relative_positions and dynamic.extrapolates and dynamic.declared.length_thresholds == (32,)
 
 
 def test_hf_subject_names_the_keyword_it_cannot_guess():

@@ -69,15 +69,6 @@ def _regrows(model) -> bool:
                for m in model.modules())
 
 
-def _rope_type(config) -> str:
-    """The rotary scaling type (transformers 5: rope_parameters; 4.x: rope_scaling), "default" when none."""
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, name, None)
-        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
-            return str(params.get("rope_type") or params.get("type"))
-    return "default"
-
-
 def _alibi(model, config) -> bool:
     """ALiBi: Bloom (no position table at all), MPT (attn_config.alibi), Falcon (config.alibi)."""
     attn = getattr(config, "attn_config", None)
@@ -236,8 +227,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     encoder-decoders only when their positions are relative (T5) or counted over the non-pad tokens (RoBERTa;
     BERT's, BART's and Marian's are counted from column 0).
     extrapolates: True for rotary, ALiBi and relative positions (no table to run past), False for a rotary module
-    backed by a fixed table (GPT-J, CodeGen) and for absolute positions. relative_positions: rotary (not dynamic NTK
-    or LongRoPE scaling, whose frequencies depend on the length reached), ALiBi and relative positions (MODEL-SHIFT
+    backed by a fixed table (GPT-J, CodeGen) and for absolute positions. relative_positions: rotary (with dynamic NTK
+    or LongRoPE scaling, below the length past which the frequencies change), ALiBi and relative positions (MODEL-SHIFT
     then requires shifted inputs to give the same outputs). window: per layer,
     from sliding_window / layer_types / GPT-Neo's window_size (MODEL-WINDOW). edges: more lengths for the long
     draws (a cache block). decode=False: no decode_step (MODEL-KV-CACHE is then skipped). Models whose forward
@@ -261,8 +252,9 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     kind = kind or _kind(model)
     rotary, tabulated = _rotary(model)
     alibi = _alibi(model, config)
-    # Dynamic NTK and LongRoPE rescale the rotary frequencies by the length reached: no longer a function of offsets.
-    relative = (rotary and _rope_type(config) not in ("dynamic", "longrope")) or alibi or _relative(config)
+    # Rotary positions enter as offsets; dynamic NTK and LongRoPE rescale the frequencies past a length
+    # (Subject.declared's length_thresholds), below which MODEL-SHIFT keeps its shifted positions.
+    relative = rotary or alibi or _relative(config)
     # MPT builds its ALiBi bias for max_seq_len positions in every forward pass: a table it cannot run past.
     tabulated = tabulated or (alibi and getattr(config, "model_type", "") == "mpt")
     # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
