@@ -88,10 +88,9 @@ def _single_input(module: nn.Module) -> bool:
 def _norm_kind(module: nn.Module, model_type: str) -> str | None:
     """"rms", "layer" or None (not a norm this adapter knows): torch's own classes, else the class name (T5's
     T5LayerNorm, and its kin, is an RMSNorm: T5 paper §2.1, "only rescaled and no additive bias")."""
-    if isinstance(module, nn.LayerNorm):
-        return "layer"
-    if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm):
-        return "rms"
+    for torch_norm, kind in ((nn.LayerNorm, "layer"), (getattr(nn, "RMSNorm", ()), "rms")):
+        if isinstance(module, torch_norm):   # a subclass with a forward of its own (SqueezeBERT's, channels first)
+            return kind if type(module).forward is torch_norm.forward else None
     name = type(module).__name__
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() not in (1, 2) or not _single_input(module):
@@ -121,13 +120,15 @@ def _norms(model: nn.Module, config, model_type: str, not_checked: list) -> dict
     for name, module in model.named_modules():
         kind = _norm_kind(module, model_type)
         if kind is None:
+            if isinstance(module, nn.LayerNorm):
+                missing.add(f"{type(module).__name__} (a LayerNorm with a forward of its own)")
             continue
         eps, _ = _eps(config, kind, model_type)
         if eps is None:
             missing.add(f"{type(module).__name__} (the config names no {' or '.join(RMS_EPS if kind == 'rms' else LAYER_EPS)})")
             continue
         found[id(module)] = Norm(name, module, kind, eps, unit_offset=model_type in UNIT_OFFSET_NORMS)
-    not_checked += [f"the eps of {m}" for m in sorted(missing)]
+    not_checked += [f"the norm {m}" for m in sorted(missing)]
     return found
 
 

@@ -77,6 +77,12 @@ def _alibi(model, config) -> bool:
                     else (attn or {}).get("alibi", False)))
 
 
+# Positions carried by order alone (NoPE): state-space layers and causal attention without position codes; shifting every
+# position changes nothing and any length is taken (the Jamba paper, §3: "we found that no explicit positional
+# information is needed"; Mamba keeps none).
+ORDER_ONLY = ("jamba", "mamba", "mamba2", "falcon_mamba")
+
+
 def _relative(config) -> bool:
     """Positions that enter only as query-key offsets: T5's buckets, BERT's relative_key(_query), DeBERTa-v2's
     relative_attention when no absolute position is added to the input (position_biased_input False)."""
@@ -254,7 +260,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     alibi = _alibi(model, config)
     # Rotary positions enter as offsets; dynamic NTK and LongRoPE rescale the frequencies past a length
     # (Subject.declared's length_thresholds), below which MODEL-SHIFT keeps its shifted positions.
-    relative = rotary or alibi or _relative(config)
+    order_only = getattr(config, "model_type", "") in ORDER_ONLY
+    relative = rotary or alibi or _relative(config) or order_only
     # MPT builds its ALiBi bias for max_seq_len positions in every forward pass: a table it cannot run past.
     tabulated = tabulated or (alibi and getattr(config, "model_type", "") == "mpt")
     # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
@@ -283,7 +290,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     unused_parameters = _unused(model, reached, unused_parameters)
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
         # Rotary tables computed per call (dynamic NTK and LongRoPE included) take any length.
-        extrapolates = ((relative or rotary) and not tabulated) or _regrows(model) or (False if positional else None)
+        extrapolates = ((relative or rotary) and not tabulated) or _regrows(model) or order_only or \
+            (False if positional else None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)

@@ -140,6 +140,8 @@ def _left_behind(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
                              "decode batch": Batch(2, 4, (4, 4), seed=13), "decode batch source": Batch(2, 3, (3, 3), seed=14)}))
 @given(data=st.data())
 def test_a_cast_after_calls_leaves_nothing_behind(mut, pytestconfig, data):
+    if mut.precise is mut.native:
+        pytest.skip(f"no float64 twin ({mut.precise_note or 'the model is compared as built'}): nothing to cast to")
     s = fresh_subject(pytestconfig, mut.name)
     if s.module is None:
         pytest.skip("Subject.module is None: the model cannot be cast")
