@@ -145,7 +145,8 @@ def _rope_parameters(config, layer_type: str | None) -> dict | None:
     return params
 
 
-def _rotary(config, model_type: str, layer: int, head_dim: int, window) -> tuple[Rotary | None, str | None]:
+def _rotary(config, model_type: str, layer: int, head_dim: int, window,
+            has_rotary: bool) -> tuple[Rotary | None, str | None]:
     """(the layer's rotary embedding or None, why it cannot be read)."""
     types = getattr(config, "layer_types", None)
     layer_type = types[layer] if isinstance(types, (list, tuple)) and layer < len(types) else None
@@ -155,6 +156,8 @@ def _rotary(config, model_type: str, layer: int, head_dim: int, window) -> tuple
     if model_type in GLOBAL_LAYERS_WITHOUT_ROTARY and getattr(config, "sliding_window", None) and window is None:
         return None, None
     params = _rope_parameters(config, layer_type)
+    if params is None and not has_rotary:   # no rotary table anywhere and none declared: positions from order only
+        return None, None
     if params is None:
         return None, f"rotary parameters of layer {layer} (no rope_parameters{f' for {layer_type}' if layer_type else ''})"
     kind = str(params.get("rope_type") or params.get("type") or "default")
@@ -237,6 +240,8 @@ def _attention(model, config, model_type, windows, norms, not_checked) -> tuple[
     head_dim = _int(config, "head_dim") or hidden // heads
     scale, scale_from = _scale(config, head_dim)
     softcap = getattr(config, "attn_logit_softcapping", None)
+    has_rotary = any(isinstance(getattr(m, "inv_freq", None), torch.Tensor) or
+                     any(n.endswith("inv_freq") for n, _ in m.named_buffers(recurse=False)) for m in model.modules())
     layers = []
     for layer, module in modules:
         where = f"layer {layer}'s attention"
@@ -246,7 +251,7 @@ def _attention(model, config, model_type, windows, norms, not_checked) -> tuple[
             not_checked.append(f"{where} ({why or 'parameters the oracle does not read: ' + ', '.join(extra)})")
             continue
         window = windows[layer] if windows and layer < len(windows) else None
-        rotary, why = _rotary(config, model_type, layer, head_dim, window)
+        rotary, why = _rotary(config, model_type, layer, head_dim, window, has_rotary)
         if why:
             not_checked.append(f"{where} ({why})")
             continue

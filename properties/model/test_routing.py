@@ -1,9 +1,9 @@
 """MODEL-ROUTING (SPEC.md, "Models"): a mixture-of-experts model routes each token by its own router logits.
 
 What the routing layers record (``Subject.routing``: per call, the router's logits and the experts and combine
-weights the experts module receives) is checked against the router's rule: each token goes to the k experts of its
-largest logits, with weights equal to the softmax probabilities of those experts (renormalised over them when the
-config says so), and a token's experts are the same alone as in a padded batch. Wrong routing hides well: outputs
+weights the experts module receives) is checked against the router's declared rule (properties/core/routing.py: the
+scores, a correction bias for the choice, groups, renormalisation, a scaling factor; a plain softmax top-k rule when
+only ``top_k`` and ``normalized`` are given), and a token's experts are the same alone as in a padded batch. Wrong routing hides well: outputs
 stay self-consistent (a batch is still the sum of its samples when the weights are renormalised against the config),
 so only the routing itself says that it is wrong.
 """
