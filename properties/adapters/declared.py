@@ -12,7 +12,7 @@ parameters the oracle does not use, is listed in ``not_checked`` with the reason
 from __future__ import annotations
 
 import inspect
-import math
+import re
 
 import torch
 from torch import nn
@@ -37,11 +37,13 @@ GLOBAL_LAYERS_WITHOUT_ROTARY = ("cohere2", "exaone4")
 # are GELU's tanh form; silu and swish are x·sigmoid(x)).
 ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh",
                     "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
-# Config fields that change the computation beyond the parts checked here: named when set to anything but their
-# neutral value.
-MODEL_LEVEL_FIELDS = {"final_logit_softcapping": None, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
-                      "logits_scaling": 1.0, "logit_scale": 1.0, "attn_temperature_tuning": False,
-                      "scale_embedding": False, "mup_width_multiplier": 1.0}
+# Config fields that scale, cap or temper something (their names say so) and that the reading below does not use:
+# named when set to anything but a neutral value; one that speaks of attention (Llama 4's attn_scale, Falcon-H1's
+# attention_in_multiplier, ...) keeps the attention layers from being checked against a scale it would change.
+READ_FIELDS = ("query_pre_attn_scalar", "attention_multiplier", "attn_logit_softcapping", "routed_scaling_factor")
+SCALING_FIELD = re.compile(r"scal|multiplier|temperature|softcap|soft_cap|logit_cap")
+ATTENTION_FIELD = re.compile(r"attn|attention|query|qk|key_")
+NEUTRAL = (None, False, 0, 1)
 RMS_EPS = ("rms_norm_eps",)
 LAYER_EPS = ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "dense", "qkv_proj", "q_norm", "k_norm",
@@ -357,13 +359,14 @@ def _experts(model, config, not_checked) -> tuple[tuple[Experts, ...], set[int]]
     return tuple(found), inside
 
 
-def _model_level(config) -> list[str]:
-    named = []
-    for field, neutral in MODEL_LEVEL_FIELDS.items():
-        value = getattr(config, field, neutral)
-        if value is not None and value != neutral and not (isinstance(value, float) and math.isnan(value)):
-            named.append(f"{field}={value}")
-    return named
+def _unread_fields(config) -> tuple[list[str], list[str]]:
+    """(fields of the config that scale something and are not read, those of them that speak of attention)."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    unread = [f"{k}={v}" for k, v in fields.items()
+              if SCALING_FIELD.search(k) and "init" not in k and k not in READ_FIELDS and not isinstance(v, (dict, str))
+              and not any(v is n or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == n and n is not None
+                                     and not isinstance(n, bool)) for n in NEUTRAL)]
+    return unread, [f for f in unread if ATTENTION_FIELD.search(f.split("=")[0])]
 
 
 def read_declared(model: nn.Module, kind: str, windows) -> Declared:
@@ -373,13 +376,17 @@ def read_declared(model: nn.Module, kind: str, windows) -> Declared:
     model_type = str(getattr(config, "model_type", ""))
     not_checked: list[str] = []
     norms = _norms(model, config, model_type, not_checked)
+    unread, about_attention = _unread_fields(config)
     attention = ()
-    if kind == "decoder_only":
+    if about_attention:
+        not_checked.append(f"the attention layers (the config sets {', '.join(about_attention)}, which the reading "
+                           f"does not use)")
+    elif kind == "decoder_only":
         attention = _attention(model, config, model_type, windows, norms, not_checked)
     else:
         not_checked.append(f"the attention layers (an {kind.replace('_', '-')} model: causal self-attention only)")
     experts, inside = _experts(model, config, not_checked)
     ffn = _feed_forward(model, config, not_checked, skip=inside - {id(e.shared.module) for e in experts if e.shared})
-    not_checked += _model_level(config)
+    not_checked += [f for f in unread if f not in about_attention]
     return Declared(attention=attention, norms=tuple(norms.values()), feed_forward=ffn, experts=experts,
                     not_checked=tuple(dict.fromkeys(not_checked)))
