@@ -40,7 +40,8 @@ ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_python": "gelu", "gelu
 # Config fields that scale, cap or temper something (their names say so) and that the reading below does not use:
 # named when set to anything but a neutral value; one that speaks of attention (Llama 4's attn_scale, Falcon-H1's
 # attention_in_multiplier, ...) keeps the attention layers from being checked against a scale it would change.
-READ_FIELDS = ("query_pre_attn_scalar", "attention_multiplier", "attn_logit_softcapping", "routed_scaling_factor")
+READ_FIELDS = ("query_pre_attn_scalar", "attention_multiplier", "attn_logit_softcapping", "routed_scaling_factor",
+               "scale_attn_weights")
 SCALING_FIELD = re.compile(r"scal|multiplier|temperature|softcap|soft_cap|logit_cap")
 ATTENTION_FIELD = re.compile(r"attn|attention|query|qk|key_")
 NEUTRAL = (None, False, 0, 1)
@@ -192,6 +193,8 @@ def _scale(config, head_dim: int) -> tuple[float, str]:
     multiplier = getattr(config, "attention_multiplier", None)
     if isinstance(multiplier, (int, float)) and multiplier:
         return float(multiplier), "attention_multiplier"
+    if getattr(config, "scale_attn_weights", True) is False:   # GPT-2's and GPT-BigCode's switch for 1/√d
+        return 1.0, "scale_attn_weights=False"
     return head_dim ** -0.5, f"head_dim^-1/2 ({head_dim})"
 
 
