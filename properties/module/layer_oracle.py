@@ -54,7 +54,9 @@ def norm_output(norm: Norm, x, dtype: torch.dtype) -> Approx:
     else:
         normalized, out = layer_norm_oracle(given.value, norm.eps, gain, bias, dtype)
         root = torch.sqrt(given.value.var(-1, unbiased=False, keepdim=True) + norm.eps)
-    error = out.error
+    # A model may round its input to the dtype it computes the statistics in first (transformers' norms cast to float32):
+    # x_i(1 + δ_i), |δ_i| <= u, moves n_i by at most 2u|n_i| (the token's own rounding and that of its root mean square).
+    error = out.error + 2 * u * normalized.magnitude * (1.0 if gain is None else gain.abs())
     if norm.unit_offset and gain is not None:   # 1 + w rounded once
         error = error + u * gain.abs() * normalized.magnitude
     if isinstance(x, Approx):
