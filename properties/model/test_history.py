@@ -83,13 +83,21 @@ def _max_len(low: int, high: int) -> int:
     return high
 
 
+# The pinned history, run every time: the longest input, another batch of four, a decoding session.
+PINNED_HISTORY = PAIR | {"history": ["long", "batch", "decode"], "long length": _max_len,
+                         "other batch": Batch(4, 6, (6, 2, 1, 6), seed=11),
+                         "other batch source": Batch(4, 5, (5, 5, 3, 1), seed=12),
+                         "decode batch": Batch(2, 4, (4, 4), seed=13), "decode batch source": Batch(2, 3, (3, 3), seed=14)}
+
+
+def history_property(test):
+    """The settings of a MODEL-HISTORY test (one draw after the pin by default), the pinned history first."""
+    return settings(model_settings, max_examples=max(1, EXAMPLES // 6))(
+        example(data=pinned(PINNED_HISTORY))(given(data=st.data())(test)))
+
+
 @clause("MODEL-HISTORY")
-@settings(model_settings, max_examples=max(1, EXAMPLES // 6))   # one draw after the pin by default
-@example(data=pinned(PAIR | {"history": ["long", "batch", "decode"], "long length": _max_len,
-                             "other batch": Batch(4, 6, (6, 2, 1, 6), seed=11),
-                             "other batch source": Batch(4, 5, (5, 5, 3, 1), seed=12),
-                             "decode batch": Batch(2, 4, (4, 4), seed=13), "decode batch source": Batch(2, 3, (3, 3), seed=14)}))
-@given(data=st.data())
+@history_property
 def test_output_does_not_depend_on_earlier_calls(mut, pytestconfig, data):
     s = fresh_subject(pytestconfig, mut.name)
     src, x = draw_pair(data, s, mut.device)
@@ -133,12 +141,7 @@ def _left_behind(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 @clause("MODEL-HISTORY")
-@settings(model_settings, max_examples=max(1, EXAMPLES // 6))
-@example(data=pinned(PAIR | {"history": ["long", "batch", "decode"], "long length": _max_len,
-                             "other batch": Batch(4, 6, (6, 2, 1, 6), seed=11),
-                             "other batch source": Batch(4, 5, (5, 5, 3, 1), seed=12),
-                             "decode batch": Batch(2, 4, (4, 4), seed=13), "decode batch source": Batch(2, 3, (3, 3), seed=14)}))
-@given(data=st.data())
+@history_property
 def test_a_cast_after_calls_leaves_nothing_behind(mut, pytestconfig, data):
     if mut.precise is mut.native:
         pytest.skip(f"no float64 twin ({mut.precise_note or 'the model is compared as built'}): nothing to cast to")

@@ -35,9 +35,24 @@ def _longest(low, high):
     return high
 
 
+def padding_ids_property(test):
+    """The model settings, the pinned case first (two samples, the pad id in one and the next special id in the
+    other, at position 1 of the longest draw), and the twin's fallback."""
+    return example(data=pinned({"length": _longest, "position j": 1, "batch size": 2, "special id of sample 0": 0,
+                                "special id of sample 1": _second, "seed": 0}))(model_property(twin_fallback(test)))
+
+
 def _name(s, i: int) -> str:
     roles = ["the pad id" if i == s.pad_id else None] + (["a special id (bos, eos, ...)"] if i in s.special_ids else [])
     return f"{i} ({' and '.join(r for r in roles if r)})"
+
+
+def _subject(mut):
+    s = mut.precise
+    requires(s, "embedding", "the embeddings' gradients cannot be read")
+    if s.max_len < 3:
+        pytest.skip(f"max_len={s.max_len}: no position has a real token after it")
+    return s
 
 
 def _case(data, s, device, first: int):
@@ -68,15 +83,9 @@ def _assert_attended(s, grad: torch.Tensor, position: int, chosen, where: str) -
 
 
 @clause("MODEL-PADDING-IDS")
-@example(data=pinned({"length": _longest, "position j": 1, "batch size": 2, "special id of sample 0": 0,
-                      "special id of sample 1": _second, "seed": 0}))
-@model_property
-@twin_fallback
+@padding_ids_property
 def test_special_ids_at_real_positions_are_attended(mut, data):
-    s = mut.precise
-    requires(s, "embedding", "the embeddings' gradients cannot be read")
-    if s.max_len < 3:
-        pytest.skip(f"max_len={s.max_len}: no position has a real token after it")
+    s = _subject(mut)
     src, tokens, position, chosen, seed = _case(data, s, mut.device, first=0)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     with torch.enable_grad(), embedding_probe(s.embedding, tokens) as deltas:
@@ -88,16 +97,12 @@ def test_special_ids_at_real_positions_are_attended(mut, data):
 
 
 @clause("MODEL-PADDING-IDS")
-@example(data=pinned({"length": _longest, "position j": 1, "batch size": 2, "special id of sample 0": 0,
-                      "special id of sample 1": _second, "seed": 0}))
-@model_property
-@twin_fallback
+@padding_ids_property
 def test_special_ids_decoded_are_attended(mut, data):
-    s = mut.precise
-    requires(s, "embedding", "the embeddings' gradients cannot be read")
+    s = _subject(mut)
     requires(s, "decode_step", "the model offers no cached decoding")
-    if s.kind == "encoder_only" or s.max_len < 3:
-        pytest.skip("applies to decoders with max_len >= 3")
+    if s.kind == "encoder_only":
+        pytest.skip("applies to decoders")
     src, tokens, position, chosen, seed = _case(data, s, mut.device, first=1)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     state = None
