@@ -53,8 +53,8 @@ def test_padding_gets_no_gradient(mut, data):
         raise AssertionError(_nan_gradient(s, src, tokens, mask, r, grad))
     leaking = (grad[~mask] != 0).any(-1).nonzero().flatten().tolist()
     assert not leaking, (f"the loss over real positions gives a non-zero gradient to the embeddings of "
-                         f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}): "
-                         f"padding is attended")
+                         f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}); hint: "
+                         f"padding is attended (a padding mask dropped or inverted)")
     padded_tokens, padded_mask = _pad(tokens, mask, extra, s.pad_id, left=False)
     padded_src = src and _pad(src[0], src[1], extra, s.pad_id, left=False)
     grad_padded = _embedding_gradient(s, padded_src, padded_tokens, padded_mask, r)[:, : b.length]
