@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from properties.adapters.moe import moe_blocks, routing_rule
-from properties.core.declared import Attention, Declared, Experts, FeedForward, Norm
+from properties.adapters.probe import absolute_position_tables
+from properties.core.declared import Attention, Declared, Ends, Experts, FeedForward, Norm
 from properties.core.rotary import SCALINGS, Rotary
 
 __all__ = ["read_declared", "UNIT_OFFSET_NORMS", "INTERLEAVED_ROTARY", "GLOBAL_LAYERS_WITHOUT_ROTARY", "ACTIVATION_NAMES"]
@@ -42,6 +43,10 @@ ACTIVATION_NAMES = {"relu": "relu", "gelu": "gelu", "gelu_python": "gelu", "gelu
 # attention_in_multiplier, ...) keeps the attention layers from being checked against a scale it would change.
 READ_FIELDS = ("query_pre_attn_scalar", "attention_multiplier", "attn_logit_softcapping", "routed_scaling_factor",
                "scale_attn_weights")
+ENDS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "embedding_multiplier")
+# Gemma scales its token embeddings by √hidden_size (Gemma report §2, "we multiply the embeddings by √d_model";
+# transformers' GemmaTextScaledWordEmbedding).
+SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 SCALING_FIELD = re.compile(r"scal|multiplier|temperature|softcap|soft_cap|logit_cap")
 ATTENTION_FIELD = re.compile(r"attn|attention|query|qk|key_")
 NEUTRAL = (None, False, 0, 1)
@@ -362,34 +367,68 @@ def _experts(model, config, not_checked) -> tuple[tuple[Experts, ...], set[int]]
     return tuple(found), inside
 
 
-def _unread_fields(config) -> tuple[list[str], list[str]]:
+def _ends(model, config, model_type: str) -> Ends | None:
+    """The embedding's scale and the head's logit transform of a decoder without absolute positions (its first layer
+    receives the token embeddings alone), when the modules are found."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = _int(config, "num_hidden_layers", "num_layers", "n_layer")
+    stack = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and layers and len(m) == layers), None)
+    if absolute_position_tables(model) or not isinstance(head, nn.Linear) or stack is None or \
+            not isinstance(getattr(embedding, "weight", None), torch.Tensor):
+        return None
+    hidden = _int(config, "hidden_size", "d_model", "n_embd")
+    built = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # Gemma's normalizer is √hidden_size in the model's dtype (its reference implementation; transformers #29402:
+    # 55.4256 becomes 55.5 in bfloat16), so a bfloat16 model and its float64 twin scale by the rounded value.
+    scale, scale_from = ((float(torch.tensor(hidden ** 0.5, dtype=built)), f"Gemma's √hidden_size in {built}")
+                         if model_type in SCALED_EMBEDDINGS else
+                         (float(getattr(config, "embedding_multiplier", 1.0) or 1.0), "embedding_multiplier"))
+    logits = getattr(config, "logit_scale", None) or 1.0
+    divisor = getattr(config, "logits_scaling", None) or 1.0
+    cap = getattr(config, "final_logit_softcapping", None)
+    return Ends(embedding, stack[0], head, embedding_scale=float(scale), logit_scale=float(logits) / float(divisor),
+                logit_softcap=float(cap) if cap else None,
+                why={"embedding": scale_from, "logits": "logit_scale / logits_scaling", "cap": "final_logit_softcapping"})
+
+
+def _unread_fields(config, read=()) -> tuple[list[str], list[str]]:
     """(fields of the config that scale something and are not read, those of them that speak of attention)."""
     fields = config.to_dict() if hasattr(config, "to_dict") else vars(config)
     unread = [f"{k}={v}" for k, v in fields.items()
-              if SCALING_FIELD.search(k) and "init" not in k and k not in READ_FIELDS and not isinstance(v, (dict, str))
+              if SCALING_FIELD.search(k) and "init" not in k and k not in READ_FIELDS + tuple(read)
+              and not isinstance(v, (dict, str))
               and not any(v is n or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == n and n is not None
                                      and not isinstance(n, bool)) for n in NEUTRAL)]
     return unread, [f for f in unread if ATTENTION_FIELD.search(f.split("=")[0])]
 
 
-def read_declared(model: nn.Module, kind: str, windows) -> Declared:
+def read_declared(model: nn.Module, kind: str, windows, relative: bool = False) -> Declared:
     """The Declared of a transformers model (already built; its config at ``model.config``); ``windows``: each
-    layer's sliding window as hf_subject read it (None: none)."""
+    layer's sliding window as hf_subject read it (None: none); ``relative``: its positions enter as offsets or not at
+    all (no absolute code is added to the embeddings)."""
     config = model.config
     model_type = str(getattr(config, "model_type", ""))
     not_checked: list[str] = []
     norms = _norms(model, config, model_type, not_checked)
-    unread, about_attention = _unread_fields(config)
+    unread, about_attention = _unread_fields(config, ENDS_FIELDS)
     attention = ()
     if about_attention:
         not_checked.append(f"the attention layers (the config sets {', '.join(about_attention)}, which the reading "
                            f"does not use)")
     elif kind == "decoder_only":
         attention = _attention(model, config, model_type, windows, norms, not_checked)
+    # The ends of a decoder whose layers the reading follows (its attention read) and whose embeddings carry no
+    # absolute position code: its first layer receives the scaled token embeddings alone.
+    ends = _ends(model, config, model_type) if attention and relative else None
+    if ends is None:
+        unread = [f for f in _unread_fields(config)[0] if f not in about_attention]
     else:
         not_checked.append(f"the attention layers (an {kind.replace('_', '-')} model: causal self-attention only)")
     experts, inside = _experts(model, config, not_checked)
     ffn = _feed_forward(model, config, not_checked, skip=inside - {id(e.shared.module) for e in experts if e.shared})
     not_checked += [f for f in unread if f not in about_attention]
-    return Declared(attention=attention, norms=tuple(norms.values()), feed_forward=ffn, experts=experts,
+    if ends is None and kind == "decoder_only":
+        not_checked.append("the embedding's scale and the logits' transform (read for a decoder whose attention "
+                           "layers are read, without absolute positions, with a linear head)")
+    return Declared(attention=attention, norms=tuple(norms.values()), feed_forward=ffn, experts=experts, ends=ends,
                     not_checked=tuple(dict.fromkeys(not_checked)))

@@ -179,11 +179,11 @@ def _special_ids(config) -> tuple[int, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _declared(model, kind: str, window):
+def _declared(model, kind: str, window, relative: bool):
     """Subject.declared; a config the reading cannot follow is named, never guessed."""
     from properties.core.declared import Declared
     try:
-        return read_declared(model, kind, window)
+        return read_declared(model, kind, window, relative)
     except Exception as exc:   # noqa: BLE001  an architecture the tables do not know may fail in any way
         first = str(exc).splitlines()[0] if str(exc) else ""
         return Declared(not_checked=(f"every declared setting (reading the config raised {type(exc).__name__}: "
@@ -310,7 +310,7 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                   window=window, edges=tuple(edges),
                   attention_modules=found if window is not None and found and len(found) == len(window) else None,
                   routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized),
-                  declared=_declared(model, kind, window))
+                  declared=_declared(model, kind, window, relative))
 
     def run(**inputs):
         eager_experts_in_float64(model)   # the suite's float64 twin: cast after this subject was made

@@ -398,7 +398,7 @@ CATALOG += [_config_bug(name) for name in (
     "gemma_norm_without_unit_offset", "rmsnorm_eps_outside_root", "qwen2_moe_shared_expert_ungated",
     "mixtral_not_renormalised", "ernie_moe_bias_ignored", "glm4_moe_scaling_factor_dropped", "granitemoe_router_in_bf16",
     "phi3_longrope_short_factors_past_trained_length", "stablelm_full_rotary", "rotary_table_kept_after_cast",
-    "dynamic_ntk_never_restored", "padding_from_ids", "router_jitter_in_eval")]
+    "dynamic_ntk_never_restored", "padding_from_ids", "router_jitter_in_eval", "gemma_embeddings_unscaled")]
 CORRECT += [
     Entry("HF Gemma 3, per-layer bases", "model", "config_bugs.gemma3: sliding layers with base 1e4, global ones 1e6, "
           "query_pre_attn_scalar (the model the Gemma bugs vary)", (), "--model", f"{_CFG}:gemma3"),

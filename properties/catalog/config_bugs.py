@@ -298,6 +298,14 @@ def dynamic_ntk_never_restored():
     return _subject((model, keywords))
 
 
+def gemma_embeddings_unscaled():
+    model, keywords = _build("Gemma", head_dim=8)
+    with torch.no_grad():   # a port that forgets Gemma's √hidden_size on the token embeddings
+        model.model.embed_tokens.embed_scale.fill_(1.0)
+    model.model.embed_tokens.scalar_embed_scale = 1.0
+    return _subject((model, keywords))
+
+
 def padding_from_ids():
     """pad = eos; the model ANDs the attention mask with ``input_ids != pad_token_id``: every real eos is dropped."""
     model, keywords = _build("Llama", pad_token_id=2, eos_token_id=2)
@@ -352,6 +360,7 @@ BUGS = {
                              ("MODEL-LAYER-ATTENTION",)),
     "rotary_table_kept_after_cast": ("a bfloat16 Llama's rotary table, cached at its first call, kept in bfloat16 "
                                      "after .to(float64)", ("MODEL-HISTORY",)),
+    "gemma_embeddings_unscaled": ("Gemma's token embeddings not multiplied by √hidden_size", ("MODEL-LAYER-ENDS",)),
     "padding_from_ids": ("pad = eos, padding taken from input_ids != pad_token_id: real eos tokens dropped",
                          ("MODEL-PADDING-IDS",)),
     "router_jitter_in_eval": ("Mixtral's router jitter noise applied in eval mode", ("MODEL-DETERMINISM",)),

@@ -16,7 +16,7 @@ from torch import nn
 from properties.core.rotary import Rotary
 from properties.core.routing import RoutingRule
 
-__all__ = ["Norm", "Attention", "FeedForward", "Experts", "Declared", "ACTIVATIONS", "NORM_KINDS"]
+__all__ = ["Norm", "Attention", "FeedForward", "Experts", "Ends", "Declared", "ACTIVATIONS", "NORM_KINDS"]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORM_KINDS = ("rms", "layer")
@@ -91,12 +91,28 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Ends:
+    """The two ends of a decoder: the first layer (``first_layer``, its input hidden states) receives the token
+    embeddings W[ids] (``embedding``'s weight) times ``embedding_scale``; the logits are the head's output z
+    (``head``, an nn.Linear) times ``logit_scale`` and capped to c·tanh(z/c) under ``logit_softcap`` c. ``why``: the
+    config field each comes from."""
+    embedding: nn.Module
+    first_layer: nn.Module
+    head: nn.Module
+    embedding_scale: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+    why: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
 class Declared:
     """Every part the adapter could read, and the settings it could not (each a short phrase for the report)."""
     attention: tuple[Attention, ...] = ()
     norms: tuple[Norm, ...] = ()
     feed_forward: tuple[FeedForward, ...] = ()
     experts: tuple[Experts, ...] = ()
+    ends: Ends | None = None
     not_checked: tuple[str, ...] = ()
 
     @property

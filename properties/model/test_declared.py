@@ -1,4 +1,4 @@
-"""MODEL-LAYER-ATTENTION, MODEL-LAYER-NORM, MODEL-LAYER-FFN, MODEL-LAYER-MOE (SPEC.md, "Models"): each part of a model
+"""MODEL-LAYER-ATTENTION, -NORM, -FFN, -MOE and -ENDS (SPEC.md, "Models"): each part of a model
 computes what its config declares for that part (``Subject.declared``, read by the adapter; properties/core/declared.py),
 judged by the module oracles composed as the config composes them (properties/module/layer_oracle.py).
 
@@ -27,7 +27,7 @@ from properties.model.checks import model_property, module_input, only, real_tok
 from properties.model.precision import precision_of
 from properties.model.test_models import pinned
 from properties.model.twin import NOT_CHECKED, add_note, observe, twin_fallback
-from properties.module.approx import Approx
+from properties.module.approx import Approx, effective_u
 from properties.module.layer_oracle import attention_layer, experts_block, feed_forward, norm_output
 
 SHORT = 8          # positions of the short case; a second case runs past each declared length threshold
@@ -335,3 +335,75 @@ def _moe_hint(block, x, y, decided, dtype) -> str:
         if _outside(y, expected, rows=decided) is None:
             return f"; hint: it computes the declared block with {text}"
     return ""
+
+
+# ----------------------------------------------------------------------------------------------- MODEL-LAYER-ENDS
+@contextmanager
+def _ends_watched(ends):
+    """Records the first layer's input hidden states and the head's input and output: {"first", "head in", "head"}."""
+    seen, handles = {}, []
+
+    def first(_, args, kwargs):
+        seen["first"] = module_input(args, kwargs)[0].detach()
+
+    def head(_, args, output):
+        seen["head in"], seen["head"] = args[0].detach(), output.detach()
+    handles += [ends.first_layer.register_forward_pre_hook(first, with_kwargs=True),
+                ends.head.register_forward_hook(head)]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _scaled(value: torch.Tensor, scale: float, softcap: float | None, u: float) -> Approx:
+    """z·scale, then c·tanh(·/c) under a soft cap c: values and a bound of a few roundings (the product, the
+    division, tanh within 2 ulp, the product by c: 1-Lipschitz in the argument)."""
+    z = value.detach().to("cpu", torch.float64)
+    y = z * scale
+    error = 2 * u * y.abs()
+    if softcap:
+        y = softcap * torch.tanh(y / softcap)
+        error = error + 6 * u * y.abs() + u * (z * scale).abs()
+    return Approx(y, error)
+
+
+@clause("MODEL-LAYER-ENDS")
+@example(data=pinned({"length": _longest, "seed": 0, "batch size": 2}))
+@model_property
+@twin_fallback
+def test_embeddings_and_logits_are_scaled_as_declared(mut, data):
+    s = only(mut.precise, "decoder_only")
+    declared = _declared(s)
+    ends = declared.ends
+    if ends is None:
+        pytest.skip("the model's ends were not read (see the report's not-checked list)")
+    u = effective_u(_dtype(s))
+    length = data.draw(st.integers(2, min(SHORT, s.max_len)), label="length")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    size = data.draw(st.integers(1, 2), label="batch size")
+    tokens = real_tokens(torch.Generator().manual_seed(seed), (size, length), s, mut.device)
+    with torch.no_grad(), _ends_watched(ends) as seen:
+        logits = s.forward(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    observe(s, logits, "forward")
+    assert "first" in seen and "head" in seen, "the first layer or the head was not called by forward"
+    table = ends.embedding.weight.detach()[tokens]
+    found = _outside(seen["first"], _scaled(table, ends.embedding_scale, None, u))
+    if found is not None:
+        index, diff, bound, count = found
+        ratio = float((seen["first"].double().norm() / table.double().norm()).cpu())
+        raise AssertionError(
+            f"the first layer's input at {index} differs from the token embeddings times {ends.embedding_scale:.6g} "
+            f"({ends.why.get('embedding')}) by {diff:.3e} (bound {bound:.1e}; {count} entries outside it); its norm "
+            f"is {ratio:.6g} times the embeddings'; hint: the embedding scale "
+            f"{'left out' if abs(ratio - 1) < 1e-6 else f'{ratio:.6g} instead of {ends.embedding_scale:.6g}'}")
+    found = _outside(logits, _scaled(seen["head"], ends.logit_scale, ends.logit_softcap, u))
+    if found is not None:
+        index, diff, bound, count = found
+        plain = _outside(logits, _scaled(seen["head"], 1.0, None, u)) is None
+        raise AssertionError(
+            f"the logits at {index} differ from the head's output times {ends.logit_scale:.6g}"
+            f"{f', capped to {ends.logit_softcap:g}·tanh(z/{ends.logit_softcap:g})' if ends.logit_softcap else ''} "
+            f"(final_logit_softcapping, logit_scale, logits_scaling) by {diff:.3e} (bound {bound:.1e}; {count} entries "
+            f"outside it)" + ("; hint: they are the head's output unchanged" if plain else ""))
