@@ -138,7 +138,9 @@ def test_hf_subject_reads_what_each_layer_declares():
     granite = _subject(t.GraniteForCausalLM, t.GraniteConfig(**BASE, attention_multiplier=0.25))
     assert granite.declared.attention[0].scale == 0.25
     cohere = _subject(t.CohereForCausalLM, t.CohereConfig(**BASE))
-    assert cohere.declared.attention[0].rotary.interleaved and "logit_scale=0.0625" in cohere.declared.not_checked
+    assert cohere.declared.attention[0].rotary.interleaved and cohere.declared.ends.logit_scale == 0.0625
+    gemma2 = _subject(t.Gemma2ForCausalLM, t.Gemma2Config(**BASE, head_dim=16, final_logit_softcapping=30.0))
+    assert gemma2.declared.ends.logit_softcap == 30.0 and gemma2.declared.ends.embedding_scale == 8.0   # √64
     stablelm = _subject(t.StableLmForCausalLM, t.StableLmConfig(**BASE))
     assert stablelm.declared.attention[0].rotary.dim == 4 and stablelm.declared.norms[0].kind == "layer"
 

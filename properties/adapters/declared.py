@@ -417,13 +417,13 @@ def read_declared(model: nn.Module, kind: str, windows, relative: bool = False) 
                            f"does not use)")
     elif kind == "decoder_only":
         attention = _attention(model, config, model_type, windows, norms, not_checked)
+    else:
+        not_checked.append(f"the attention layers (an {kind.replace('_', '-')} model: causal self-attention only)")
     # The ends of a decoder whose layers the reading follows (its attention read) and whose embeddings carry no
     # absolute position code: its first layer receives the scaled token embeddings alone.
     ends = _ends(model, config, model_type) if attention and relative else None
     if ends is None:
         unread = [f for f in _unread_fields(config)[0] if f not in about_attention]
-    else:
-        not_checked.append(f"the attention layers (an {kind.replace('_', '-')} model: causal self-attention only)")
     experts, inside = _experts(model, config, not_checked)
     ffn = _feed_forward(model, config, not_checked, skip=inside - {id(e.shared.module) for e in experts if e.shared})
     not_checked += [f for f in unread if f not in about_attention]
