@@ -140,20 +140,19 @@ def experts_block(decl: Experts, x: torch.Tensor, dtype: torch.dtype) -> tuple[A
     routed = route(logits.value, decl.rule)
     spread = logits.error.amax(-1)                                                   # Δ per token
     count = logits.value.shape[-1]
-    if decl.rule.scoring == "softmax":
-        relative = torch.exp(2 * spread) * (1 + evaluation_error(count, dtype)) - 1    # as attention's weights
-        score_error = relative * routed.scores.amax(-1)
-    else:
-        relative = torch.full_like(spread, gamma(4, u))
-        score_error = spread / 4 + relative
-    decided = routed.margin > 4 * score_error
+    if decl.rule.scoring == "softmax":   # scores moved by at most Δ each: a factor within e^{±2Δ}, as attention's weights
+        relative = torch.exp(2 * spread) * (1 + evaluation_error(count, dtype)) - 1
+        score_error = relative[:, None] * routed.scores                             # (N, E)
+    else:                                # sigmoid: 1/4-Lipschitz, exp, the sum and the division gamma(4)
+        score_error = spread[:, None] / 4 + gamma(4, u) * routed.scores
+    decided = routed.margin > 4 * score_error.amax(-1)    # two scores each side of a gap (a group sums two)
     k = decl.rule.k
-    chosen_scores = routed.scores.gather(1, routed.chosen)
-    weight_error = (2 * relative[:, None] + gamma(k + 2, u)) * routed.weights.abs() if decl.rule.normalized \
-        else (relative[:, None] + u) * routed.weights.abs()
-    if decl.rule.scoring == "sigmoid" and not decl.rule.normalized:
-        weight_error = (spread[:, None] / 4 + gamma(4, u) * chosen_scores) * abs(decl.rule.scale) \
-            + u * routed.weights.abs()
+    chosen_error = score_error.gather(1, routed.chosen)
+    chosen_relative = chosen_error / routed.scores.gather(1, routed.chosen).clamp_min(torch.finfo(torch.float64).tiny)
+    if decl.rule.normalized:   # p_j / Σ p: the relative errors of a ratio add, the sum costs gamma(k)
+        weight_error = (chosen_relative + chosen_relative.amax(-1, keepdim=True) + gamma(k + 2, u)) * routed.weights.abs()
+    else:
+        weight_error = chosen_error * abs(decl.rule.scale) + u * routed.weights.abs()
     gate_up, down = (to_float64(t) for t in decl.experts())
     inner = gate_up.shape[1] // 2
     value = torch.zeros_like(a.value)
