@@ -27,7 +27,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from properties.model.precision import precision_of
 
 __all__ = ["twin_fallback", "observe", "add_note", "pop_notes", "pop_precision", "TwinDeparture", "ON_TWIN", "OWN",
-           "NOT_CHECKED"]
+           "NOT_CHECKED", "ISLANDS"]
 
 _WATCHED: ContextVar[tuple | None] = ContextVar("twin_watched", default=None)   # (twin subject, departures list)
 _NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin/report.py)
@@ -35,6 +35,7 @@ _RAN: list[str] = []     # where each example of the test being run compared: ON
 ON_TWIN = "float64 twin"
 OWN = "own precision"
 NOT_CHECKED = "not checked: "   # a note naming what the clause could not check (the report's summary lists them)
+ISLANDS = "float32 islands (allowed): "   # a note naming the modules a float64 twin computes in float32 (summary too)
 
 
 class TwinDeparture(UserWarning):

@@ -16,7 +16,7 @@ from properties.plugin.repro import reset as reset_reproducers, write as write_r
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.core.subject import called_dtypes
-from properties.model.twin import NOT_CHECKED, ON_TWIN, pop_notes, pop_precision
+from properties.model.twin import ISLANDS, NOT_CHECKED, ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_reproducers", "pytest_runtest_makereport", "pytest_runtest_logreport",
@@ -222,10 +222,11 @@ def model_basis(records) -> list[str]:
         if r["level"] != "model":
             continue
         for cid in r["clauses"]:
-            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set(), "unchecked": {}})
+            row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
             for note in (r.get("note") or "").split("; "):   # what the clause could not check, named
-                if note.startswith(NOT_CHECKED):
-                    row["unchecked"].update(dict.fromkeys(note.removeprefix(NOT_CHECKED).split(" | ")))
+                if note.startswith((NOT_CHECKED, ISLANDS)):
+                    prefix = NOT_CHECKED if note.startswith(NOT_CHECKED) else ISLANDS
+                    row.setdefault(prefix, {}).update(dict.fromkeys(note.removeprefix(prefix).split(" | ")))
             if r["status"] == "skipped" and r["message"].startswith(LACKS):
                 row["lacks"].add(r["message"].split(":")[0])
             elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
@@ -241,7 +242,7 @@ def model_basis(records) -> list[str]:
             else []
         parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
         parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
-        parts += [NOT_CHECKED + ", ".join(row["unchecked"])] if row["unchecked"] else []
+        parts += [prefix + ", ".join(row[prefix]) for prefix in (ISLANDS, NOT_CHECKED) if row.get(prefix)]
         if parts:
             lines.append(f"{cid}: " + "; ".join(parts))
     return lines
