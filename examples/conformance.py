@@ -129,6 +129,74 @@ def qwen2_moe(dtype=F32):   # a shared expert beside the routed ones, gated by a
                                                           shared_expert_intermediate_size=16), dtype)
 
 
+# ---------------------- settings declared per layer, rotary scalings, biased routers (MODEL-LAYER-*, MODEL-ROUTING)
+def _trained_router_bias(subject, scale=0.3):
+    """e_score_correction_bias as training leaves it (zeros at initialisation: the choice would be plain top-k)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, tensor in [*subject.module.named_parameters(), *subject.module.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale)
+    return subject
+
+
+def llama_yarn(dtype=F32):   # YaRN: factor 4 over a trained length of 8, attention factor 0.1 ln 4 + 1
+    return _build(t.LlamaForCausalLM, t.LlamaConfig(**LLAMA_LIKE, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}), dtype)
+
+
+def llama3_rope(dtype=F32):  # Llama 3.1's wavelength-dependent scaling
+    return _build(t.LlamaForCausalLM, t.LlamaConfig(**LLAMA_LIKE, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8, "rope_theta": 500000.0}), dtype)
+
+
+def llama_dynamic(dtype=F32):  # dynamic NTK: the base grows past max_position_embeddings
+    return _build(t.LlamaForCausalLM, t.LlamaConfig(**LLAMA_LIKE, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), dtype)
+
+
+def phi3_longrope(dtype=F32):  # LongRoPE: short factors up to 16 positions, long ones past
+    return _build(t.Phi3ForCausalLM, t.Phi3Config(**LLAMA_LIKE, original_max_position_embeddings=DECODER_LEN // 2,
+                                                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                   "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                                                   "long_factor": [1.5, 3.0, 6.0, 12.0]}), dtype)
+
+
+def exaone4(dtype=F32):     # a window of 4 on layer 0, a global layer without rotary (NoPE) on layer 1
+    return _build(t.Exaone4ForCausalLM, t.Exaone4Config(**LLAMA_LIKE, sliding_window=4, sliding_window_pattern=2),
+                  dtype)
+
+
+def granitemoe(dtype=F32):  # attention_multiplier for the scale; softmax over the top-2 logits
+    return _build(t.GraniteMoeForCausalLM, t.GraniteMoeConfig(**MOE, num_local_experts=4, attention_multiplier=0.25),
+                  dtype)
+
+
+def ernie4_5_moe(dtype=F32):  # softmax plus a correction bias (on the router's child moe_statics), a shared expert
+    return _trained_router_bias(_build(t.Ernie4_5_MoeForCausalLM, t.Ernie4_5_MoeConfig(
+        **MOE, num_experts=4, moe_intermediate_size=16, moe_layer_start_index=0, moe_num_shared_experts=1), dtype))
+
+
+def glm4_moe(dtype=F32):    # sigmoid scores + bias, the best 1 of 2 groups, routed_scaling_factor, partial rotary
+    return _trained_router_bias(_build(t.Glm4MoeForCausalLM, t.Glm4MoeConfig(
+        **MOE, n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1, first_k_dense_replace=0,
+        head_dim=8, routed_scaling_factor=2.5), dtype))
+
+
+def deepseek_v3(dtype=F32):  # the same router; multi-head latent attention (its attention is named not checked)
+    return _trained_router_bias(_build(t.DeepseekV3ForCausalLM, t.DeepseekV3Config(
+        **MOE | dict(num_key_value_heads=4), n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, head_dim=8, routed_scaling_factor=2.5), dtype))
+
+
+def jamba(dtype=F32):       # Mamba and attention layers, experts (not renormalised) in every layer
+    return _build(t.JambaForCausalLM, t.JambaConfig(**MOE, num_experts=4, attn_layer_period=2, attn_layer_offset=1,
+                                                    expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4,
+                                                    mamba_d_conv=2, mamba_expand=2), dtype)
+
+
 # ------------------------------ more decoders as a user builds them: a plain hf_subject(model), no keyword
 LLAMA_LIKE = dict(DECODER, num_key_value_heads=2)
 
@@ -306,4 +374,14 @@ def longformer_bf16(): return longformer(BF16)
 def bigbird_bf16(): return bigbird(BF16)
 def squeezebert_bf16(): return squeezebert(BF16)
 def modernbert_bf16(): return modernbert(BF16)
+def llama_yarn_bf16(): return llama_yarn(BF16)
+def llama3_rope_bf16(): return llama3_rope(BF16)
+def llama_dynamic_bf16(): return llama_dynamic(BF16)
+def phi3_longrope_bf16(): return phi3_longrope(BF16)
+def exaone4_bf16(): return exaone4(BF16)
+def granitemoe_bf16(): return granitemoe(BF16)
+def ernie4_5_moe_bf16(): return ernie4_5_moe(BF16)
+def glm4_moe_bf16(): return glm4_moe(BF16)
+def deepseek_v3_bf16(): return deepseek_v3(BF16)
+def jamba_bf16(): return jamba(BF16)
 def m2m100_bf16(): return m2m100(BF16)

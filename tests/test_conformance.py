@@ -75,7 +75,7 @@ def test_hf_subject_finds_each_layers_attention(conformance, name):
     assert all(any(a is m for m in block.modules()) for a, block in zip(s.attention_modules, stack))
 
 
-@pytest.mark.parametrize("name,normalized", [("mixtral", None), ("qwen3_moe", False), ("olmoe", False)])
+@pytest.mark.parametrize("name,normalized", [("mixtral", True), ("qwen3_moe", False), ("olmoe", False)])
 def test_hf_subject_reads_the_routers(conformance, name, normalized):
     # Each MoE layer is recorded once per forward pass: the router's logits, the experts and weights combined.
     s = getattr(conformance, name)()
@@ -134,7 +134,8 @@ def test_hf_subject_guesses_what_the_config_says():
                                                       max_position_embeddings=32,
                                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                        "rope_theta": 10000.0}))
-    assert not dynamic.relative_positions   # its frequencies depend on the length reached, not only on offsets
+    # relative below max_position_embeddings, past which its frequencies change: MODEL-SHIFT shifts below it
+    assert dynamic.relative_positions and dynamic.extrapolates and dynamic.declared.length_thresholds == (32,)
 
 
 def test_hf_subject_names_the_keyword_it_cannot_guess():
@@ -191,3 +192,33 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
     with pytest.raises(ImportError, match=r"transformer-zoo\[hf\]"):
         require_transformers()
+
+
+# (factory, attention layers read, MoE blocks read, whether a not-checked note names the attention, routing rule)
+DECLARED = [
+    ("llama_yarn", 2, 0, False, None),
+    ("phi3_longrope", 2, 0, False, None),
+    ("exaone4", 2, 0, False, None),
+    ("granitemoe", 2, 2, False, "top 2 of softmax, renormalised"),
+    ("ernie4_5_moe", 2, 2, False, "top 2 of softmax, + a correction bias for the choice, renormalised (sum clamped "
+                                  "at 1e-12)"),
+    ("glm4_moe", 2, 2, False, "top 2 of sigmoid, + a correction bias for the choice, in the best 1 of 2 groups, "
+                              "renormalised, times 2.5"),
+    ("deepseek_v3", 0, 2, True, "top 2 of sigmoid, + a correction bias for the choice, in the best 1 of 2 groups, "
+                                "renormalised, times 2.5"),
+    ("jamba", 1, 2, False, "top 2 of softmax, not renormalised"),
+]
+
+
+@pytest.mark.parametrize("name,attention,experts,unread,rule", DECLARED, ids=[c[0] for c in DECLARED])
+def test_hf_subject_reads_each_part_the_config_declares(conformance, name, attention, experts, unread, rule):
+    from properties.core.routing import describe_rule
+    s = getattr(conformance, name)()
+    assert (len(s.declared.attention), len(s.declared.experts)) == (attention, experts), s.declared.not_checked
+    assert any("attention" in n for n in s.declared.not_checked) == unread, s.declared.not_checked
+    assert all(describe_rule(block.rule) == rule for block in s.declared.experts)
+    if experts:   # the routes MODEL-ROUTING checks carry the same rule
+        tokens = torch.randint(3, 64, (1, 5))
+        with torch.no_grad(), s.routing() as routes:
+            s.forward(tokens, None)
+        assert routes and all(describe_rule(r.rule) == rule for r in routes)

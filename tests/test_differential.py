@@ -137,3 +137,50 @@ def test_reference_kernel_tells_broken_kernels_from_correct_ones(tmp_path):
     assert ("properties.catalog.backward:dq_unscaled", "ATTN-DIFF") in passed, rows
     assert {("memory_efficient", "ATTN-DIFF"), ("memory_efficient", "ATTN-DIFF-GRAD")} <= passed, rows
     assert not [f for f in failed if f[0] == "memory_efficient"], rows
+
+
+# ------------------------------------------------------------------------------------- --reference upstream
+_PORT = '''
+import torch
+from properties.catalog.config_bugs import gemma2, gemma2_scale_from_head_dim
+from properties.core.subject import Subject
+
+def renamed():   # a port whose weights live under other names: model.* -> port.*
+    s = gemma2()
+    class Port(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.port, self.config = inner.model, inner.config
+            self.lm_head = inner.lm_head
+    port = Port(s.module)
+    return Subject(s.kind, s.forward, s.vocab_size, s.max_len, module=port, decode_step=s.decode_step)
+
+def names(state):
+    return {("model." + k[len("port."):] if k.startswith("port.") else k): v for k, v in state.items()}
+
+NOT_A_MAPPING = 3
+'''
+
+
+def test_reference_upstream_is_transformers_own_model(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "port.py").write_text(_PORT)
+    bug = "properties.catalog.config_bugs:gemma2_scale_from_head_dim"
+    proc, rows = _suite(tmp_path, "-m", "model", "--model", bug, "--reference", "upstream", *_only("MODEL-DIFF-FORWARD"))
+    assert proc.returncode == 1 and {r["clause"] for r in rows if r["status"] == "failed"} == {"MODEL-DIFF-FORWARD"}
+    assert "the outputs part from the reference upstream" in proc.stdout, proc.stdout[-3000:]
+    port = str(tmp_path / "port.py")
+    proc, rows = _suite(tmp_path, "-m", "model", "--model", f"{port}:renamed", "--reference", "upstream",
+                        "--reference-map", f"{port}:names", *_only("MODEL-DIFF-FORWARD"))
+    assert proc.returncode == 0 and {r["status"] for r in rows} == {"passed"}, proc.stdout[-3000:]
+    for extra, message in [((), r"needs \d+ weight\(s\) the model under test does not have by that name "
+                                r"\(.*\); pass --reference-map FILE.py:NAMES"),
+                           (("--reference-map", f"{port}:NOT_A_MAPPING"), "--reference-map: a int; expected a dict")]:
+        proc, _ = _suite(tmp_path, "-m", "model", "--model", f"{port}:renamed", "--reference", "upstream", *extra)
+        assert proc.returncode == 4 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert __import__("re").search(message, proc.stderr), proc.stderr
+    proc, _ = _suite(tmp_path, "-m", "model", "--model", "examples/differential.py:zoo_memory_efficient", "--reference",
+                     "upstream")
+    assert proc.returncode == 4 and "carries no transformers config" in proc.stderr, proc.stderr
+    proc, _ = _suite(tmp_path, "-m", "model", "--model", bug, "--reference-map", f"{port}:names")
+    assert proc.returncode == 4 and "it goes with --reference upstream" in proc.stderr, proc.stderr

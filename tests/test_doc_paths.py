@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/CHANGELOG.md is left out: it records what changed when, in the paths of its day (a file later moved keeps its
+# old name there); every other page states what is.
 DOCUMENTS = sorted({ROOT / "README.md", ROOT / "properties" / "SPEC.md", *(ROOT / "docs").rglob("*.md"),
-                    *[p for p in [ROOT / "properties" / "README.md"] if p.exists()]})
+                    *[p for p in [ROOT / "properties" / "README.md"] if p.exists()]} - {ROOT / "docs" / "CHANGELOG.md"})
 TOP_FOLDERS = ("zoo", "properties", "tests", "docs", "examples", "bench", "conf", ".ci")
 _PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(re.escape(f) for f in TOP_FOLDERS)})/[\w./*<>-]*[\w/*>])")
 # A placeholder segment (conf/task/NAME.yaml, DIR/<clause>-<n>.py) names a kind of file, not one file.

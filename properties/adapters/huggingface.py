@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from properties.adapters.declared import read_declared
 from properties.adapters.moe import eager_experts_in_float64, routing as moe_routing
 from properties.adapters.probe import absolute_position_tables, reached_parameters
 from properties.core.subject import Subject, SubjectError
@@ -68,21 +69,18 @@ def _regrows(model) -> bool:
                for m in model.modules())
 
 
-def _rope_type(config) -> str:
-    """The rotary scaling type (transformers 5: rope_parameters; 4.x: rope_scaling), "default" when none."""
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, name, None)
-        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
-            return str(params.get("rope_type") or params.get("type"))
-    return "default"
-
-
 def _alibi(model, config) -> bool:
     """ALiBi: Bloom (no position table at all), MPT (attn_config.alibi), Falcon (config.alibi)."""
     attn = getattr(config, "attn_config", None)
     return (getattr(config, "model_type", "") == "bloom" or bool(getattr(config, "alibi", False))
             or bool(getattr(attn, "alibi", False) if attn is not None and not isinstance(attn, dict)
                     else (attn or {}).get("alibi", False)))
+
+
+# Positions carried by order alone (NoPE): state-space layers and causal attention without position codes; shifting every
+# position changes nothing and any length is taken (the Jamba paper, §3: "we found that no explicit positional
+# information is needed"; Mamba keeps none).
+ORDER_ONLY = ("jamba", "mamba", "mamba2", "falcon_mamba")
 
 
 def _relative(config) -> bool:
@@ -159,9 +157,37 @@ def _module_windows(modules, encoder: bool) -> tuple[int | None, ...] | None:
         return tuple(_half_width(m) + 1 for m in modules)
     if not modules or not all(hasattr(m, "sliding_window") for m in modules):
         return None
-    windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0 else None
-                    for m in modules)
+    # EXAONE 4 keeps the config's window on every layer's module and marks the windowed ones ``is_sliding``: its
+    # global layers are called with sliding_window=None (modeling_exaone4.py), as its config's layer_types say.
+    windows = tuple(m.sliding_window if isinstance(m.sliding_window, int) and m.sliding_window > 0
+                    and getattr(m, "is_sliding", True) else None for m in modules)
     return windows if any(w is not None for w in windows) else None
+
+
+SPECIAL_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                    "cls_token_id")
+
+
+def _special_ids(config) -> tuple[int, ...]:
+    """The config's special token ids inside the vocabulary (eos may be a list), each once."""
+    found = []
+    for name in SPECIAL_ID_NAMES:
+        value = getattr(config, name, None)
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size:
+                found.append(i)
+    return tuple(dict.fromkeys(found))
+
+
+def _declared(model, kind: str, window, relative: bool):
+    """Subject.declared; a config the reading cannot follow is named, never guessed."""
+    from properties.core.declared import Declared
+    try:
+        return read_declared(model, kind, window, relative)
+    except Exception as exc:   # noqa: BLE001  an architecture the tables do not know may fail in any way
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return Declared(not_checked=(f"every declared setting (reading the config raised {type(exc).__name__}: "
+                                     f"{first})",))
 
 
 def _probe_output(model, kind: str, tokens, mask):
@@ -207,8 +233,8 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     encoder-decoders only when their positions are relative (T5) or counted over the non-pad tokens (RoBERTa;
     BERT's, BART's and Marian's are counted from column 0).
     extrapolates: True for rotary, ALiBi and relative positions (no table to run past), False for a rotary module
-    backed by a fixed table (GPT-J, CodeGen) and for absolute positions. relative_positions: rotary (not dynamic NTK
-    or LongRoPE scaling, whose frequencies depend on the length reached), ALiBi and relative positions (MODEL-SHIFT
+    backed by a fixed table (GPT-J, CodeGen) and for absolute positions. relative_positions: rotary (with dynamic NTK
+    or LongRoPE scaling, below the length past which the frequencies change), ALiBi and relative positions (MODEL-SHIFT
     then requires shifted inputs to give the same outputs). window: per layer,
     from sliding_window / layer_types / GPT-Neo's window_size (MODEL-WINDOW). edges: more lengths for the long
     draws (a cache block). decode=False: no decode_step (MODEL-KV-CACHE is then skipped). Models whose forward
@@ -232,8 +258,10 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
     kind = kind or _kind(model)
     rotary, tabulated = _rotary(model)
     alibi = _alibi(model, config)
-    # Dynamic NTK and LongRoPE rescale the rotary frequencies by the length reached: no longer a function of offsets.
-    relative = (rotary and _rope_type(config) not in ("dynamic", "longrope")) or alibi or _relative(config)
+    # Rotary positions enter as offsets; dynamic NTK and LongRoPE rescale the frequencies past a length
+    # (Subject.declared's length_thresholds), below which MODEL-SHIFT keeps its shifted positions.
+    order_only = getattr(config, "model_type", "") in ORDER_ONLY
+    relative = rotary or alibi or _relative(config) or order_only
     # MPT builds its ALiBi bias for max_seq_len positions in every forward pass: a table it cannot run past.
     tabulated = tabulated or (alibi and getattr(config, "model_type", "") == "mpt")
     # RoBERTa's embeddings count positions over the non-pad tokens, from padding_idx + 1 on.
@@ -261,7 +289,9 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
         relative, tabulated = False, not _regrows(model)
     unused_parameters = _unused(model, reached, unused_parameters)
     if extrapolates is None:   # None for a model without positions: the suite then accepts either outcome
-        extrapolates = (relative and not tabulated) or _regrows(model) or (False if positional else None)
+        # Rotary tables computed per call (dynamic NTK and LongRoPE included) take any length.
+        extrapolates = ((relative or rotary) and not tabulated) or _regrows(model) or order_only or \
+            (False if positional else None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "num_layers", "n_layer")
                    if isinstance(getattr(config, n, None), int)), None)
     found = _attention_modules(model, layers) if attention_modules is None else tuple(attention_modules)
@@ -274,11 +304,13 @@ def hf_subject(model, *, kind: str | None = None, pad_id: int | None = None, lef
                            f"is unknown; pass window= (per layer: W - 1 keys on either side, or None)")
     window = window if window is not None else declared or _windows(config)
     common = dict(vocab_size=config.vocab_size, max_len=max_len, positional=positional,
-                  pad_id=0 if pad is None else pad, module=model, extrapolates=extrapolates,
+                  pad_id=0 if pad is None else pad, special_ids=_special_ids(config), module=model,
+                  extrapolates=extrapolates,
                   relative_positions=relative if relative_positions is None else relative_positions,
                   window=window, edges=tuple(edges),
                   attention_modules=found if window is not None and found and len(found) == len(window) else None,
-                  routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized))
+                  routing=moe_routing(model, top_k=routing_top_k, normalized=routing_normalized),
+                  declared=_declared(model, kind, window, relative))
 
     def run(**inputs):
         eager_experts_in_float64(model)   # the suite's float64 twin: cast after this subject was made

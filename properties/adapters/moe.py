@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from properties.core.routing import RoutingRule
 from properties.core.subject import Route, SubjectError
 
-__all__ = ["moe_layers", "routing", "eager_experts_in_float64"]
+__all__ = ["moe_blocks", "moe_layers", "routing_rule", "routing", "eager_experts_in_float64"]
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -41,34 +43,78 @@ def _router(block: nn.Module, experts: nn.Module) -> nn.Module | None:
     return None
 
 
-def moe_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(router, experts) of every MoE block, in module order."""
-    layers = []
-    for block in model.modules():
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, nn.Module]]:
+    """(name, block, router, experts) of every MoE block, in module order."""
+    blocks = []
+    for name, block in model.named_modules():
         for child in block.children():
             if _is_experts(child):
                 router = _router(block, child)
                 if router is not None:
-                    layers.append((router, child))
-    return layers
+                    blocks.append((name, block, router, child))
+    return blocks
 
 
-def _top_k_rule(router: nn.Module, config) -> bool:
-    """Whether the router picks the k largest logits: a softmax top-k router has one weight (and maybe a bias);
-    a score-correction bias (DeepSeek-V3, GLM-4-MoE), grouped routing or sigmoid scores pick by another rule."""
-    extra = [name for name, _ in router.named_parameters(recurse=False)] + [n for n, _ in router.named_buffers()]
-    grouped = (getattr(config, "n_group", None) or 1) > 1 or (getattr(config, "topk_group", None) or 1) > 1
-    scoring = str(getattr(config, "scoring_func", "softmax") or "softmax")
-    return set(extra) <= {"weight", "bias"} and not grouped and scoring == "softmax"
+def moe_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(router, experts) of every MoE block, in module order."""
+    return [(router, experts) for _, _, router, experts in moe_blocks(model)]
 
 
-def _normalized(router: nn.Module, config) -> bool | None:
-    """Whether the combine weights are renormalised over the chosen experts, as the router or config says."""
-    for source in (router, config):
-        value = getattr(source, "norm_topk_prob", None)
-        if isinstance(value, bool):
+# The routing rule of each family, as its paper and transformers' implementation state it (properties/core/routing.py):
+# Mixtral (Jiang et al. 2024, eq. 1: softmax over the top-k logits) and GraniteMoE (softmax of its top-k logits)
+# always renormalise over the chosen experts, whatever the config (Mixtral's has no norm_topk_prob); Qwen-MoE and
+# OLMoE renormalise as norm_topk_prob says; Jamba keeps the chosen probabilities as they are (transformers'
+# JambaTopKRouter: "the selected weights left unnormalized"); Ernie 4.5 chooses by softmax plus its
+# e_score_correction_bias and divides by the chosen sum clamped at moe_norm_min; DeepSeek-V3 and GLM-4-MoE score by
+# sigmoid, choose by score plus bias within the best topk_group of n_group groups, renormalise as norm_topk_prob says
+# and scale by routed_scaling_factor (DeepSeek-V3 technical report, §2.1.2).
+ALWAYS_RENORMALISED = ("mixtral", "granitemoe", "granitemoeshared", "granitemoehybrid")
+RENORMALISED_AS_CONFIGURED = ("qwen2_moe", "qwen3_moe", "olmoe", "qwen3_vl_moe")
+NOT_RENORMALISED = ("jamba",)
+BIASED_SOFTMAX = ("ernie4_5_moe",)
+GROUPED_SIGMOID = ("deepseek_v3", "glm4_moe", "glm4v_moe")
+BIAS_NAME = "e_score_correction_bias"
+
+
+def _k(router: nn.Module, config) -> int | None:
+    for source, name in ((config, "num_experts_per_tok"), (router, "top_k"), (config, "moe_topk")):
+        value = getattr(source, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def routing_rule(router: nn.Module, config) -> tuple[RoutingRule | None, str]:
+    """The router's declared rule, read from its whole module tree (a correction bias may sit on a child: Ernie 4.5's
+    ``moe_statics``) and the config; (None, why) when the rule is not declared to the suite."""
+    model_type = str(getattr(config, "model_type", ""))
+    tensors = dict(router.named_parameters()) | dict(router.named_buffers())
+    bias = next((t for n, t in tensors.items() if n.rsplit(".", 1)[-1] == BIAS_NAME), None)
+    extra = sorted(n for n in tensors if n not in ("weight", "bias") and n.rsplit(".", 1)[-1] != BIAS_NAME)
+    k = _k(router, config)
+    unknown = f"the routing rule of {type(router).__name__} ({model_type or 'no model_type'})"
+    if k is None or extra:
+        return None, unknown + (f": it holds {', '.join(extra)}" if extra else ": no top-k in the config")
+    norm = getattr(config, "norm_topk_prob", None)
+    if model_type in ALWAYS_RENORMALISED and bias is None:
+        return RoutingRule(k, "softmax", True), ""
+    if model_type in RENORMALISED_AS_CONFIGURED and bias is None:
+        return RoutingRule(k, "softmax", bool(norm)), ""
+    if model_type in NOT_RENORMALISED and bias is None:
+        return RoutingRule(k, "softmax", False), ""
+    if model_type in BIASED_SOFTMAX and bias is not None:
+        return RoutingRule(k, "softmax", True, bias=bias.detach(), norm_min=float(getattr(config, "moe_norm_min", 0.0)
+                                                                                   or 0.0)), ""
+    if model_type in GROUPED_SIGMOID and bias is not None:
+        groups, kept = int(getattr(config, "n_group", 1) or 1), int(getattr(config, "topk_group", 1) or 1)
+        return RoutingRule(k, "sigmoid", bool(norm), bias=bias.detach(), groups=groups, groups_kept=kept,
+                           scale=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)), ""
+    grouped = (getattr(config, "n_group", None) or 1) > 1 or (getattr(config, "topk_group", None) or 1) > 1
+    scoring = str(getattr(config, "scoring_func", "softmax") or "softmax")
+    if bias is None and not grouped and scoring == "softmax":   # a plain softmax top-k router of another family
+        return RoutingRule(k, "softmax", norm if isinstance(norm, bool) else None), ""
+    return None, unknown + (": a correction bias" if bias is not None else "") + (": grouped" if grouped else "") + \
+        (f": {scoring} scores" if scoring != "softmax" else "")
 
 
 def routing(model: nn.Module, *, top_k: bool | None = None, normalized: bool | None = None):
@@ -81,27 +127,35 @@ def routing(model: nn.Module, *, top_k: bool | None = None, normalized: bool | N
                                "mixture-of-experts layer (a block with a router and an experts module)")
         return None
     config = getattr(model, "config", None)
+    rules = []
+    for router, _ in layers:
+        rule, _ = routing_rule(router, config)
+        if top_k is False:
+            rule = None
+        elif rule is None and top_k:
+            rule = RoutingRule(_k(router, config) or 1, "softmax", normalized)
+        elif rule is not None and normalized is not None:
+            rule = replace(rule, normalized=normalized)
+        rules.append(rule)
 
     @contextmanager
     def record():
         routes: list[Route] = []
         pending: dict[int, torch.Tensor] = {}
         handles = []
-        for index, (router, experts) in enumerate(layers):
-            rule = _top_k_rule(router, config) if top_k is None else top_k
-            norm = _normalized(router, config) if normalized is None else normalized
-
+        for index, ((router, experts), rule) in enumerate(zip(layers, rules)):
             def logits(_, args, output, index=index):
                 pending[index] = output[0] if isinstance(output, (tuple, list)) else output
 
-            def combined(_, args, kwargs, index=index, rule=rule, norm=norm):
+            def combined(_, args, kwargs, index=index, rule=rule):
                 values = list(args) + list(kwargs.values())
                 if len(values) < 3 or index not in pending:
                     raise AssertionError(f"MoE layer {index}: the experts module was called without (hidden_states, "
                                          f"indices, weights) after its router")
                 tokens = values[0].numel() // values[0].shape[-1]
                 routes.append(Route(*(v.reshape(tokens, -1) for v in (pending.pop(index), values[1], values[2])),
-                                    top_k=rule, normalized=norm))
+                                    top_k=rule is not None, normalized=None if rule is None else rule.normalized,
+                                    rule=rule))
             handles += [router.register_forward_hook(logits),
                         experts.register_forward_pre_hook(combined, with_kwargs=True)]
         try:

@@ -379,3 +379,30 @@ def by_name(name: str) -> Entry:
         if entry.name == name:
             return entry
     raise KeyError(name)
+
+
+# ------------------------------------------------ models held to what their config declares (config_bugs.py)
+# One block, kept apart: transformers' own models with one departure from their config each, and the correct models
+# they vary (each bug caught without a reference by its clause's pinned example).
+_CFG = "properties.catalog.config_bugs"
+
+
+def _config_bug(name):
+    from properties.catalog.config_bugs import BUGS
+    mechanism, expected = BUGS[name]
+    return Entry(name, "model", mechanism, expected, "--model", f"{_CFG}:{name}")
+
+
+CATALOG += [_config_bug(name) for name in (
+    "gemma3_local_layers_global_base", "gemma2_scale_from_head_dim", "yarn_attention_factor_one",
+    "gemma_norm_without_unit_offset", "rmsnorm_eps_outside_root", "qwen2_moe_shared_expert_ungated",
+    "mixtral_not_renormalised", "ernie_moe_bias_ignored", "glm4_moe_scaling_factor_dropped", "granitemoe_router_in_bf16",
+    "phi3_longrope_short_factors_past_trained_length", "stablelm_full_rotary", "rotary_table_kept_after_cast",
+    "dynamic_ntk_never_restored", "padding_from_ids", "router_jitter_in_eval", "gemma_embeddings_unscaled")]
+CORRECT += [
+    Entry("HF Gemma 3, per-layer bases", "model", "config_bugs.gemma3: sliding layers with base 1e4, global ones 1e6, "
+          "query_pre_attn_scalar (the model the Gemma bugs vary)", (), "--model", f"{_CFG}:gemma3"),
+    Entry("HF GLM-4-MoE, biased router", "model", "config_bugs.glm4_moe: sigmoid scores, a trained correction bias, "
+          "the best 1 of 2 groups, routed_scaling_factor 2.5 (the model the routing bugs vary)", (), "--model",
+          f"{_CFG}:glm4_moe"),
+]

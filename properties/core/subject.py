@@ -16,6 +16,8 @@ from torch import nn
 from zoo.nn.models import DecoderOnly, EncoderDecoder, EncoderOnly
 from zoo.config.options import FAMILIES
 from zoo.runtime.plugins import PluginError, load_object
+from properties.core.declared import Declared
+from properties.core.routing import RoutingRule
 from properties.core.watchdog import describe_args, raised, user_call
 from zoo.nn.positional import NoPositions
 
@@ -42,16 +44,18 @@ class Route:
 
     logits (N, E): the router's scores; experts (N, k): the experts each token is sent to; weights (N, k): the
     weights their outputs are combined with. top_k: True when the model routes each token to the k experts of its
-    largest logits (a softmax top-k router), False when its rule is another (biased or grouped scores): then only
-    batch and padding invariance are checked. normalized: True when the weights are the chosen experts' softmax
-    probabilities divided by their sum (they sum to 1), False when they are those probabilities themselves, None
-    when the model does not say (only their ratios, exp(logit difference), are checked).
+    largest logits (a softmax top-k router), False when its rule is unknown: then only batch and padding invariance
+    are checked. normalized: True when the weights are the chosen experts' softmax probabilities divided by their
+    sum (they sum to 1), False when they are those probabilities themselves, None when the model does not say (only
+    their ratios, exp(logit difference), are checked). rule: the whole declared rule (scores, a correction bias,
+    groups, a scaling factor: properties/core/routing.py); when given it takes the place of top_k and normalized.
     """
     logits: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
     top_k: bool = True
     normalized: bool | None = None
+    rule: RoutingRule | None = None
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Subject:
     vocab_size, max_len: token ids lie in [0, vocab_size); inputs have at most max_len positions.
     positional: False when the model injects no order information (MODEL-PERMUTATION).
     pad_id: the token placed at padded positions.
+    special_ids: further ids with a meaning of their own (bos, eos, a decoder's start id; ``hf_subject`` reads them
+        from the config): MODEL-PADDING-IDS places them, and pad_id, at attended positions, where the mask alone
+        decides that they are real.
 
     Optional, each enabling (part of) one clause; a clause whose field is missing is skipped
     with the reason:
@@ -106,6 +113,10 @@ class Subject:
         whatever the other layers do (Gemma 2's alternating layers), through hooks on these modules.
     routing: mixture-of-experts routing, enabling MODEL-ROUTING: ``with routing() as routes:`` records every routed
         layer's call during the forward passes inside the block, appending one ``Route`` per call.
+    declared: what the model's config declares about each part (properties/core/declared.py: each attention layer's
+        scale, window, soft cap, grouping and rotary embedding, each norm's formula, each feed-forward network's
+        activation, each mixture-of-experts block's routing and combine), enabling MODEL-LAYER-*; settings the adapter
+        could not read are listed there and named in the report.
     """
     kind: str
     forward: Callable
@@ -113,6 +124,7 @@ class Subject:
     max_len: int
     positional: bool = True
     pad_id: int = 0
+    special_ids: tuple[int, ...] = ()
     module: nn.Module | None = None
     embedding: nn.Module | None = None
     decode_step: Callable | None = None
@@ -125,6 +137,7 @@ class Subject:
     edges: tuple[int, ...] = ()
     attention_modules: tuple[nn.Module, ...] | None = None
     routing: Callable | None = None
+    declared: Declared | None = None
 
     def __post_init__(self):
         check_subject(self)
@@ -165,6 +178,11 @@ def check_subject(s: Subject) -> None:
         if s.window is None or len(s.attention_modules) != len(s.window):
             fail("attention_modules", f"<{len(s.attention_modules)} modules>",
                  f"one module per entry of Subject.window ({'None' if s.window is None else len(s.window)})")
+    if s.declared is not None and not isinstance(s.declared, Declared):
+        fail("declared", type(s.declared).__name__, "None or a properties.core.declared.Declared")
+    if not isinstance(s.special_ids, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < s.vocab_size for i in s.special_ids):
+        fail("special_ids", s.special_ids, f"a tuple of ids in [0, vocab_size={s.vocab_size})")
     if not isinstance(s.edges, (tuple, list)) or not all(positive(e) for e in s.edges):
         fail("edges", s.edges, "a tuple of positive ints")
     if not isinstance(s.unused_parameters, (tuple, list)) or not all(isinstance(n, str) for n in s.unused_parameters):

@@ -23,8 +23,8 @@ from properties.model.precision import OUTPUT_ROUNDINGS, accumulation_roundoff, 
 __all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES",
            "DECODERS", "only", "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR",
            "comparison_tolerance", "assert_same_output", "record_model_comparison", "record_cached_decoding",
-           "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "embedding_probe", "DRAW_LEN",
-           "noise_floor", "difference_threshold"]
+           "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "module_input", "embedding_probe",
+           "DRAW_LEN", "noise_floor", "difference_threshold"]
 
 DRAW_LEN = 8  # longest sequence drawn for most clauses: tiny models, fast examples
 
@@ -299,6 +299,17 @@ def assert_window_gradient(g: torch.Tensor, attended: bool, position: int, dead:
         assert not zero, dead(zero)
     else:
         assert not (g != 0).any(), leaks(float(g.abs().max()))
+
+
+def module_input(args, kwargs):
+    """The hidden states a layer's module (``Subject.attention_modules``, a declared part) was called with, and how
+    to put others in their place: its first positional argument, else the keyword ``hidden_states``."""
+    if args:
+        return args[0], lambda h: ((h, *args[1:]), kwargs)
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"], lambda h: (args, {**kwargs, "hidden_states": h})
+    raise AssertionError(f"a layer's module was called without positional arguments or the keyword hidden_states "
+                         f"(keywords {sorted(kwargs)}); expected the layer's hidden states first")
 
 
 def requires(subject: Subject, field: str, without: str) -> None:

@@ -12,8 +12,8 @@ import torch
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
 
-__all__ = ["OWN_ROUNDINGS", "OUTPUT_ROUNDINGS", "OWN_NOISE", "Precision", "accumulation_roundoff",
-           "register_precision", "precision_of"]
+__all__ = ["OWN_ROUNDINGS", "OUTPUT_ROUNDINGS", "OWN_NOISE", "Precision", "Narrowing", "accumulation_roundoff",
+           "allowed_dtypes", "register_precision", "precision_of"]
 
 # Comparisons in a model's own precision (SPEC.md, "Models": tolerance). A model evaluated in float32 or
 # bfloat16, or a float64 twin that computes in float32 inside (Hugging Face's eager softmax, GPT-Neo's q·k),
@@ -38,11 +38,38 @@ def accumulation_roundoff(dtype: torch.dtype) -> float:
     return min(unit_roundoff(dtype), unit_roundoff(torch.float32))
 
 
+def allowed_dtypes(declared: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The floating dtypes a model declared in ``declared`` may compute in: its own and wider ones, and float32 in a
+    float64 model (deliberate float32 islands: transformers' rotary tables, softmax and RMSNorm statistics). 16-bit
+    arithmetic inside a float32 or float64 model is never allowed (MODEL-PRECISION)."""
+    floor = max(unit_roundoff(declared), unit_roundoff(torch.float32))
+    return tuple(d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16) if unit_roundoff(d) <= floor)
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """A module that computed in a floating dtype its model does not allow, or a float32 island of a float64 model:
+    where (the module's qualified name and class), the first operation seen and the dtype."""
+    module: str
+    operation: str
+    dtype: torch.dtype
+    count: int = 1
+
+    def describe(self) -> str:
+        return (f"{self.module}: {self.operation} {'gives or reads' if self.count else ''} "
+                f"{str(self.dtype).removeprefix('torch.')} ({self.count} operation{'s' if self.count != 1 else ''})")
+
+
 @dataclass(frozen=True)
 class Precision:
-    """What the suite measured about a subject's arithmetic (properties/model/subjects.py)."""
-    compute_dtype: torch.dtype   # the coarsest floating dtype among the forward pass's intermediate tensors
+    """What the suite measured about a subject's arithmetic (properties/model/subjects.py). The bounds follow the
+    dtype the model declares: ``compute_dtype`` is the coarsest dtype seen among those ``allowed_dtypes`` admits; a
+    narrower one is a finding (``narrow``), never a reason to widen a bound."""
+    compute_dtype: torch.dtype   # the coarsest allowed floating dtype among the forward pass's intermediate tensors
     noise: float                 # ρ: max |Δy| / max|y| between evaluations equal in exact arithmetic
+    declared: torch.dtype | None = None         # the dtype of the model's floating parameters (or its output)
+    narrow: tuple[Narrowing, ...] = ()          # modules computing in a dtype the declared one does not allow
+    islands: tuple[Narrowing, ...] = ()         # float32 islands of a float64 model (allowed, reported)
 
     @property
     def own(self) -> bool:

@@ -6,6 +6,7 @@ asks ``subject_ids`` for its parameters and ``model_under_test`` for each one.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import shlex
 import warnings
@@ -14,12 +15,13 @@ from typing import Callable
 
 import pytest
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from properties.core.tolerance import unit_roundoff
 from properties.core.zoo_config import zoo_run
-from properties.model.precision import Precision, precision_of, register_precision
+from properties.model.precision import Narrowing, Precision, allowed_dtypes, precision_of, register_precision
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core import evidence
@@ -27,7 +29,7 @@ from properties.core.subject import (Subject, SubjectError, as_subject, load_sub
                                      zoo_subject)
 
 __all__ = ["configure", "subject_ids", "model_under_test", "fresh_subject", "build_model_under_test",
-           "ModelUnderTest", "ZOO_TINY"]
+           "ModelUnderTest", "ZOO_TINY", "measure_precision", "declared_dtype", "recorder_for"]
 
 # Small enough that all twelve zoo models run every clause in seconds (task=verify: the suite checks models,
 # not a task, and verify has no sequence length of its own to contradict max_len); two layers so that a
@@ -210,18 +212,47 @@ _FLOATING = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 class _DtypeRecorder(TorchDispatchMode):
-    """Records the floating dtypes of every operation's outputs."""
+    """Records the floating dtypes of every operation's inputs and outputs, and for each dtype outside ``allowed`` (and
+    each float32 operation of a float64 model) the innermost module running it (global module hooks keep the stack)."""
 
-    def __init__(self):
+    def __init__(self, names: dict[int, str], allowed: tuple[torch.dtype, ...], island: torch.dtype | None):
         super().__init__()
         self.seen: set[torch.dtype] = set()
+        self.names, self.allowed, self.island = names, allowed, island
+        self.stack: list[str] = []
+        self.found: dict[tuple[str, torch.dtype], list] = {}    # (module, dtype) -> [first operation, count]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if torch.is_tensor(t) and t.dtype in _FLOATING:
-                self.seen.add(t.dtype)
+        dtypes = {t.dtype for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.dtype in _FLOATING}
+        self.seen |= dtypes
+        inputs = {t.dtype for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dtype in _FLOATING}
+        for dtype in dtypes | inputs:
+            if dtype not in self.allowed or dtype == self.island:
+                where = self.stack[-1] if self.stack else "the model's own forward"
+                entry = self.found.setdefault((where, dtype), [str(func.overloadpacket.__name__), 0])
+                entry[1] += 1
         return out
+
+    @contextlib.contextmanager
+    def modules(self):
+        """The global module hooks that keep the stack of running modules, for the block inside."""
+        def enter(module, _):
+            self.stack.append(self.names.get(id(module), type(module).__name__))
+
+        def leave(module, _, __):
+            if self.stack:
+                self.stack.pop()
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def narrowings(self, dtypes) -> tuple[Narrowing, ...]:
+        return tuple(Narrowing(where, op, dtype, count) for (where, dtype), (op, count) in self.found.items()
+                     if dtype in dtypes)
 
 
 def _probe_batch(subject: Subject, device, size: int):
@@ -234,26 +265,50 @@ def _probe_batch(subject: Subject, device, size: int):
     return (ids, ids, mask, mask) if subject.kind == "encoder_decoder" else (ids, mask)
 
 
+def declared_dtype(subject: Subject) -> torch.dtype | None:
+    """The dtype the model declares: that of its floating parameters (the most numerous), None without a module."""
+    if subject.module is None:
+        return None
+    counts: dict[torch.dtype, int] = {}
+    for p in subject.module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def recorder_for(subject: Subject, declared: torch.dtype | None) -> _DtypeRecorder:
+    names = {} if subject.module is None else {id(m): (n or type(m).__name__) + f" ({type(m).__name__})"
+                                               for n, m in subject.module.named_modules()}
+    allowed = allowed_dtypes(declared) if declared is not None else _FLOATING
+    return _DtypeRecorder(names, allowed, torch.float32 if declared == torch.float64 else None)
+
+
 def measure_precision(subject: Subject, device) -> Precision:
-    """The coarsest floating dtype among a forward pass's intermediate tensors, and the relative noise of the
-    same input evaluated twice (nondeterministic kernels). Nothing that changes the batch, the padding or the
-    positions: a leak between samples or positions would show there and be taken for noise."""
+    """The coarsest allowed floating dtype among a forward pass's intermediate tensors (and the modules computing in a
+    dtype the model does not allow, or in float32 inside a float64 model), and the relative noise of the same input
+    evaluated twice (nondeterministic kernels). Nothing that changes the batch, the padding or the positions: a leak
+    between samples or positions would show there and be taken for noise."""
     one = _probe_batch(subject, device, 1)
-    recorder = _DtypeRecorder()
+    declared = declared_dtype(subject)
+    recorder = recorder_for(subject, declared)
     try:
         with torch.no_grad():
-            with recorder:
+            with recorder, recorder.modules():
                 first = subject.forward(*one)
             again = subject.forward(*one)
     except Exception:   # the model's own clauses report how it fails; measure nothing here
-        return Precision(torch.float64 if subject.module is not None else torch.float32, 0.0)
+        return Precision(torch.float64 if subject.module is not None else torch.float32, 0.0, declared)
     if not all(torch.is_tensor(t) and t.is_floating_point() for t in (first, again)):
-        return Precision(torch.float64, 0.0)
-    coarsest = max(recorder.seen or {first.dtype}, key=unit_roundoff)
-    coarsest = max((coarsest, first.dtype), key=unit_roundoff)
+        return Precision(torch.float64, 0.0, declared)
+    declared = declared or first.dtype
+    allowed = allowed_dtypes(declared)
+    seen = {d for d in recorder.seen | {first.dtype} if d in allowed} or {declared}
+    coarsest = max(seen, key=unit_roundoff)
     scale = float(first.double().abs().max()) or 1.0
     noise = float((again.double() - first.double()).abs().max()) / scale
-    return Precision(coarsest, noise if noise == noise else float("inf"))
+    narrow = recorder.narrowings(set(_FLOATING) - set(allowed))
+    islands = recorder.narrowings({torch.float32}) if declared == torch.float64 else ()
+    return Precision(coarsest, noise if noise == noise else float("inf"), declared, narrow, islands)
 
 
 def _device_of(subject: Subject, config) -> torch.device:

@@ -49,16 +49,47 @@ def test_padding_gets_no_gradient(mut, data):
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=2, reserve=extra)
     r = _weights(s, src, tokens, mask, b.seed, b.length + extra)
     grad = _embedding_gradient(s, src, tokens, mask, r)
+    if not torch.isfinite(grad).all():
+        raise AssertionError(_nan_gradient(s, src, tokens, mask, r, grad))
     leaking = (grad[~mask] != 0).any(-1).nonzero().flatten().tolist()
     assert not leaking, (f"the loss over real positions gives a non-zero gradient to the embeddings of "
-                         f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}): "
-                         f"padding is attended")
+                         f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}); hint: "
+                         f"padding is attended (a padding mask dropped or inverted)")
     padded_tokens, padded_mask = _pad(tokens, mask, extra, s.pad_id, left=False)
     padded_src = src and _pad(src[0], src[1], extra, s.pad_id, left=False)
     grad_padded = _embedding_gradient(s, padded_src, padded_tokens, padded_mask, r)[:, : b.length]
     assert_same_output(grad_padded[mask], grad[mask],
                        f"gradient at real positions with {extra} padded positions appended vs without"
                        + (" (to the target and the source)" if src is not None else ""), subject=s)
+
+
+def _nan_gradient(s, src, tokens, mask, r, grad) -> str:
+    """What a non-finite gradient looks like: at which positions (real or padded, their embeddings exactly 0 or not),
+    and in which parameters' gradients of the same loss."""
+    bad = (~torch.isfinite(grad)).any(-1)                                       # (B, L)
+    padded, real = (bad & ~mask).nonzero().tolist(), (bad & mask).nonzero().tolist()
+    with torch.no_grad():
+        embedded = s.embedding(tokens)
+    zero = bool((embedded[bad & ~mask] == 0).all()) if padded else False
+    words = []
+    if padded:
+        words.append(f"{len(padded)} padded position(s) {[tuple(p) for p in padded[:4]]}"
+                     + (" whose embeddings are exactly 0 (the pad id's row of the table)" if zero else ""))
+    if real:
+        words.append(f"{len(real)} real position(s) {[tuple(p) for p in real[:4]]}")
+    parameters = ""
+    if s.module is not None:
+        named = [(n, p) for n, p in s.module.named_parameters() if p.requires_grad]
+        with torch.enable_grad():
+            out = call_subject(s, *subject_args(src, tokens, mask))
+            grads = torch.autograd.grad(_loss(out, mask, r), [p for _, p in named], allow_unused=True)
+        nan = [n for (n, _), g in zip(named, grads) if g is not None and not torch.isfinite(g).all()]
+        if nan:
+            parameters = f"; and in the gradients of {len(nan)} of {len(named)} parameters ({', '.join(nan[:4])}{', ...' if len(nan) > 4 else ''})"
+    hint = ("; hint: a norm whose eps is outside the square root (x/(√(mean x²) + eps)) has an infinite derivative at a "
+            "zero input" if zero else "")
+    return (f"the gradient of the loss over real positions is NaN or infinite with respect to the embeddings of "
+            f"{' and '.join(words)}{parameters}{hint}")
 
 
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH

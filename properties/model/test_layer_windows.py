@@ -18,7 +18,8 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
-from properties.model.checks import Batch, assert_window_gradient, model_property, real_tokens, subject_args
+from properties.model.checks import (Batch, assert_window_gradient, model_property, module_input, real_tokens,
+                                     subject_args)
 from properties.model.scale import SLACK
 from properties.model.test_models import pinned
 from properties.model.twin import observe, twin_fallback
@@ -32,23 +33,13 @@ def _lowest(low, high):
 PINS = ({"length": _lowest, "perturbed position": 0, "seed": 0, "batch size": 2},)
 
 
-def _hidden(args, kwargs):
-    """The hidden states an attention module was called with, and how to put them back."""
-    if args:
-        return args[0], lambda h: ((h, *args[1:]), kwargs)
-    if "hidden_states" in kwargs:
-        return kwargs["hidden_states"], lambda h: (args, {**kwargs, "hidden_states": h})
-    raise AssertionError(f"Subject.attention_modules: a module was called without positional arguments or the "
-                         f"keyword hidden_states (keywords {sorted(kwargs)}); expected the layer's hidden states first")
-
-
 @contextmanager
 def probed(module: torch.nn.Module):
     """Adds a zero δ (requires_grad) to the module's input hidden states; yields {"delta": δ, "out": output}."""
     seen: dict = {}
 
     def before(_, args, kwargs):
-        hidden, put = _hidden(args, kwargs)
+        hidden, put = module_input(args, kwargs)
         seen["delta"] = torch.zeros_like(hidden, requires_grad=True)
         return put(hidden + seen["delta"])
 

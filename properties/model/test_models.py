@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import assume, example, given, settings
+from torch.utils._pytree import tree_flatten, tree_map
 from hypothesis import strategies as st
 
 from properties import clause
@@ -256,9 +257,58 @@ def test_eval_determinism(mut, data, seeds):
         record_model_comparison(outs[1], outs[0], "the second forward pass under another random seed", 0.0,
                                  seeds=list(seeds), bitwise=True)
     same = outs[0].isnan() & outs[1].isnan() | (outs[0] == outs[1])
-    assert same.all(), (f"two forward passes on the same input differ at {int((~same).sum())} elements "
-                        f"(max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under random seeds "
-                        f"{seeds}: randomness (dropout?) is active in eval mode")
+    if not same.all():
+        with torch.random.fork_rng(devices=devices):
+            where = _first_random_module(s, src, tgt, seeds)
+        raise AssertionError(
+            f"two eval-mode forward passes on the same input differ at {int((~same).sum())} of {same.numel()} output "
+            f"elements (max {(outs[0] - outs[1]).abs().nan_to_num(0).max().item():.3e}) under torch seeds {seeds}"
+            f"{where}; hint: a random operation left on in eval mode (dropout, router jitter noise, sampling)")
+
+
+def _bitwise(a, b) -> bool:
+    ta = [t for t in tree_flatten(a)[0] if torch.is_tensor(t)]
+    tb = [t for t in tree_flatten(b)[0] if torch.is_tensor(t)]
+    return len(ta) == len(tb) and all(x.shape == y.shape and bool((x.isnan() & y.isnan() | (x == y)).all())
+                                      for x, y in zip(ta, tb))
+
+
+def _first_random_module(s, src, tgt, seeds) -> str:
+    """Where the randomness enters: the first module (in the order calls finish: the innermost first) whose inputs
+    are bitwise equal in the two seeded passes and whose outputs are not. "" without Subject.module."""
+    if s.module is None:
+        return ""
+    names = {id(m): n or type(m).__name__ for n, m in s.module.named_modules()}
+    calls: list[list] = [[], []]
+
+    def hooks(run: int):
+        inputs: dict[int, list] = {}
+
+        def before(module, args, kwargs):
+            inputs.setdefault(id(module), []).append(tree_map(_copy, (args, kwargs)))
+
+        def after(module, args, kwargs, output):
+            calls[run].append((id(module), inputs[id(module)].pop(), tree_map(_copy, output)))
+        return [h for m in s.module.modules() for h in (m.register_forward_pre_hook(before, with_kwargs=True),
+                                                       m.register_forward_hook(after, with_kwargs=True))]
+    for run, seed in enumerate(seeds):
+        handles = hooks(run)
+        try:
+            torch.manual_seed(seed)
+            forward(s, src, tgt)
+        finally:
+            for handle in handles:
+                handle.remove()
+    for (key, args_a, out_a), (other, args_b, out_b) in zip(*calls):
+        if key == other and _bitwise(args_a, args_b) and not _bitwise(out_a, out_b):
+            module = next(m for m in s.module.modules() if id(m) == key)
+            return (f": the first module whose output changes with the seed while its inputs are bitwise equal is "
+                    f"{names[key]} ({type(module).__name__})")
+    return ""
+
+
+def _copy(value):
+    return value.detach().clone() if torch.is_tensor(value) else value
 
 
 # --------------------------------------------------------------------------------- MODEL-DISTRIBUTION

@@ -1,23 +1,26 @@
 """MODEL-ROUTING (SPEC.md, "Models"): a mixture-of-experts model routes each token by its own router logits.
 
 What the routing layers record (``Subject.routing``: per call, the router's logits and the experts and combine
-weights the experts module receives) is checked against the router's rule: each token goes to the k experts of its
-largest logits, with weights equal to the softmax probabilities of those experts (renormalised over them when the
-config says so), and a token's experts are the same alone as in a padded batch. Wrong routing hides well: outputs
+weights the experts module receives) is checked against the router's declared rule (properties/core/routing.py: the
+scores, a correction bias for the choice, groups, renormalisation, a scaling factor; a plain softmax top-k rule when
+only ``top_k`` and ``normalized`` are given), and a token's experts are the same alone as in a padded batch. Wrong routing hides well: outputs
 stay self-consistent (a batch is still the sum of its samples when the weights are renormalised against the config),
 so only the routing itself says that it is wrong.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from properties import clause
+from properties.core.routing import RoutingRule, describe_rule, route as route_tokens
 from properties.core.subject import Route
 from properties.core.tolerance import unit_roundoff
 from properties.model.checks import draw_pair, forward, only, requires
 from properties.model.precision import OUTPUT_ROUNDINGS, OWN_ROUNDINGS, accumulation_roundoff, precision_of
 from properties.model.test_models import MIXED, pinned_model_property
-from properties.model.twin import twin_fallback
+from properties.model.twin import NOT_CHECKED, add_note, twin_fallback
 
 
 def _tolerance(s) -> float:
@@ -32,7 +35,15 @@ def _routed(s, src, tgt) -> list[Route]:
     with torch.no_grad(), s.routing() as routes:
         forward(s, src, tgt)
     assert routes, "Subject.routing recorded no routed layer during a forward pass"
-    return [Route(r.logits.double(), r.experts.long(), r.weights.double(), r.top_k, r.normalized) for r in routes]
+    return [Route(r.logits.double(), r.experts.long(), r.weights.double(), r.top_k, r.normalized, r.rule)
+            for r in routes]
+
+
+def _rule(route: Route) -> RoutingRule | None:
+    """The route's declared rule; a plain softmax top-k one from ``top_k`` and ``normalized``; None when unknown."""
+    if route.rule is not None:
+        return route.rule
+    return RoutingRule(route.experts.shape[1], "softmax", route.normalized) if route.top_k else None
 
 
 def _check_rule(route: Route, layer: int, rows: torch.Tensor, tol: float) -> None:
@@ -42,42 +53,52 @@ def _check_rule(route: Route, layer: int, rows: torch.Tensor, tol: float) -> Non
     assert weights.shape == experts.shape and 1 <= k <= count, (
         f"MoE layer {layer}: experts {tuple(experts.shape)} and weights {tuple(weights.shape)} for logits "
         f"{tuple(logits.shape)}; expected (tokens, k) each with 1 <= k <= {count} experts")
-    if not route.top_k:
+    rule = _rule(route)
+    if rule is None:
         return
-    chosen = logits.gather(1, experts)
-    others = logits.scatter(1, experts, float("-inf")).amax(1)
-    scale = max(1.0, float(logits.abs().max()))
-    below = (chosen.amin(1) < others - tol * scale).nonzero().flatten().tolist()
-    assert not below, (f"MoE layer {layer}: token(s) {below[:5]} are sent to experts {experts[below[0]].tolist()} "
-                       f"although expert {int(logits[below[0]].scatter(0, experts[below[0]], float('-inf')).argmax())} "
-                       f"has a larger logit (logits {[round(v, 4) for v in logits[below[0]].tolist()]}): not the "
-                       f"top {k} of the token's router logits")
-    probabilities = logits.softmax(-1).gather(1, experts)
-    if route.normalized is None:   # the rule does not say whether they are renormalised: their ratios only
-        expected, actual, rule = probabilities / probabilities.sum(1, keepdim=True), \
-            weights / weights.sum(1, keepdim=True), "proportional to the chosen experts' softmax probabilities"
+    if rule.k != k:
+        rule = dataclasses.replace(rule, k=k)
+    routed = route_tokens(logits, rule)
+    scale = max(1.0, float(routed.choice[torch.isfinite(routed.choice)].abs().max()))
+    decided = routed.margin > tol * scale          # a closer pair is a tie that rounding may break either way
+    order = experts.sort(1)
+    sent, weights = order.values, weights.gather(1, order.indices)
+    wrong = ((sent != routed.chosen).any(1) & decided).nonzero().flatten().tolist()
+    if wrong:
+        t = wrong[0]
+        raise AssertionError(
+            f"MoE layer {layer}: token(s) {wrong[:5]} are sent to experts {sent[t].tolist()} although the declared "
+            f"rule ({describe_rule(rule)}) chooses {routed.chosen[t].tolist()} (choice scores "
+            f"{[round(v, 4) for v in routed.choice[t].tolist()]}; logits {[round(v, 4) for v in logits[t].tolist()]})")
+    expected = routed.weights
+    if rule.normalized is None:   # the rule does not say whether they are renormalised: their ratios only
+        expected, actual = expected / expected.sum(1, keepdim=True), weights / weights.sum(1, keepdim=True)
+        what = "proportional to the chosen experts' scores"
     else:
-        expected = probabilities / probabilities.sum(1, keepdim=True) if route.normalized else probabilities
-        actual, rule = weights, ("the chosen experts' softmax probabilities, renormalised to sum to 1 (the config "
-                                 "says norm_topk_prob)" if route.normalized else "the chosen experts' softmax "
-                                 "probabilities, not renormalised (the config says norm_topk_prob=False)")
-    error = (actual - expected).abs().amax(1)
+        actual, what = weights, f"the weights of the declared rule ({describe_rule(rule)})"
+    error = ((actual - expected).abs().amax(1)).masked_fill(~decided, 0)
     worst = int(error.argmax())
-    assert float(error[worst]) <= tol, (
+    assert float(error[worst]) <= tol * max(1.0, abs(rule.scale)), (
         f"MoE layer {layer}: token {worst}'s combine weights {[round(v, 5) for v in weights[worst].tolist()]} "
         f"(sum {float(weights[worst].sum()):.5f}) differ by {float(error[worst]):.2e} (tolerance {tol:.1e}) from "
-        f"{[round(v, 5) for v in expected[worst].tolist()]}: expected {rule}")
+        f"{[round(v, 5) for v in expected[worst].tolist()]}: expected {what}")
 
 
 def _experts_by_token(route: Route, rows: torch.Tensor, tol: float):
-    """The sorted experts of each row, and whether the row is decided: its k-th and (k+1)-th logits apart by
-    more than rounding (a near tie may flip with any change of summation order)."""
+    """The sorted experts of each row, and whether the row is decided: its k-th and (k+1)-th choice scores (under the
+    declared rule; the logits when the rule is unknown) apart by more than rounding (a near tie may flip with any
+    change of summation order)."""
     logits, experts = route.logits[rows], route.experts[rows]
     k = experts.shape[1]
-    top = logits.topk(min(k + 1, logits.shape[1]), dim=1).values
-    decided = (top[:, k - 1] - top[:, k] > tol * max(1.0, float(logits.abs().max()))) if top.shape[1] > k else \
-        torch.ones(len(rows), dtype=torch.bool)
-    return experts.sort(1).values, decided
+    rule = _rule(route)
+    if rule is None:   # an unknown rule: the gap between the k-th and (k+1)-th logits stands for its margin
+        top = logits.topk(min(k + 1, logits.shape[1]), dim=1).values
+        decided = (top[:, k - 1] - top[:, k] > tol * max(1.0, float(logits.abs().max()))) if top.shape[1] > k else \
+            torch.ones(len(rows), dtype=torch.bool)
+        return experts.sort(1).values, decided
+    routed = route_tokens(logits, dataclasses.replace(rule, k=k))
+    scale = max(1.0, float(routed.choice[torch.isfinite(routed.choice)].abs().max()))
+    return experts.sort(1).values, routed.margin > tol * scale
 
 
 @clause("MODEL-ROUTING")
@@ -89,6 +110,10 @@ def test_routing(mut, data):
     _, (tokens, mask, b) = draw_pair(data, s, mut.device)
     tol = _tolerance(s)
     batched = _routed(s, None, (tokens, mask))
+    unknown = [layer for layer, route in enumerate(batched) if _rule(route) is None]
+    if unknown:
+        add_note(NOT_CHECKED + f"the routing rule of MoE layer(s) {unknown} (not declared to the suite: batch and "
+                               f"padding invariance only)")
     real = mask.flatten().nonzero().flatten().cpu()
     for layer, route in enumerate(batched):
         assert route.logits.shape[0] == tokens.numel(), (

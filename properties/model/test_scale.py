@@ -109,7 +109,10 @@ def _shift_case(mut, arrangement, data):
         pytest.skip(f"no float64 twin ({mut.precise_note or 'the model is compared as built'})")
     src, tgt = draw_pair(data, s, mut.device)
     length = tgt[2].length if src is None else max(tgt[2].length, src[2].length)
-    low, high = length + max(SHORT_OFFSETS), s.max_len - 1
+    # A declared scaling that changes the rotary frequencies past a length (dynamic NTK, LongRoPE) is relative only
+    # below it: the shifted positions stay there.
+    thresholds = s.declared.length_thresholds if s.declared is not None else ()
+    low, high = length + max(SHORT_OFFSETS), min([s.max_len, *thresholds]) - 1
     if low > high:
         pytest.skip(f"max_len={s.max_len}: no room to shift {length} positions past offset {max(SHORT_OFFSETS)}")
     last = data.draw(near(position_edges(s), low, high), label="last position")

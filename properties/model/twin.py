@@ -26,13 +26,16 @@ from hypothesis.errors import UnsatisfiedAssumption
 
 from properties.model.precision import precision_of
 
-__all__ = ["twin_fallback", "observe", "pop_notes", "pop_precision", "TwinDeparture", "ON_TWIN", "OWN"]
+__all__ = ["twin_fallback", "observe", "add_note", "pop_notes", "pop_precision", "TwinDeparture", "ON_TWIN", "OWN",
+           "NOT_CHECKED", "ISLANDS"]
 
 _WATCHED: ContextVar[tuple | None] = ContextVar("twin_watched", default=None)   # (twin subject, departures list)
 _NOTES: list[str] = []   # notes of the test being run, read by the report (properties/plugin/report.py)
 _RAN: list[str] = []     # where each example of the test being run compared: ON_TWIN, or OWN + the reason
 ON_TWIN = "float64 twin"
 OWN = "own precision"
+NOT_CHECKED = "not checked: "   # a note naming what the clause could not check (the report's summary lists them)
+ISLANDS = "float32 islands (allowed): "   # a note naming the modules a float64 twin computes in float32 (summary too)
 
 
 class TwinDeparture(UserWarning):
@@ -56,6 +59,11 @@ def pop_precision() -> str:
     _RAN.clear()
     own = [r for r in ran if not r.startswith(ON_TWIN)]
     return own[0] if own else ran[0] if ran else ""
+
+
+def add_note(note: str) -> None:
+    """A note on the test being run, for its report record (``note``) and the summary (NOT_CHECKED notes)."""
+    _NOTES.append(note)
 
 
 def pop_notes() -> list[str]:

@@ -18,7 +18,7 @@ from properties.core.oracle import reference_attention, softmax_rows
 from properties.core.tolerance import evaluation_error, gamma
 from properties.module.approx import _F64, Approx, effective_u, exact, linear
 
-__all__ = ["Projections", "PROJECTION_NAMES", "projections", "attention_core", "multihead_oracle",
+__all__ = ["Projections", "PROJECTION_NAMES", "projections", "admissible", "attention_core", "multihead_oracle",
            "single_head_oracle", "module_options"]
 
 
@@ -58,7 +58,7 @@ def _project(x: torch.Tensor, w, b, u: float) -> Approx:
     return linear(exact(x), w, b, u)
 
 
-def _admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool, window: int | None = None) -> torch.Tensor:
+def admissible(b: int, l: int, s: int, key_padding_mask, is_causal: bool, window: int | None = None) -> torch.Tensor:
     """(b, 1, l, s) bool: key j is visible to query i.  ``window`` W (self-attention, l == s): |i - j| < W,
     Mistral's sliding window (i - W < j <= i under the causal mask)."""
     visible = torch.ones(b, 1, l, s, dtype=torch.bool)
@@ -82,14 +82,15 @@ def _soft_cap(scores: torch.Tensor, delta: torch.Tensor, softcap: float | None, 
 
 
 def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype: torch.dtype,
-                   value: torch.Tensor | None = None, softcap: float | None = None) -> Approx:
-    """softmax(q kᵀ/√E) v per head, q (b, l, h, E), k and v (b, s, h, E) already mapped to query heads,
-    ``visible`` (b, 1 or h, l, s); scores capped to X·tanh(score / X) under ``softcap`` X.  Returns
+                   value: torch.Tensor | None = None, softcap: float | None = None,
+                   scale: float | None = None) -> Approx:
+    """softmax(σ q kᵀ) v per head, σ = ``scale`` (default 1/√E), q (b, l, h, E), k and v (b, s, h, E) already mapped
+    to query heads, ``visible`` (b, 1 or h, l, s); scores capped to X·tanh(score / X) under ``softcap`` X.  Returns
     (b, l, h, E).  ``value`` replaces the float64 result (the single-head clause computes it with
     ``properties.core.oracle.reference_attention``)."""
     u = effective_u(dtype)
     e, s = q.value.shape[-1], k.value.shape[1]
-    sigma = 1.0 / math.sqrt(e)
+    sigma = 1.0 / math.sqrt(e) if scale is None else scale
     scores = torch.einsum("blhe,bshe->bhls", q.value, k.value) * sigma
     propagated = sigma * (torch.einsum("blhe,bshe->bhls", q.error, k.magnitude)
                           + torch.einsum("blhe,bshe->bhls", q.value.abs(), k.error))
@@ -133,7 +134,7 @@ def multihead_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | Non
     q = q.map(lambda t: t.reshape(b, l, heads, e))
     k = k.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
     v = v.map(lambda t: t.reshape(b, s, kv_heads, e)[:, :, group])
-    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
+    visible = admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
     heads_out = attention_core(q, k, v, visible, dtype, softcap=softcap)
     concat = heads_out.map(lambda t: t.reshape(b, l, heads * e))
     return linear(concat, p.wo, p.bo, u)
@@ -149,7 +150,7 @@ def single_head_oracle(p: Projections, x: torch.Tensor, memory: torch.Tensor | N
     q, k, v = _project(x, p.wq, p.bq, u), _project(source, p.wk, p.bk, u), _project(source, p.wv, p.bv, u)
     b, l, _ = q.value.shape
     s = k.value.shape[1]
-    visible = _admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
+    visible = admissible(b, l, s, key_padding_mask, is_causal, window if memory is None else None)
     # The kernel oracle has no softcap: with one, the value is attention_core's own float64 result.
     attended = None if softcap else reference_attention(q.value, k.value, v.value,
                                                          attn_mask=visible[:, 0]).output[:, :, None]  # (b, l, 1, d)

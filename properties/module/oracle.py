@@ -45,14 +45,19 @@ def ffn_layers(module, activation_name: str) -> tuple[dict | None, str]:
     return found, ""
 
 
-def ffn_oracle(layers: dict, activation_name: str, x: torch.Tensor, dtype: torch.dtype) -> Approx:
+def ffn_oracle(layers: dict, activation_name: str, x: torch.Tensor, dtype: torch.dtype,
+               gated: bool | None = None) -> Approx:
     """relu: max(0, xW1 + b1)W2 + b2; gelu/gelu_tanh: GELU(xW1 + b1)W2 + b2 (erf or tanh form);
-    swiglu: (SiLU(xW_gate + b_gate) ⊙ (xW1 + b1))W2 + b2 (weights as (out, in) matrices, applied as xWᵀ)."""
+    swiglu: (SiLU(xW_gate + b_gate) ⊙ (xW1 + b1))W2 + b2 (weights as (out, in) matrices, applied as xWᵀ).
+    ``gated`` True: (f(xW_gate + b_gate) ⊙ (xW1 + b1))W2 + b2 with f the activation ``activation_name`` (GeGLU for
+    gelu_tanh, as Gemma's; swiglu is silu gated)."""
     u = effective_u(dtype)
     a = exact(x)
     hidden = linear(a, *layers["up"], u)
-    if activation_name == "swiglu":
-        hidden = product(activation(linear(a, *layers["gate"], u), "silu", u), hidden, u)
+    gated = activation_name == "swiglu" if gated is None else gated
+    if gated:
+        gate_activation = "silu" if activation_name == "swiglu" else activation_name
+        hidden = product(activation(linear(a, *layers["gate"], u), gate_activation, u), hidden, u)
     else:
         hidden = activation(hidden, activation_name, u)
     return linear(hidden, *layers["down"], u)
@@ -159,13 +164,14 @@ def sinusoid_error(positions: torch.Tensor, d: int, dtype: torch.dtype) -> torch
 
 
 def rotary_pair_error(positions: torch.Tensor, pair_norm: torch.Tensor, log_base: float,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, scaling_roundings: int = 0) -> torch.Tensor:
     """Bound on the Euclidean norm of the error of one rotated feature pair (a, b) -> R(pos·θ)(a, b) with
     |θ| <= 1: the angle's error (relative ``angle_relative_error`` with exponent < 1) times |(a, b)|, cos
     and sin within gamma(2) each (a matrix error of norm <= 2·gamma(2)), the two products and the sum
     gamma(2) per component (√2·gamma(2) in norm), the rounding to the dtype √2·u.  ``positions`` broadcast
-    against ``pair_norm``."""
+    against ``pair_norm``.  ``scaling_roundings``: the roundings a frequency scaling adds to each frequency (a
+    division by the factor, YaRN's or Llama 3's blend), each a relative error of the angle."""
     ua = angle_u(dtype)
-    angle_error = angle_relative_error(1.0, log_base, ua) * positions.to(_F64)
+    angle_error = (angle_relative_error(1.0, log_base, ua) + gamma(scaling_roundings, ua)) * positions.to(_F64)
     return pair_norm * (angle_error + 2 * gamma(2, ua) + math.sqrt(2) * gamma(2, ua)
                         + math.sqrt(2) * unit_roundoff(dtype))

@@ -119,7 +119,11 @@ OPTIONS = (
         default=None, metavar="FILE.py:FACTORY",
         help="a second model (pkg.module:factory or path/to/file.py:factory, called with no argument or with the "
              "Subject under test) that the model under test must agree with: MODEL-DIFF-FORWARD, -GRADIENT, "
-             "-DECODE")),
+             "-DECODE; 'upstream': transformers' own implementation of the model's config, with the model's weights")),
+    (_MODELS, ("--reference-map",), dict(
+        default=None, metavar="FILE.py:NAMES",
+        help="with --reference upstream: how the model's weights are named upstream, a dict {upstream name: name} or "
+             "a callable(state_dict) -> state_dict")),
     (_SPEC, ("--reference-kernel",), dict(
         default=None, metavar="SPEC",
         help="a kernel (a zoo backend such as math or torch, pkg.module:function or path/to/file.py:function) that "

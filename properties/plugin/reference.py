@@ -45,11 +45,18 @@ class Reference:
         return f"<reference {self.spec}>"
 
 
+# --reference upstream: transformers' own class for the model's config, its weights loaded by name or through
+# --reference-map (properties/adapters/upstream.py, loaded by name like any factory).
+UPSTREAM, UPSTREAM_FACTORY = "upstream", "properties.adapters.upstream:upstream_reference"
+
+
 def configure(config) -> None:
     """Resolve both options now: an unusable reference is a UsageError before any test runs."""
     config.stash[_KERNEL] = _kernel(config.getoption("--reference-kernel", None))
     config.stash[_MODEL] = None
     spec = config.getoption("--reference", None)
+    if config.getoption("--reference-map", None) and spec != UPSTREAM:
+        raise pytest.UsageError("--reference-map names upstream's weights: it goes with --reference upstream")
     if spec:
         config.stash[_MODEL] = _model(config, spec)
 
@@ -147,6 +154,17 @@ def _float64(ref: Subject, device, spec: str) -> tuple[Subject | None, str]:
     return ref, ""
 
 
+def _upstream(config):
+    """The factory of --reference upstream: the subject -> transformers' model of its config with its weights."""
+    mapping_spec = config.getoption("--reference-map", None)
+    try:
+        build = load_object(UPSTREAM_FACTORY)
+        mapping = load_object(mapping_spec) if mapping_spec else None
+    except PluginError as exc:
+        raise pytest.UsageError(f"--reference upstream: {exc}") from None
+    return lambda subject: build(subject, mapping)
+
+
 def _model(config, spec: str) -> Reference | None:
     from properties.model import subjects
     from properties.model.precision import register_precision
@@ -159,15 +177,18 @@ def _model(config, spec: str) -> Reference | None:
     if len(keys) != 1:
         raise pytest.UsageError(f"--reference {spec!r}: compares one model with its reference; give only one of "
                                 f"--model, --zoo and --zoo-config")
-    try:
-        with user_call(f"reference model {spec}", f"importing {spec.rpartition(':')[0]!r}"):
-            factory = load_object(spec)
-    except PluginError as exc:
-        raise pytest.UsageError(f"--reference {exc}") from None
-    if not callable(factory):
-        raise pytest.UsageError(f"--reference {spec!r}: {type(factory).__name__} is not callable; expected a factory "
-                                f"returning a zoo model or a properties.Subject")
-    takes = _takes_subject(factory, spec)
+    if spec == UPSTREAM:
+        factory, takes = _upstream(config), True
+    else:
+        try:
+            with user_call(f"reference model {spec}", f"importing {spec.rpartition(':')[0]!r}"):
+                factory = load_object(spec)
+        except PluginError as exc:
+            raise pytest.UsageError(f"--reference {exc}") from None
+        if not callable(factory):
+            raise pytest.UsageError(f"--reference {spec!r}: {type(factory).__name__} is not callable; expected a "
+                                    f"factory returning a zoo model or a properties.Subject")
+        takes = _takes_subject(factory, spec)
     mut = subjects.model_under_test(config, keys[0])
     native = _build(factory, spec, mut.native, takes)
     _check_compatible(spec, native, mut.native)

@@ -17,7 +17,7 @@ from properties.repro import write as reproducers
 from properties.core.levels import in_suite, level_of
 from properties.core.spec import load_clauses
 from properties.core.subject import called_dtypes
-from properties.model.twin import ON_TWIN, pop_notes, pop_precision
+from properties.model.twin import ISLANDS, NOT_CHECKED, ON_TWIN, pop_notes, pop_precision
 from zoo.io.atomic import write_text
 
 __all__ = ["clause_ids", "configure_report", "configure_reproducers", "write_coverage", "write_model_basis",
@@ -253,6 +253,10 @@ def model_basis(records) -> list[str]:
             continue
         for cid in r["clauses"]:
             row = by_clause.setdefault(cid, {"twin": 0, "inside": set(), "own": {}, "lacks": set()})
+            for note in (r.get("note") or "").split("; "):   # what the clause could not check, named
+                if note.startswith((NOT_CHECKED, ISLANDS)):
+                    prefix = NOT_CHECKED if note.startswith(NOT_CHECKED) else ISLANDS
+                    row.setdefault(prefix, {}).update(dict.fromkeys(note.removeprefix(prefix).split(" | ")))
             if r["status"] == "skipped" and r["message"].startswith(LACKS):
                 row["lacks"].add(r["message"].split(":")[0])
             elif r["status"] != "skipped" and r.get("precision", "").startswith(ON_TWIN):
@@ -268,6 +272,7 @@ def model_basis(records) -> list[str]:
             else []
         parts += [f"{n} in its own precision ({why})" for why, n in row["own"].items()]
         parts += [f"skipped: {lack}" for lack in sorted(row["lacks"])]
+        parts += [prefix + ", ".join(row[prefix]) for prefix in (ISLANDS, NOT_CHECKED) if row.get(prefix)]
         if parts:
             lines.append(f"{cid}: " + "; ".join(parts))
     return lines
