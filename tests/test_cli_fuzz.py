@@ -130,6 +130,7 @@ def _check(argv: list[str], sandbox: Path) -> None:
 @example(["-m", "model=nosuch,decoder_only"])
 @example(["reference=abc", "task=summary"])
 @example(["d_model=1099511627776"])
+@example(["task=train", f"task.out_dir={'d' * 300}"])
 @given(argv=command_lines)
 def test_any_command_line_succeeds_or_is_one_line(sandbox, argv):
     _check(argv, sandbox)

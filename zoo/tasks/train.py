@@ -307,14 +307,14 @@ def seeded_model(cfg: DictConfig) -> nn.Module:
 def check_out_dir(out_dir: Path, *, resume: bool) -> None:
     """task.out_dir before anything is written: a resumed run needs a checkpoint there, a fresh one refuses one that
     holds checkpoints (nothing is overwritten), and either needs a directory it can create and write into."""
+    problem = unwritable(str(out_dir))   # first: a name no file system holds cannot even be looked into
+    if problem:
+        raise ConfigError(f"task.out_dir={out_dir}: cannot be written: {problem}")
     if resume and latest_checkpoint(out_dir) is None:
         raise ConfigError(f"task.resume=true: no checkpoint in {out_dir} (pass the earlier run's task.out_dir)")
     if not resume and checkpoints_in(out_dir):
         raise ConfigError(f"task.out_dir={out_dir}: holds checkpoints of an earlier run; pass task.resume=true "
                           f"to continue it or choose another task.out_dir (nothing was overwritten)")
-    problem = unwritable(str(out_dir))
-    if problem:
-        raise ConfigError(f"task.out_dir={out_dir}: cannot be written: {problem}")
 
 
 def training_fits(cfg: DictConfig) -> None:
