@@ -437,7 +437,7 @@ def task_checks(cfg: DictConfig, whole: DictConfig) -> None:
 
         check_compare(whole.hydra.runtime.choices.get("preset"), cfg.reference, cfg.task)
     elif name == "generate":
-        from zoo.io.checkpoint import resolve_checkpoint
+        from zoo.io.checkpoint_read import resolve_checkpoint
 
         if not cfg.task.checkpoint:
             raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")
