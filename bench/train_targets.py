@@ -53,7 +53,7 @@ WHAT = {  # the Targets table's first column (python -m bench.report --only trai
 
 def final_exact_match(out_dir: Path) -> tuple[float | None, int | None]:
     """Held-out exact match and sequence count recorded in the newest checkpoint of a finished run."""
-    from zoo.io.checkpoint import latest_checkpoint, read_state
+    from zoo.io.checkpoint_read import latest_checkpoint, read_state
 
     latest = latest_checkpoint(out_dir)
     if latest is None:

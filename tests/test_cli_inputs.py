@@ -109,7 +109,7 @@ def test_the_size_check_of_a_deep_model_is_immediate(places):
 
 
 def test_a_state_json_nested_200000_deep_is_a_bad_checkpoint(places):
-    from zoo.io.checkpoint import MANIFEST, _manifest
+    from zoo.io.checkpoint_read import MANIFEST, manifest_of
 
     work, _ = places
     step = work.parent / "run" / "step-0000001"
@@ -117,14 +117,13 @@ def test_a_state_json_nested_200000_deep_is_a_bad_checkpoint(places):
     for name in ("model.safetensors", "train_state.safetensors"):
         (step / name).write_bytes(b"\0" * 16)
     (step / "state.json").write_text("[" * 200_000 + "]" * 200_000)
-    (step / MANIFEST).write_text(json.dumps(_manifest(step)))  # resealed: only the nesting is wrong
+    (step / MANIFEST).write_text(json.dumps(manifest_of(step)))  # resealed: only the nesting is wrong
     outcome = zoo_in_process(["task=generate", f"task.checkpoint={step.parent}"], work, real_tasks=True)
     assert_one_line_refusal(outcome, "bad checkpoint", "nested 200,000 deep")
 
 
 def test_a_manifest_with_too_many_entries_is_a_bad_checkpoint(tmp_path):
-    from zoo.io.checkpoint import MANIFEST, CheckpointError, read_state
-    from zoo.io.checkpoint_read import _MANIFEST_FORMAT, _manifest_digest
+    from zoo.io.checkpoint_read import _MANIFEST_FORMAT, MANIFEST, CheckpointError, _manifest_digest, read_state
 
     step = tmp_path / "step-0000001"
     step.mkdir()
@@ -245,7 +244,7 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_waiting(tmp_path):
     """A FIFO in place of state.json or a weight file would block the first read forever."""
     import os
 
-    from zoo.io.checkpoint import CheckpointError, read_state
+    from zoo.io.checkpoint_read import CheckpointError, read_state
 
     step = tmp_path / "step-0000001"
     step.mkdir()

@@ -17,7 +17,7 @@ import pytest
 
 import zoo.cli.command
 from properties.catalog.sessions import Session, run_pytest
-from zoo.io.checkpoint import checkpoints_in, read_state
+from zoo.io.checkpoint_read import checkpoints_in, read_state
 
 from training import TINY
 

@@ -12,7 +12,7 @@ import torch
 
 from properties.catalog import flash_bugs
 from properties.catalog.sessions import run_pytest
-from zoo.nn import flash
+from zoo.nn import flash_dense, flash_kvcache, flash_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "properties"
@@ -41,13 +41,13 @@ def test_zoo_flash_kernels_agree(lq, lk):
     slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float()
     for kw in ({}, {"causal": True}, {"window_size": (1, 2)}, {"causal": True, "window_size": (2, -1), "softcap": 1.5,
                                                                 "alibi_slopes": slopes}):
-        reference = flash.flash_attn_reference(q, k, v, **kw)
-        torch.testing.assert_close(flash.flash_attn_tiled(q, k, v, **kw), reference, rtol=1e-12, atol=1e-12)
+        reference = flash_dense.flash_attn_reference(q, k, v, **kw)
+        torch.testing.assert_close(flash_dense.flash_attn_tiled(q, k, v, **kw), reference, rtol=1e-12, atol=1e-12)
         cu = lambda n: torch.arange(0, 2 * n + 1, n, dtype=torch.int32)  # noqa: E731
-        for varlen in (flash.flash_attn_varlen_loop, flash.flash_attn_varlen_packed):
+        for varlen in (flash_varlen.flash_attn_varlen_loop, flash_varlen.flash_attn_varlen_packed):
             out = varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(lq), cu(lk), lq, lk, **kw)
             torch.testing.assert_close(out, reference.flatten(0, 1), rtol=1e-12, atol=1e-12)
-        for cache in (flash.flash_attn_kvcache_gather, flash.flash_attn_kvcache_paged):
+        for cache in (flash_kvcache.flash_attn_kvcache_gather, flash_kvcache.flash_attn_kvcache_paged):
             kv = {key: value for key, value in kw.items()}
             out = cache(q, k.clone(), v.clone(), **kv)           # cache_seqlens=None: the whole cache
             torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
@@ -58,20 +58,21 @@ def test_kvcache_appends_in_place():
     k_cache, v_cache = torch.zeros(2, 6, 2, 3, dtype=torch.float64), torch.zeros(2, 6, 2, 3, dtype=torch.float64)
     k_cache[:, :3], v_cache[:, :3] = k[:, :3], v[:, :3]
     seqlens = torch.tensor([3, 3], dtype=torch.int32)
-    out = flash.flash_attn_kvcache_paged(q, k_cache, v_cache, k[:, 3:], v[:, 3:], cache_seqlens=seqlens, causal=True)
+    out = flash_kvcache.flash_attn_kvcache_paged(q, k_cache, v_cache, k[:, 3:], v[:, 3:], cache_seqlens=seqlens,
+                                                 causal=True)
     assert torch.equal(k_cache[:, :4], k) and torch.equal(k_cache[:, 4:], torch.zeros_like(k_cache[:, 4:]))
-    torch.testing.assert_close(out, flash.flash_attn_reference(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, flash_dense.flash_attn_reference(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------- the catalog's bugs
 def _plain_call(api, fn):
     q, k, v = _problem(h=2, hkv=2)      # plain: no grouped heads, no window, softcap, ALiBi, one sequence, whole cache
     if api == "flash":
-        return fn(q, k, v), flash.flash_attn_reference(q, k, v)
+        return fn(q, k, v), flash_dense.flash_attn_reference(q, k, v)
     if api == "flash-varlen":
         cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
-        return fn(q[0], k[0], v[0], cu_q, cu_k, 3, 5), flash.flash_attn_reference(q[:1], k[:1], v[:1])[0]
-    return fn(q, k.clone(), v.clone()), flash.flash_attn_reference(q, k, v)
+        return fn(q[0], k[0], v[0], cu_q, cu_k, 3, 5), flash_dense.flash_attn_reference(q[:1], k[:1], v[:1])[0]
+    return fn(q, k.clone(), v.clone()), flash_dense.flash_attn_reference(q, k, v)
 
 
 @pytest.mark.parametrize("name", sorted(flash_bugs.BUGS))
@@ -103,7 +104,7 @@ def no_softcap(q, k, v, softcap=0.0, **kwargs):
     """A flash kernel that declines softcap (used by the test below through --kernel tests/test_flash_api.py:...)."""
     if softcap > 0:
         raise NotImplementedError("no softcap here")
-    return flash.flash_attn_reference(q, k, v, **kwargs)
+    return flash_dense.flash_attn_reference(q, k, v, **kwargs)
 
 
 def test_a_declined_feature_is_skipped_and_reported(tmp_path):
@@ -179,7 +180,7 @@ def test_window_right_below_lk_restricts_the_drawn_windows():
 def test_flash_example_based_baseline_passes_the_reference_and_catches_a_bug():
     from properties.catalog import flash_example_based
 
-    correct = flash_example_based.run(flash.flash_attn_varlen_packed, "flash-varlen")
+    correct = flash_example_based.run(flash_varlen.flash_attn_varlen_packed, "flash-varlen")
     assert correct.cases == len(flash_example_based.GRID) and not correct.failures, correct.failures[:3]
     broken = flash_example_based.run(flash_bugs.kvcache_leftpad_ignored, "flash-kvcache", stop_first=True)
     assert broken.caught and "leftpad" in broken.failures[0], broken.failures[:1]

@@ -9,10 +9,10 @@ import torch
 
 from zoo.config.builder import model_from_config
 from zoo.config.composition import compose_config
-from zoo.io.checkpoint import CheckpointError
+from zoo.io.checkpoint_read import CheckpointError
 from zoo.tasks.data import BOS, IGNORE, PAD, SyntheticTask
 from zoo.tasks.generate import generate, generate_task, pick_next
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 from zoo.tasks.train import fit_config_to_data, forward_batch, train
 
 from cli_harness import zoo_in_process

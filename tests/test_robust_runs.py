@@ -133,7 +133,8 @@ def test_the_clis_call_limit_given_to_the_suites_zoo_is_refused_naming_the_suite
 
 # ----------------------------------------------------------------------------------- what is checked is used
 def test_the_weights_loaded_are_the_bytes_whose_checksum_was_verified(tmp_path):
-    from zoo.io.checkpoint import load_weights, read_state, save_training_checkpoint
+    from zoo.io.checkpoint import load_weights, save_training_checkpoint
+    from zoo.io.checkpoint_read import read_state
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = save_training_checkpoint(tmp_path, 1, model, optimizer, config={"d_model": 3})

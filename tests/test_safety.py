@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import zoo.io.checkpoint
+import zoo.io.checkpoint_read
 from zoo.config.composition import compose_config
-from zoo.io.checkpoint import MANIFEST, CheckpointError, checkpoints_in, read_state
+from zoo.io.checkpoint_read import MANIFEST, CheckpointError, checkpoints_in, read_state
 from zoo.tasks.generate import generate_task
 from zoo.tasks.train import train
 
@@ -83,7 +83,7 @@ def edit_state(checkpoint: Path, edit, *, reseal: bool) -> None:
     edit(state)
     (checkpoint / "state.json").write_text(json.dumps(state, indent=1))
     if reseal:
-        (checkpoint / MANIFEST).write_text(json.dumps(zoo.io.checkpoint._manifest(checkpoint)))
+        (checkpoint / MANIFEST).write_text(json.dumps(zoo.io.checkpoint_read.manifest_of(checkpoint)))
 
 
 @functools.lru_cache(maxsize=None)

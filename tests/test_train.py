@@ -17,10 +17,11 @@ import zoo.io.checkpoint
 import zoo.tasks.train
 from zoo.config.builder import model_from_config
 from zoo.config.composition import compose_config
-from zoo.io.checkpoint import CheckpointError, checkpoints_in, load_weights, read_state
+from zoo.io.checkpoint import load_weights
+from zoo.io.checkpoint_read import CheckpointError, checkpoints_in, read_state
 from zoo.config.options import DATA_TASKS
 from zoo.tasks.data import BOS, EOS, IGNORE, N_SPECIAL, PAD, SEP, SyntheticTask, stream_seed
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 from zoo.config.task_schemas import DataOptions, GenerateTask, TrainTask
 from zoo.tasks.train import evaluate, fit_config_to_data, forward_batch, learning_rate, train
 

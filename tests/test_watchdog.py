@@ -22,7 +22,7 @@ from properties.core.watchdog import CallTimeout, UserExit, user_call
 from properties.kernel.guard import GuardedKernel, KernelContractError
 from properties.module.parts import call_module, watch_module
 from zoo.runtime.plugins import PluginError, load_object
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 from zoo.nn.norm import LayerNorm
 
 

@@ -20,10 +20,10 @@ from properties.core.tolerance import evaluation_error
 from properties.model.checks import assert_same_output
 from zoo.config.builder import build_model
 from zoo.config.composition import compose_config
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.cache import KVCache, PagedKVCache
-from zoo.nn.flash import flash_attn_reference
+from zoo.nn.flash_dense import flash_attn_reference
 from zoo.nn.kernel import math_attention
 from zoo.tasks.generate import generate, generate_task
 

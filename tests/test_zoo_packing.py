@@ -1,6 +1,6 @@
 """The zoo's ``task.packing`` (issue 16): a packed training batch has the loss and gradients of the unpacked one,
 a packed sequence does not see its neighbours, and packed self-attention equals flash-attn's varlen semantics
-(zoo/nn/flash.py: flash_attn_varlen_packed). Comparisons run in float64 with the suite's own tolerance
+(zoo/nn/flash_varlen.py: flash_attn_varlen_packed). Comparisons run in float64 with the suite's own tolerance
 (properties/model/checks.py: assert_same_output, 2^21 u max|y|).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from properties.core.tolerance import gamma, unit_roundoff
 from properties.model.checks import assert_same_output, comparison_tolerance
 from zoo.config.builder import model_from_config
 from zoo.config.composition import compose_config
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.cache import KVCache
 from zoo.nn.packing import Packing
-from zoo.nn.flash import flash_attn_varlen_packed
+from zoo.nn.flash_varlen import flash_attn_varlen_packed
 from zoo.tasks.data import IGNORE, pack
 from zoo.tasks.train import batch_metrics, fit_config_to_data, forward_batch, train
 

@@ -181,9 +181,9 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 # ------------------------------------------------------------------------- nn.MultiheadAttention adapter
 def _is_plain_order(positions) -> bool:
     """Whether a position module leaves queries, keys and scores alone (nn.MultiheadAttention has no hook)."""
-    from zoo.nn.positional import _Positions
-    return positions is None or (type(positions).rotate is _Positions.rotate
-                                 and type(positions).score_bias is _Positions.score_bias)
+    from zoo.nn.positional import Positions
+    return positions is None or (type(positions).rotate is Positions.rotate
+                                 and type(positions).score_bias is Positions.score_bias)
 
 
 class TorchMultiheadAttention(nn.Module):

@@ -7,7 +7,7 @@ that only the feature clauses can catch it (SPEC.md, "The FlashAttention API").
     pytest properties/ --kernel-api flash-kvcache --kernel properties.catalog.flash_bugs:kvcache_seqlens_off_by_one
 
 The correct bases are written from the docstrings in plain torch (only the band of admissible keys is the zoo's
-one definition, zoo.nn.flash.band_allowed), so that the catalog does not change when the zoo's kernels do:
+one definition, zoo.nn.flash_dense.band_allowed), so that the catalog does not change when the zoo's kernels do:
 ``FlashBase`` (``flash_attn_func``, flash_func_bugs.py), ``varlen_base`` (flash_varlen_bugs.py) and
 ``KVCacheBase`` (flash_kvcache_bugs.py); each bug overrides one step. This module gathers them all under one
 name (``properties.catalog.flash_bugs:NAME``); ``BUGS`` maps every name to its API and mechanism

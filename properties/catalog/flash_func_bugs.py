@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from zoo.nn.flash import band_allowed
+from zoo.nn.flash_dense import band_allowed
 
 __all__ = ["FlashBase", "flash_base", "backward_without_window", "softcap_backward_as_uncapped",
            "window_left_off_by_one", "window_right_off_by_one", "window_sides_swapped", "window_top_left",

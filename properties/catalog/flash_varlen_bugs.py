@@ -9,7 +9,7 @@ import math
 import torch
 
 from properties.catalog.flash_func_bugs import _ct, flash_base
-from zoo.nn.flash import band_allowed
+from zoo.nn.flash_dense import band_allowed
 
 __all__ = ["varlen_base", "varlen_reads_one_key_past_the_end", "varlen_backward_across_sequences",
            "varlen_alibi_row0", "varlen_causal_global_offset", "varlen_cross_sequence_leak"]

@@ -16,7 +16,7 @@ from einops import rearrange, repeat
 
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.ffn import FeedForward
-from zoo.nn.blocks import _Residual
+from zoo.nn.blocks import Residual
 from zoo.nn.models import EncoderDecoder
 from zoo.nn.norm import LayerNorm
 from zoo.nn.positional import SinusoidalPositions
@@ -136,7 +136,7 @@ class FrequencyExponentDoubled(_Sinusoid):
 
 
 # ---------------------------------------------------------------------------------------------- layers
-class _NoResidual(_Residual):
+class _NoResidual(Residual):
     """Post-norm sub-layer without its residual connection: Norm(Sublayer(x))."""
 
     def forward(self, x, sublayer):
@@ -145,7 +145,7 @@ class _NoResidual(_Residual):
         return self.norm(self.dropout(sublayer(x)))
 
 
-class _NormedResidual(_Residual):
+class _NormedResidual(Residual):
     """Pre-norm sub-layer whose residual carries the normalized input: h = Norm(x); h + Sublayer(h), the
     ``x = self.ln(x); x = x + self.attn(x)`` rewrite of ``x = x + self.attn(self.ln(x))``."""
 
@@ -157,12 +157,12 @@ class _NormedResidual(_Residual):
 
 
 class _WithResidual(EncoderDecoder):
-    residual: type = _Residual
+    residual: type = Residual
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for module in self.modules():
-            if type(module) is _Residual:
+            if type(module) is Residual:
                 module.__class__ = self.residual  # the layers' residual blocks are of the broken kind
 
 

@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 
 __all__ = ["read_config", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
 

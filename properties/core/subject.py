@@ -198,8 +198,8 @@ def check_subject(s: Subject) -> None:
 def _adds_absolute_positions(pos: nn.Module) -> bool:
     # The zoo's position modules add codes in forward() (absolute) and/or rotate q, k (relative).
     # Only absolute codes move when padding is prepended; a foreign module is assumed absolute.
-    from zoo.nn.positional import _Positions
-    return not isinstance(pos, _Positions) or type(pos).forward is not _Positions.forward
+    from zoo.nn.positional import Positions
+    return not isinstance(pos, Positions) or type(pos).forward is not Positions.forward
 
 
 def zoo_shifted(model: nn.Module) -> Callable:
@@ -364,7 +364,7 @@ def watched(subject: Subject, plugin: str) -> Subject:
 def zoo_subject(cfg, *, device=None, dtype=None, origin: str = "--zoo") -> Subject:
     """The zoo model a validated config builds (``properties.core.zoo_config``), as a Subject."""
     from zoo.config.builder import model_from_config  # Hydra is imported only when a zoo model is wanted
-    from zoo.config.schema import ConfigError
+    from zoo.config.errors import ConfigError
     try:
         with user_call(f"model built by {origin}", "building it"):
             model = model_from_config(cfg, device=device, dtype=dtype)

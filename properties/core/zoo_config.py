@@ -59,7 +59,8 @@ def compose(words: tuple[str, ...], origin: str | None = None) -> tuple[DictConf
     from hydra.errors import HydraException
     from omegaconf import open_dict
     from zoo.config.composition import explain_composition_error
-    from zoo.config.schema import ConfigError, validate
+    from zoo.config.errors import ConfigError
+    from zoo.config.schema import validate
     if not any(w.split("=", 1)[0].lstrip("+~") == "task" for w in words):
         # the suite checks models, not a task: verify's node has no sizes of its own to contradict the model's
         words = ("task=verify", *words)
@@ -91,7 +92,8 @@ def with_layer_sizes(words: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _load(path: str) -> DictConfig:
-    from zoo.config.schema import ConfigError, validate
+    from zoo.config.errors import ConfigError
+    from zoo.config.schema import validate
     try:
         cfg = read_config(Path(path))
     except ConfigError as exc:
@@ -131,7 +133,7 @@ def zoo_run(config) -> ZooRun | None:
         run = ZooRun(cfg, cfg, _choices_beside(Path(path)), frozenset(PARTS) | {"model"}, f"--zoo-config {path}")
     elif text:
         from zoo.runtime.plugins import PluginError
-        from zoo.config.schema import ConfigError
+        from zoo.config.errors import ConfigError
         words = tuple(shlex.split(text))
         if any(word.lstrip("+~").split("=", 1)[0] == "call_timeout" for word in words):   # the CLI's limit, not read here
             raise pytest.UsageError(f"--zoo {' '.join(words)!r}: call_timeout is python -m zoo's limit; the suite's "
@@ -155,7 +157,7 @@ def _check_size(config, run: ZooRun) -> None:
     anything: a model that cannot fit is one line, not an allocation failure or hours of building. It runs for the
     model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
     from zoo.config.sizing import check_fits
-    from zoo.config.schema import ConfigError
+    from zoo.config.errors import ConfigError
     from properties.core.watchdog import UserExit, raised
     from properties.core.dtypes import device_unavailable
     import torch

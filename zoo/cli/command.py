@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zoo.cli.directories import discard
 from zoo.cli.help import project_help
-from zoo.cli.plan import Plan, plan
+from zoo.cli.plan import TASK_MODULE, Plan, plan
 from zoo.cli.tasks import TASKS, Job, OwnExit, Refusal
 from zoo.config.composition import explain_composition_error, explain_config_error, validate_checked
 from zoo.config.errors import ConfigError
@@ -134,12 +134,17 @@ def _run(checked: Plan) -> None:
         callbacks.on_multirun_end(config=cfg, config_name=name)
 
 
-@hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")
-def _hydra_entry(cfg: DictConfig) -> None:
-    """Hydra's own entry, for what only prints (--cfg, --info, --help, --hydra-help, --shell-completion); jobs run
-    through ``_run``, which hands Hydra the configs the plan composed."""
+def _print_only(cfg: DictConfig) -> None:
+    """The task function of Hydra's own entry, which serves what only prints (--cfg, --info, --help, --hydra-help,
+    --shell-completion) and never runs it; jobs run through ``_run``, which hands Hydra the configs the plan composed."""
     raise AssertionError(f"python -m zoo runs its jobs through zoo/cli/command.py: _run, not Hydra's entry "
                          f"(task={cfg.task.name})")
+
+
+# Hydra names the job and finds a relative --config-path from its task function's module: the plan's (TASK_MODULE),
+# so that --cfg hydra and --info print what a run of the same command line uses.
+_print_only.__module__ = TASK_MODULE
+_hydra_entry = hydra.main(config_path="pkg://zoo.conf", config_name="config", version_base="1.3")(_print_only)
 
 
 def main(argv: list[str] | None = None) -> None:

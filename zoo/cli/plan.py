@@ -25,12 +25,15 @@ from omegaconf.errors import OmegaConfBaseException
 from zoo.cli.directories import output_dir
 from zoo.config.errors import ConfigError
 
-__all__ = ["Plan", "PlannedJobs", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "task_checks"]
+__all__ = ["Plan", "PlannedJobs", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "TASK_MODULE", "task_checks"]
 
 MAX_JOBS = 1024            # jobs in one sweep; each is composed and checked before the first one starts
 MAX_RERUN_BYTES = 16 << 20  # an --experimental-rerun pickle (Hydra's config.pickle is a few KiB)
 _SHELLS = ("bash", "zsh", "fish")
-_TASK_MODULE = "zoo.cli"   # where the @hydra.main function lives: Hydra's search path and job name follow from it
+# The module Hydra takes the command's task function from: the job's name (cli: hydra.job.name, the cli.log of a run)
+# and the package a relative --config-path starts in (pkg://zoo/PATH, the directory zoo/PATH) follow from it.
+TASK_MODULE = "zoo.cli"
+_ZOO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -256,8 +259,8 @@ def _hydra_for(args: argparse.Namespace) -> Iterator[str]:
         _check_config_path(config_path)
         if not config_path.startswith("pkg://"):
             _check_config_files(config_path if os.path.isabs(config_path)
-                                else os.path.join(os.path.dirname(__file__), config_path), "--config-path")
-    search_path = create_automatic_config_search_path(None, _TASK_MODULE, config_path)
+                                else os.path.join(_ZOO_DIR, config_path), "--config-path")
+    search_path = create_automatic_config_search_path(None, TASK_MODULE, config_path)
     if args.config_dir is not None:
         directory = os.path.abspath(args.config_dir)
         if not os.path.isdir(directory):
@@ -269,7 +272,7 @@ def _hydra_for(args: argparse.Namespace) -> Iterator[str]:
     previous = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
     GlobalHydra.instance().clear()
     try:
-        Hydra.create_main_hydra2(task_name=detect_task_name(None, _TASK_MODULE), config_search_path=search_path)
+        Hydra.create_main_hydra2(task_name=detect_task_name(None, TASK_MODULE), config_search_path=search_path)
         loader = GlobalHydra.instance().config_loader()
         if not loader.repository.config_exists(f"{config_name}.yaml") and \
                 not loader.repository.config_exists(config_name):
@@ -296,10 +299,10 @@ def _check_config_path(config_path: str) -> None:
         if not found:
             raise ConfigError(f"--config-path={config_path}: no such package")
         return
-    directory = config_path if os.path.isabs(config_path) else os.path.join(os.path.dirname(__file__), config_path)
+    directory = config_path if os.path.isabs(config_path) else os.path.join(_ZOO_DIR, config_path)
     if not os.path.isdir(directory):
         raise ConfigError(f"--config-path={config_path}: no such directory (relative paths start at "
-                          f"{os.path.dirname(__file__)}; give an absolute one)")
+                          f"{_ZOO_DIR}; give an absolute one)")
 
 
 MAX_CONFIG_BYTES = 1 << 20  # one YAML file of a config directory (the zoo's are under 2 KiB)
@@ -437,7 +440,7 @@ def task_checks(cfg: DictConfig, whole: DictConfig) -> None:
 
         check_compare(whole.hydra.runtime.choices.get("preset"), cfg.reference, cfg.task)
     elif name == "generate":
-        from zoo.io.checkpoint import resolve_checkpoint
+        from zoo.io.checkpoint_read import resolve_checkpoint
 
         if not cfg.task.checkpoint:
             raise ConfigError("task.checkpoint: required (a task=train out_dir or one of its step-NNNNNNN directories)")

@@ -11,7 +11,8 @@ from torch import nn
 
 from zoo.config.composition import compose_config
 from zoo.config.parts import instantiate_part
-from zoo.config.schema import PARTS, torch_dtype
+from zoo.config.options import PARTS
+from zoo.config.schema import torch_dtype
 
 __all__ = ["model_from_config", "build_model"]
 

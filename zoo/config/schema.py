@@ -27,15 +27,14 @@ from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.positional import RotaryPositions
 from zoo.nn.kernel import KERNELS
 from zoo.nn.blocks import NORM_PLACEMENTS
-from zoo.config.errors import ConfigError, _fail
+from zoo.config.errors import ConfigError, refuse_value
 from zoo.config.options import DTYPES, MAX_LAYERS, PARTS
 from zoo.config.parts import OFF_WHEN_NULL, instantiate_part
 from zoo.runtime.call_limit import parse_limit
 from zoo.runtime.plugins import PluginError, locate
 from zoo.config.task_schemas import TASK_SCHEMAS, DataOptions, check_seed, check_task
 
-__all__ = ["ConfigError", "ZooSchema", "PARTS", "DTYPES", "TASK_SCHEMAS", "validate", "torch_dtype", "zoo_targets", "plugin_in",
-           "integral_overrides", "MAX_LAYERS", "check_seed"]
+__all__ = ["ZooSchema", "validate", "torch_dtype", "zoo_targets", "plugin_in", "integral_overrides"]
 
 
 @dataclass
@@ -101,12 +100,12 @@ def _check_part(path: str, node: DictConfig) -> None:
     key only when set)."""
     target = node.get("_target_")
     if not target or not isinstance(target, str):
-        _fail(f"{path}._target_", target, "every part needs an import path such as "
-                                          "'zoo.nn.attention.MultiHeadAttention'")
+        refuse_value(f"{path}._target_", target, "every part needs an import path such as "
+                                                 "'zoo.nn.attention.MultiHeadAttention'")
     try:
         obj = locate(target)
     except PluginError as exc:
-        _fail(f"{path}._target_", target, f"cannot be loaded: {exc}")
+        refuse_value(f"{path}._target_", target, f"cannot be loaded: {exc}")
     init = obj.__init__ if inspect.isclass(obj) else obj
     signature = inspect.signature(init)
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
@@ -126,10 +125,10 @@ def _check_part(path: str, node: DictConfig) -> None:
         if key in ("_target_", "_partial_") or (key in OFF_WHEN_NULL and node[key] is None):
             continue
         if key not in signature.parameters and not accepts_any:
-            _fail(f"{path}.{key}", node[key], f"not a parameter of {target} (allowed: {', '.join(names)})")
+            refuse_value(f"{path}.{key}", node[key], f"not a parameter of {target} (allowed: {', '.join(names)})")
         value = node[key]
         if key in hints and not _type_ok(value, hints[key]):
-            _fail(f"{path}.{key}", value, f"expected {_hint_name(hints[key])}")
+            refuse_value(f"{path}.{key}", value, f"expected {_hint_name(hints[key])}")
 
 
 def _is_subclass(target: str, cls: type) -> bool:
@@ -144,7 +143,7 @@ def _hint_name(hint: Any) -> str:
 def _positive(cfg: DictConfig, *keys: str) -> None:
     for key in keys:
         if cfg[key] < 1:
-            _fail(key, cfg[key], "must be a positive integer")
+            refuse_value(key, cfg[key], "must be a positive integer")
 
 
 def _divisors(n: int, limit: int = 12) -> list[int]:
@@ -171,20 +170,20 @@ def _check_device(name: str, task: str | None) -> None:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
-        _fail("device", name, "not a device (allowed: cpu, cuda, cuda:N)")
+        refuse_value("device", name, "not a device (allowed: cpu, cuda, cuda:N)")
     if device.type == "cpu":
         return
     if device.type == "meta":
         if task == "summary":
             return
-        _fail("device", name, "the meta device holds no data, so nothing can run on it; task=summary builds "
-                              "the model card there by itself (allowed: cpu, cuda, cuda:N)")
+        refuse_value("device", name, "the meta device holds no data, so nothing can run on it; task=summary builds "
+                                     "the model card there by itself (allowed: cpu, cuda, cuda:N)")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            _fail("device", name, "CUDA is not available on this machine (allowed: cpu)")
+            refuse_value("device", name, "CUDA is not available on this machine (allowed: cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            _fail("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s) "
-                                  f"(allowed: cpu, cuda, cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            refuse_value("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s) "
+                                         f"(allowed: cpu, cuda, cuda:0..cuda:{torch.cuda.device_count() - 1})")
         return
     backend = getattr(torch.backends, device.type, None) or getattr(torch, device.type, None)
     try:
@@ -192,8 +191,8 @@ def _check_device(name: str, task: str | None) -> None:
     except Exception:  # a backend that cannot even say
         available = False
     if not available:
-        _fail("device", name, f"{device.type} is not available on this machine (allowed: cpu"
-                              f"{', cuda' if torch.cuda.is_available() else ''})")
+        refuse_value("device", name, f"{device.type} is not available on this machine (allowed: cpu"
+                                     f"{', cuda' if torch.cuda.is_available() else ''})")
 
 
 # Parameters of part nodes checked by name, whatever the class (the zoo's or a plug-in's): sizes, probabilities,
@@ -209,19 +208,19 @@ def _check_part_values(path: str, node: DictConfig) -> None:
             continue
         where = f"{path}.{key}"
         if isinstance(value, float) and not math.isfinite(value):
-            _fail(where, value, "must be a finite number")
+            refuse_value(where, value, "must be a finite number")
         if key == "dropout" and not 0.0 <= value < 1.0:
-            _fail(where, value, "must lie in [0, 1)")
+            refuse_value(where, value, "must lie in [0, 1)")
         if key in ("eps", "base") and not value > 0:
-            _fail(where, value, "must be positive")
+            refuse_value(where, value, "must be positive")
         if key == "softcap" and not value > 0:
-            _fail(where, value, "must be positive (null: no capping)")
+            refuse_value(where, value, "must be positive (null: no capping)")
         if key in _PART_SIZES and value < 1:
-            _fail(where, value, "must be a positive integer")
+            refuse_value(where, value, "must be a positive integer")
         if key in ("layers", "decoder_layers") and value > MAX_LAYERS:
-            _fail(where, value, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+            refuse_value(where, value, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
         if key in _PART_COUNTS and value < 0:
-            _fail(where, value, "must be a non-negative integer")
+            refuse_value(where, value, "must be a non-negative integer")
 
 
 def _check_interpolations(node: DictConfig, path: str = "") -> None:
@@ -238,7 +237,7 @@ def _check_interpolations(node: DictConfig, path: str = "") -> None:
                     continue
                 raw = OmegaConf.to_container(node, resolve=False)[key]
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                _fail(where, raw, f"the interpolation does not resolve: {reason}")
+                refuse_value(where, raw, f"the interpolation does not resolve: {reason}")
         elif OmegaConf.is_config(node._get_node(key)) and not OmegaConf.is_missing(node, key) \
                 and isinstance(node._get_node(key), DictConfig):
             _check_interpolations(node[key], f"{where}.")
@@ -252,23 +251,25 @@ def validate(cfg: DictConfig, plugin_call: Callable[[], ContextManager] = contex
     known = {f.name for f in fields(ZooSchema)}
     for key in cfg:
         if key not in known and key != "hydra":
-            _fail(key, cfg[key], f"unknown key (allowed: {', '.join(sorted(known))})")
+            refuse_value(key, cfg[key], f"unknown key (allowed: {', '.join(sorted(known))})")
     _positive(cfg, "d_model", "heads", "layers", "d_ff", "vocab_size", "max_len")
     if cfg.layers > MAX_LAYERS:
-        _fail("layers", cfg.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+        refuse_value("layers", cfg.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
     check_seed("seed", cfg.seed)
     try:
         parse_limit(cfg.call_timeout)
     except ValueError as exc:
-        _fail("call_timeout", cfg.call_timeout, str(exc))
+        refuse_value("call_timeout", cfg.call_timeout, str(exc))
     if cfg.d_model % cfg.heads:
-        _fail("heads", cfg.heads, f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
+        refuse_value("heads", cfg.heads,
+                     f"must divide d_model={cfg.d_model} (allowed: {_allowed_divisors(cfg.d_model)})")
     if cfg.kv_heads is not None and (cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads):
-        _fail("kv_heads", cfg.kv_heads, f"must divide heads={cfg.heads} (allowed: null, {_allowed_divisors(cfg.heads)})")
+        refuse_value("kv_heads", cfg.kv_heads,
+                     f"must divide heads={cfg.heads} (allowed: null, {_allowed_divisors(cfg.heads)})")
     if not (isinstance(cfg.dropout, (int, float)) and 0.0 <= cfg.dropout < 1.0):
-        _fail("dropout", cfg.dropout, "must lie in [0, 1)")
+        refuse_value("dropout", cfg.dropout, "must lie in [0, 1)")
     if cfg.norm_placement not in NORM_PLACEMENTS:
-        _fail("norm_placement", cfg.norm_placement, f"unknown placement (allowed: {', '.join(NORM_PLACEMENTS)})")
+        refuse_value("norm_placement", cfg.norm_placement, f"unknown placement (allowed: {', '.join(NORM_PLACEMENTS)})")
     torch_dtype(cfg.dtype)
     _check_device(str(cfg.device), cfg.task.get("name") if isinstance(cfg.get("task"), DictConfig) else None)
 
@@ -279,7 +280,7 @@ def validate(cfg: DictConfig, plugin_call: Callable[[], ContextManager] = contex
         _check_part_values(part, cfg[part])
     if cfg.ffn.get("activation") is not None and _is_subclass(cfg.ffn._target_, FeedForward) \
             and cfg.ffn.activation not in ACTIVATIONS:
-        _fail("ffn.activation", cfg.ffn.activation, f"unknown activation (allowed: {', '.join(ACTIVATIONS)})")
+        refuse_value("ffn.activation", cfg.ffn.activation, f"unknown activation (allowed: {', '.join(ACTIVATIONS)})")
     kernel = cfg.attention.get("kernel")
     if isinstance(kernel, str) and kernel not in KERNELS:
         from zoo.nn.kernel import resolve_kernel
@@ -287,7 +288,8 @@ def validate(cfg: DictConfig, plugin_call: Callable[[], ContextManager] = contex
             with plugin_call():
                 function = resolve_kernel(kernel)
         except PluginError as exc:
-            _fail("attention.kernel", kernel, str(exc).removeprefix(f"kernel {kernel!r} ").removeprefix(f"{kernel!r}: "))
+            refuse_value("attention.kernel", kernel,
+                         str(exc).removeprefix(f"kernel {kernel!r} ").removeprefix(f"{kernel!r}: "))
         try:
             signature = inspect.signature(function)
         except (TypeError, ValueError):  # a builtin without a signature (F.scaled_dot_product_attention): trusted
@@ -296,18 +298,20 @@ def validate(cfg: DictConfig, plugin_call: Callable[[], ContextManager] = contex
             try:
                 signature.bind(None, None, None, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False)
             except TypeError as exc:
-                _fail("attention.kernel", kernel, f"does not take the arguments the zoo passes (query, key, value, "
-                                                  f"attn_mask=, dropout_p=, is_causal=, enable_gqa=): {exc}")
+                refuse_value("attention.kernel", kernel, f"does not take the arguments the zoo passes (query, key, "
+                                                         f"value, attn_mask=, dropout_p=, is_causal=, enable_gqa=): "
+                                                         f"{exc}")
     if cfg.attention.get("softcap") is not None and _is_subclass(cfg.attention._target_, MultiHeadAttention):
         from zoo.nn.kernel import resolve_kernel, takes_softcap
         with plugin_call() if isinstance(kernel, str) and kernel not in KERNELS else contextlib.nullcontext():
             function = resolve_kernel(kernel)
         if not takes_softcap(function):
-            _fail("attention.softcap", cfg.attention.softcap, f"attention.kernel={kernel} has SDPA's signature, which "
-                                                              f"cannot cap scores (allowed with attention.kernel=math "
-                                                              f"or a kernel taking softcap=)")
+            refuse_value("attention.softcap", cfg.attention.softcap,
+                         f"attention.kernel={kernel} has SDPA's signature, which cannot cap scores (allowed with "
+                         f"attention.kernel=math or a kernel taking softcap=)")
     if _is_subclass(cfg.pos._target_, RotaryPositions) and (cfg.d_model // cfg.heads) % 2:
-        _fail("heads", cfg.heads, f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
+        refuse_value("heads", cfg.heads,
+                     f"rotary positions need an even head size, d_model/heads = {cfg.d_model // cfg.heads}")
 
     _check_zoo_parts_build(cfg)
     check_task(cfg)

@@ -29,7 +29,7 @@ from zoo.config.parts import instantiate_part
 from zoo.config.options import DTYPES, PARTS
 from zoo.runtime.plugins import PluginError, locate
 
-__all__ = ["ModelTooLarge", "Count", "ModelSize", "model_size", "memory_needed", "available_memory", "check_fits"]
+__all__ = ["ModelTooLarge", "Count", "ModelSize", "model_size", "memory_needed", "check_fits"]
 
 PART_ORDER = ("embeddings", "attention", "ffn", "norms", "head", "other")  # as zoo.tasks.summary groups them
 
@@ -203,7 +203,7 @@ def _stack(m: dict, parts: dict, layers: int, cross: bool, own_embedding: bool) 
     """zoo.nn.models._Stack: embedding, positions, optional embedding norm, dropout, the layers, a final norm."""
     d, vocab = m["d_model"], m["vocab_size"]
     attention, ffn, norm, pos = parts["attention"], parts["ffn"], parts["norm"], parts["pos"]
-    residual = Count(modules=2) + norm  # _Residual, its Dropout and its norm
+    residual = Count(modules=2) + norm  # Residual, its Dropout and its norm
     layer = Count(modules=1) + attention + ffn + 2 * residual
     if cross:
         layer = layer + attention + residual

@@ -9,7 +9,7 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from zoo.config.errors import _fail
+from zoo.config.errors import refuse_value
 from zoo.config.options import DATA_TASKS, MAX_LAYERS, SEED_RANGE
 from zoo.runtime.plugins import locate
 
@@ -125,14 +125,14 @@ _TASK_RANGES = {
 def check_seed(key: str, value: int) -> None:
     low, high = SEED_RANGE
     if not low <= value <= high:
-        _fail(key, value, f"outside torch's seed range (allowed: {low} to {high})")
+        refuse_value(key, value, f"outside torch's seed range (allowed: {low} to {high})")
 
 
 def check_task(cfg: DictConfig) -> None:
     """The task node against the schema of its task and the ranges types cannot say, then the data node."""
     name = cfg.task.get("name")
     if name not in TASK_SCHEMAS:
-        _fail("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
+        refuse_value("task", name, f"unknown task (allowed: {', '.join(TASK_SCHEMAS)})")
     schema = TASK_SCHEMAS[name]
     allowed = {f.name for f in fields(schema)}
     for f in fields(schema):
@@ -140,54 +140,57 @@ def check_task(cfg: DictConfig) -> None:
             _missing(f"task.{f.name}", f"task={name}")
     for key in cfg.task:
         if key not in allowed:
-            _fail(f"task.{key}", cfg.task[key], f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
+            refuse_value(f"task.{key}", cfg.task[key],
+                         f"not an option of task {name} (allowed: {', '.join(sorted(allowed))})")
     try:
         OmegaConf.merge(OmegaConf.structured(schema), cfg.task)
     except Exception as exc:
         key = getattr(exc, "full_key", "") or "task"
-        _fail(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
-              str(exc).splitlines()[0])
+        refuse_value(f"task.{key}" if not key.startswith("task") else key, cfg.task.get(key.split(".")[-1]),
+                     str(exc).splitlines()[0])
     if "profile" in allowed and cfg.task.profile not in PROFILES:
-        _fail("task.profile", cfg.task.profile, f"unknown profile (allowed: {', '.join(PROFILES)})")
+        refuse_value("task.profile", cfg.task.profile, f"unknown profile (allowed: {', '.join(PROFILES)})")
     for f in fields(schema):
         if f.type in (int, "int") and f.name != "seed" and cfg.task.get(f.name, 1) < 1:
-            _fail(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
+            refuse_value(f"task.{f.name}", cfg.task[f.name], "must be a positive integer")
     for key in cfg.task:
         if OmegaConf.is_interpolation(cfg.task, key):  # out_dir=${hydra:...}: resolved only inside a Hydra run
             continue
         value = cfg.task[key]
         if isinstance(value, float) and not math.isfinite(value):
-            _fail(f"task.{key}", value, "must be a finite number")
+            refuse_value(f"task.{key}", value, "must be a finite number")
     for key, (ok, allowed) in _TASK_RANGES.items():
         if key in cfg.task and not ok(cfg.task[key]):
-            _fail(f"task.{key}", cfg.task[key], allowed)
+            refuse_value(f"task.{key}", cfg.task[key], allowed)
     if cfg.task.get("block_size") is not None and not cfg.task.get("cache", True):
-        _fail("task.block_size", cfg.task.block_size, "pages the KV cache, and task.cache=false decodes without one "
-                                                      "(set task.cache=true or task.block_size=null)")
+        refuse_value("task.block_size", cfg.task.block_size, "pages the KV cache, and task.cache=false decodes "
+                                                             "without one (set task.cache=true or "
+                                                             "task.block_size=null)")
     paged_or_none = cfg.task.get("block_size") is not None or not cfg.task.get("cache", True)
     if cfg.task.get("compile") is not None and paged_or_none:
-        _fail("task.compile", cfg.task.compile, "compiles the step of the static KV cache (task.cache=true, "
-                                                "task.block_size=null)")
+        refuse_value("task.compile", cfg.task.compile, "compiles the step of the static KV cache (task.cache=true, "
+                                                       "task.block_size=null)")
     if cfg.task.get("packing") and getattr(locate(cfg.model._target_), "kind", None) != "decoder_only":
-        _fail("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an encoder's "
-                                                "batches keep one sequence per row")
+        refuse_value("task.packing", cfg.task.packing, "packs decoder_only sequences (model=decoder_only); an "
+                                                       "encoder's batches keep one sequence per row")
     if "seq_len" in cfg.task:
         limit, limit_key = (cfg.task.max_len, "task.max_len") if "max_len" in cfg.task else (cfg.max_len, "max_len")
         if cfg.task.seq_len > limit:
-            _fail("task.seq_len", cfg.task.seq_len, f"beyond {limit_key}={limit}, the longest sequence the model's "
-                                                    f"positions cover (lower task.seq_len or raise {limit_key})")
+            refuse_value("task.seq_len", cfg.task.seq_len, f"beyond {limit_key}={limit}, the longest sequence the "
+                                                           f"model's positions cover (lower task.seq_len or raise "
+                                                           f"{limit_key})")
     if "seed" in cfg.task:
         check_seed("task.seed", cfg.task.seed)
     if name == "compare":
         _check_compare(cfg.task)
     if cfg.get("reference") is not None:
         if name != "compare":
-            _fail("reference", cfg.reference, f"only task=compare compares with a reference, not task={name}")
+            refuse_value("reference", cfg.reference, f"only task=compare compares with a reference, not task={name}")
         if cfg.reference not in ("hf", "torch"):
-            _fail("reference", cfg.reference, "no such reference (allowed: hf, torch)")
+            refuse_value("reference", cfg.reference, "no such reference (allowed: hf, torch)")
     if cfg.get("allow_plugins") and not (name == "generate" or (name == "train" and cfg.task.get("resume"))):
-        _fail("allow_plugins", "true", f"lets a checkpoint that is loaded import its plug-ins, and task={name} "
-                                     f"loads none (allowed with task=generate or task=train task.resume=true)")
+        refuse_value("allow_plugins", "true", f"lets a checkpoint that is loaded import its plug-ins, and task={name} "
+                                            f"loads none (allowed with task=generate or task=train task.resume=true)")
     if "data" in cfg and not OmegaConf.is_missing(cfg, "data"):
         _check_data(cfg.data)
 
@@ -195,11 +198,11 @@ def check_task(cfg: DictConfig) -> None:
 def _check_compare(task: DictConfig) -> None:
     """What zoo.tasks.compare.run_compare needs of its sizes: both models are built at them."""
     if task.layers > MAX_LAYERS:
-        _fail("task.layers", task.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
+        refuse_value("task.layers", task.layers, f"more layers than a stack may have (allowed: 1 to {MAX_LAYERS})")
     if task.d_model % task.heads:
-        _fail("task.heads", task.heads, f"must divide task.d_model={task.d_model}")
+        refuse_value("task.heads", task.heads, f"must divide task.d_model={task.d_model}")
     if task.seq_len < 2:
-        _fail("task.seq_len", task.seq_len, "must be at least 2 (the target is seq_len - 3 tokens, at least 2)")
+        refuse_value("task.seq_len", task.seq_len, "must be at least 2 (the target is seq_len - 3 tokens, at least 2)")
 
 
 # What each task reads besides its own task.* options (and Hydra's hydra.*). A key named on the command line that
@@ -247,8 +250,8 @@ def check_applies(cfg: DictConfig, overrides) -> None:
         if word.startswith("~") and key in ("recipe", "experiment"):  # dropping what does not apply is harmless
             continue
         why = _WHY.get(name) or _WHY.get(key, "")
-        _fail(word.lstrip("+~").partition("=")[0], word.partition("=")[2] or "(removed)",
-              f"not read by task={name}, {why} (allowed with task={name}: task.*, {', '.join(sorted(reads))})")
+        refuse_value(word.lstrip("+~").partition("=")[0], word.partition("=")[2] or "(removed)",
+                     f"not read by task={name}, {why} (allowed with task={name}: task.*, {', '.join(sorted(reads))})")
 
 
 def _missing(key: str, who: str) -> None:
@@ -258,21 +261,21 @@ def _missing(key: str, who: str) -> None:
 
 def _check_data(data: DictConfig) -> None:
     if data.get("name") not in DATA_TASKS:
-        _fail("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
+        refuse_value("data", data.get("name"), f"unknown data (allowed: {', '.join(DATA_TASKS)})")
     allowed = {f.name for f in fields(DataOptions)}
     for f in fields(DataOptions):
         if f.name not in data:
             _missing(f"data.{f.name}", f"data={data.name}")
     for key in data:
         if key not in allowed:
-            _fail(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
+            refuse_value(f"data.{key}", data[key], f"not an option of the data (allowed: {', '.join(sorted(allowed))})")
     try:
         OmegaConf.merge(OmegaConf.structured(DataOptions), data)
     except Exception as exc:
         key = str(getattr(exc, "full_key", "") or "").split(".")[-1]
-        _fail(f"data.{key}" if key else "data", data.get(key, ""), str(exc).splitlines()[0])
+        refuse_value(f"data.{key}" if key else "data", data.get(key, ""), str(exc).splitlines()[0])
     for key in ("vocab", "min_len"):
         if data[key] < 1:
-            _fail(f"data.{key}", data[key], "must be a positive integer")
+            refuse_value(f"data.{key}", data[key], "must be a positive integer")
     if data.max_len < data.min_len:
-        _fail("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")
+        refuse_value("data.max_len", data.max_len, f"must be at least data.min_len={data.min_len}")

@@ -6,8 +6,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zoo.interop.geometry import (Geometry, State, _check_keys,
-                                  _drop_buffers, _dtype_of, _require, _strip_prefix,
+from zoo.interop.geometry import (Geometry, State, check_keys, drop_buffers, dtype_of, require, strip_prefix,
                                   zoo_geometry)
 from zoo.io.weights import load_state_dict_checked
 from zoo.nn.models import EncoderOnly
@@ -20,11 +19,11 @@ _BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh
 
 def bert_geometry(config) -> Geometry:
     """BertConfig -> the EncoderOnly geometry (post-norm, embedding LayerNorm, token types, pooler)."""
-    _require(isinstance(config.hidden_act, str) and config.hidden_act in _BERT_ACTIVATIONS,
+    require(isinstance(config.hidden_act, str) and config.hidden_act in _BERT_ACTIVATIONS,
              f"BERT hidden_act={config.hidden_act!r}: supported {sorted(_BERT_ACTIVATIONS)}")
-    _require(getattr(config, "position_embedding_type", "absolute") == "absolute",
+    require(getattr(config, "position_embedding_type", "absolute") == "absolute",
              "only absolute (learned) BERT position embeddings have a zoo counterpart")
-    _require(not config.is_decoder and not getattr(config, "add_cross_attention", False),
+    require(not config.is_decoder and not getattr(config, "add_cross_attention", False),
              "BERT as a decoder has no zoo counterpart")
     return Geometry(family="encoder_only", vocab_size=config.vocab_size, d_model=config.hidden_size,
                     heads=config.num_attention_heads, layers=config.num_hidden_layers, d_ff=config.intermediate_size,
@@ -37,7 +36,7 @@ def bert_geometry(config) -> Geometry:
 
 def _bert_names(g: Geometry) -> dict[str, str]:
     """HF BertModel key -> zoo EncoderOnly key: the two differ only in names."""
-    _require(g.family == "encoder_only" and g.norm == "layernorm" and g.pos == "learned" and g.norm_placement == "post"
+    require(g.family == "encoder_only" and g.norm == "layernorm" and g.pos == "learned" and g.norm_placement == "post"
              and not g.final_norm and g.embed_norm and not g.embed_scale and g.bias and g.kv_heads is None
              and g.type_vocab_size > 0 and g.pooler and not g.head_classes,
              f"not a BERT geometry (need encoder_only, post-norm LayerNorm with bias, learned positions, "
@@ -64,15 +63,15 @@ def _bert_names(g: Geometry) -> dict[str, str]:
 def bert_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     """BertModel state dict (optionally under a ``bert.`` prefix) -> EncoderOnly state dict."""
     names = _bert_names(geometry)
-    src = _drop_buffers(_strip_prefix(state, "bert."), ("embeddings.position_ids", "embeddings.token_type_ids"))
-    _check_keys(src, names, "BERT state dict")
+    src = drop_buffers(strip_prefix(state, "bert."), ("embeddings.position_ids", "embeddings.token_type_ids"))
+    check_keys(src, names, "BERT state dict")
     return {zoo: src[hf] for hf, zoo in names.items()}
 
 
 def zoo_to_bert(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     """EncoderOnly state dict -> BertModel state dict (the inverse renaming)."""
     names = _bert_names(geometry)
-    _check_keys(state, names.values(), "zoo EncoderOnly state dict")
+    check_keys(state, names.values(), "zoo EncoderOnly state dict")
     return {hf: state[zoo] for hf, zoo in names.items()}
 
 
@@ -83,7 +82,7 @@ def hf_bert_config(geometry: Geometry, *, attn_implementation: str = "eager"):
     g = geometry
     _bert_names(g)  # checks the geometry
     activation = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
-    _require(g.activation in activation, f"BERT has no {g.activation!r} activation")
+    require(g.activation in activation, f"BERT has no {g.activation!r} activation")
     return BertConfig(vocab_size=g.vocab_size, hidden_size=g.d_model, num_hidden_layers=g.layers,
                       num_attention_heads=g.heads, intermediate_size=g.d_ff, hidden_act=activation[g.activation],
                       hidden_dropout_prob=g.dropout, attention_probs_dropout_prob=g.attention_dropout,
@@ -105,7 +104,7 @@ def hf_bert_from_zoo(model: EncoderOnly, *, attn_implementation: str = "eager"):
 def zoo_bert_from_hf(hf_model: nn.Module, *, device=None, dtype=None, kernel: str | Callable = "math") -> EncoderOnly:
     """An EncoderOnly with the geometry and weights of a Hugging Face BertModel; pass token_types to forward."""
     geometry = bert_geometry(hf_model.config)
-    model = geometry.build(device=device, dtype=dtype or _dtype_of(hf_model), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or dtype_of(hf_model), kernel=kernel)
     load_state_dict_checked(model, bert_to_zoo(hf_model.state_dict(), geometry), source="converted BERT weights")
     return model.train(hf_model.training)
 

@@ -142,19 +142,21 @@ def zoo_geometry(model: nn.Module) -> Geometry:
     return Geometry(**kw)
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """ConversionError(message) unless ``condition``: what a converter says when the weights do not fit."""
     if not condition:
         raise ConversionError(message)
 
 
-def _check_keys(state: State, expected: Iterable[str], source: str) -> None:
+def check_keys(state: State, expected: Iterable[str], source: str) -> None:
+    """StateDictMismatch naming the missing and unexpected keys, unless ``state`` has exactly ``expected``."""
     expected = set(expected)
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise StateDictMismatch(missing, unexpected, source=source)
 
 
-def _strip_prefix(state: State, prefix: str, keep: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+def strip_prefix(state: State, prefix: str, keep: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """Drop a wrapper's prefix (``transformer.`` of GPT2LMHeadModel, ``bert.``) when every body key has it."""
     keep = set(keep)
     body = [k for k in state if k not in keep]
@@ -163,24 +165,25 @@ def _strip_prefix(state: State, prefix: str, keep: Iterable[str] = ()) -> dict[s
     return dict(state)
 
 
-def _drop_buffers(state: State, suffixes: Iterable[str]) -> dict[str, torch.Tensor]:
+def drop_buffers(state: State, suffixes: Iterable[str]) -> dict[str, torch.Tensor]:
     # Constant buffers some transformers versions save (causal-mask tables, position ids): not weights.
     suffixes = tuple(suffixes)
     return {k: v for k, v in state.items() if not k.endswith(suffixes)}
 
 
-def _split_rows(t: torch.Tensor) -> torch.Tensor:
+def split_qkv_rows(t: torch.Tensor) -> torch.Tensor:
     """Fused (3o, ...) q|k|v rows -> (3, o, ...), as nn.MultiheadAttention's in_proj stacks them."""
     return rearrange(t, "(three o) ... -> three o ...", three=3)
 
 
-def _linear(state: dict, zoo: str, src: State, ref: str, bias: bool = True) -> None:
+def copy_linear(state: dict, zoo: str, src: State, ref: str, bias: bool = True) -> None:
+    """The weight (and bias) of linear layer ``ref`` of ``src`` into ``state`` as layer ``zoo``."""
     state[f"{zoo}.weight"] = src[f"{ref}.weight"]
     if bias:
         state[f"{zoo}.bias"] = src[f"{ref}.bias"]
 
 
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
+def dtype_of(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first parameter: the one its converted weights take."""
     return next(model.parameters()).dtype
 

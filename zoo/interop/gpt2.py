@@ -7,9 +7,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from zoo.interop.geometry import (Geometry, State, _check_keys,
-                                  _drop_buffers, _dtype_of, _linear, _require, _split_rows, _strip_prefix,
-                                  zoo_geometry)
+from zoo.interop.geometry import (Geometry, State, check_keys, copy_linear, drop_buffers, dtype_of, require,
+                                  split_qkv_rows, strip_prefix, zoo_geometry)
 from zoo.io.weights import load_state_dict_checked
 from zoo.nn.models import DecoderOnly
 
@@ -21,12 +20,12 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", 
 
 def gpt2_geometry(config) -> Geometry:
     """GPT2Config -> the DecoderOnly geometry that computes the same function."""
-    _require(config.activation_function in _GPT2_ACTIVATIONS,
+    require(config.activation_function in _GPT2_ACTIVATIONS,
              f"GPT-2 activation_function={config.activation_function!r}: supported {sorted(_GPT2_ACTIVATIONS)}")
-    _require(config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
+    require(config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
              "GPT-2 attention must be scaled by 1/sqrt(head_dim) only (scale_attn_weights=True, "
              "scale_attn_by_inverse_layer_idx=False)")
-    _require(not getattr(config, "add_cross_attention", False), "GPT-2 with cross-attention has no zoo counterpart")
+    require(not getattr(config, "add_cross_attention", False), "GPT-2 with cross-attention has no zoo counterpart")
     return Geometry(family="decoder_only", vocab_size=config.vocab_size, d_model=config.n_embd, heads=config.n_head,
                     layers=config.n_layer, d_ff=config.n_inner or 4 * config.n_embd, max_len=config.n_positions,
                     activation=_GPT2_ACTIVATIONS[config.activation_function], norm_eps=config.layer_norm_epsilon,
@@ -36,7 +35,7 @@ def gpt2_geometry(config) -> Geometry:
 
 
 def _gpt2_compatible(g: Geometry) -> None:
-    _require(g.family == "decoder_only" and g.norm == "layernorm" and g.pos == "learned" and g.norm_placement == "pre"
+    require(g.family == "decoder_only" and g.norm == "layernorm" and g.pos == "learned" and g.norm_placement == "pre"
              and g.final_norm and g.bias and not g.embed_scale and not g.embed_norm and g.kv_heads is None
              and g.activation in ("gelu_tanh", "gelu", "relu"),
              f"not a GPT-2 geometry (need decoder_only, pre-norm LayerNorm with bias and a final norm, learned "
@@ -77,28 +76,28 @@ def gpt2_to_zoo(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     q|k|v along its output axis.
     """
     _gpt2_compatible(geometry)
-    src = _drop_buffers(_strip_prefix(state, "transformer.", keep=["lm_head.weight"]),
+    src = drop_buffers(strip_prefix(state, "transformer.", keep=["lm_head.weight"]),
                         (".attn.bias", ".attn.masked_bias"))
     if "lm_head.weight" not in src:  # GPT2Model: no head; GPT-2's head is the token embedding
-        _require(geometry.tie_head, "a GPT2Model state dict has no lm_head.weight, so the head must be tied")
+        require(geometry.tie_head, "a GPT2Model state dict has no lm_head.weight, so the head must be tied")
         src["lm_head.weight"] = src.get("wte.weight")
-    _check_keys(src, _gpt2_keys(geometry), "GPT-2 state dict")
+    check_keys(src, _gpt2_keys(geometry), "GPT-2 state dict")
     out: dict[str, torch.Tensor] = {}
     for z, h, kind in _gpt2_modules(geometry, ""):
         if kind == "qkv":
             q, k, v = rearrange(src[h + ".weight"], "d (three o) -> three o d", three=3)
-            qb, kb, vb = _split_rows(src[h + ".bias"])
+            qb, kb, vb = split_qkv_rows(src[h + ".bias"])
             for name, w, b in zip(_QKV, (q, k, v), (qb, kb, vb)):
                 out[f"{z}{name}.weight"], out[f"{z}{name}.bias"] = w, b
         elif kind == "conv1d":
             out[f"{z}.weight"] = src[f"{h}.weight"].t()
             out[f"{z}.bias"] = src[f"{h}.bias"]
         else:
-            _linear(out, z, src, h, bias=kind == "norm")
+            copy_linear(out, z, src, h, bias=kind == "norm")
     head = src["lm_head.weight"]
     if geometry.tie_head:
         # A tied zoo model has one matrix; refuse a checkpoint whose head differs from its embedding.
-        _require(head is src["wte.weight"] or torch.equal(head, src["wte.weight"]),
+        require(head is src["wte.weight"] or torch.equal(head, src["wte.weight"]),
                  "tie_head=True but lm_head.weight differs from transformer.wte.weight")
         head = src["wte.weight"]
     out["lm_head.weight"] = head
@@ -112,7 +111,7 @@ def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
     zoo_keys = {"lm_head.weight"} | {f"{z}{name}{suffix}" for z, _, kind in modules
                                      for name in (_QKV if kind == "qkv" else ("",))
                                      for suffix in ((".weight",) if kind == "weight" else (".weight", ".bias"))}
-    _check_keys(state, zoo_keys, "zoo DecoderOnly state dict")
+    check_keys(state, zoo_keys, "zoo DecoderOnly state dict")
     out: dict[str, torch.Tensor] = {}
     for z, h, kind in modules:
         if kind == "qkv":
@@ -123,7 +122,7 @@ def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
             out[f"{h}.weight"] = state[f"{z}.weight"].t()
             out[f"{h}.bias"] = state[f"{z}.bias"]
         else:
-            _linear(out, h, state, z, bias=kind == "norm")
+            copy_linear(out, h, state, z, bias=kind == "norm")
     out["lm_head.weight"] = out["transformer.wte.weight"] if geometry.tie_head else state["lm_head.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -131,7 +130,7 @@ def zoo_to_gpt2(state: State, geometry: Geometry) -> dict[str, torch.Tensor]:
 def zoo_gpt2_from_hf(hf_model: nn.Module, *, device=None, dtype=None, kernel: str | Callable = "math") -> DecoderOnly:
     """A DecoderOnly with the geometry and weights of a Hugging Face GPT2LMHeadModel (or GPT2Model)."""
     geometry = gpt2_geometry(hf_model.config)
-    model = geometry.build(device=device, dtype=dtype or _dtype_of(hf_model), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or dtype_of(hf_model), kernel=kernel)
     load_state_dict_checked(model, gpt2_to_zoo(hf_model.state_dict(), geometry), source="converted GPT-2 weights")
     return model.train(hf_model.training)
 

@@ -10,8 +10,7 @@ from torch import nn
 
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.models import EncoderDecoder
-from zoo.interop.geometry import (Geometry, State, _check_keys,
-                                  _dtype_of, _linear, _require, _split_rows)
+from zoo.interop.geometry import Geometry, State, check_keys, copy_linear, dtype_of, require, split_qkv_rows
 from zoo.io.weights import load_state_dict_checked
 
 
@@ -73,7 +72,7 @@ class TorchTransformerReference(nn.Module):
 
 def _layer_activation(layer: nn.Module) -> str:
     kinds = {1: "relu", 2: "gelu"}  # how nn.Transformer*Layer records F.relu / F.gelu
-    _require(getattr(layer, "activation_relu_or_gelu", 0) in kinds,
+    require(getattr(layer, "activation_relu_or_gelu", 0) in kinds,
              f"nn.Transformer activation {layer.activation!r}: only relu and (exact) gelu have zoo counterparts")
     return kinds[layer.activation_relu_or_gelu]
 
@@ -81,13 +80,13 @@ def _layer_activation(layer: nn.Module) -> str:
 def torch_transformer_geometry(transformer: nn.Transformer, vocab_size: int, max_len: int) -> Geometry:
     """Geometry of an EncoderDecoder computing nn.Transformer's stacks under the paper's front-end and head."""
     enc, dec = transformer.encoder, transformer.decoder
-    _require(isinstance(enc, nn.TransformerEncoder) and isinstance(dec, nn.TransformerDecoder),
+    require(isinstance(enc, nn.TransformerEncoder) and isinstance(dec, nn.TransformerDecoder),
              "custom encoder/decoder modules are not supported")
     first = enc.layers[0]
     attn = first.self_attn
-    _require(attn._qkv_same_embed_dim and attn.bias_k is None and not attn.add_zero_attn,
+    require(attn._qkv_same_embed_dim and attn.bias_k is None and not attn.add_zero_attn,
              "attention with kdim/vdim, bias_k/bias_v or add_zero_attn has no zoo counterpart")
-    _require((enc.norm is None) == (dec.norm is None),
+    require((enc.norm is None) == (dec.norm is None),
              "the encoder and decoder must both have, or both lack, a final norm")
     return Geometry(family="encoder_decoder", vocab_size=vocab_size, d_model=attn.embed_dim, heads=attn.num_heads,
                     layers=len(enc.layers), decoder_layers=len(dec.layers), d_ff=first.linear1.out_features,
@@ -102,33 +101,33 @@ def mha_to_zoo(state: State, prefix: str = "", out_prefix: str = "") -> dict[str
     bias = prefix + "in_proj_bias" in state
     expected = [f"{prefix}{k}" for k in ("in_proj_weight", "out_proj.weight")
                 + (("in_proj_bias", "out_proj.bias") if bias else ())]
-    _check_keys({k: v for k, v in state.items() if k.startswith(prefix)}, expected, "nn.MultiheadAttention state dict")
+    check_keys({k: v for k, v in state.items() if k.startswith(prefix)}, expected, "nn.MultiheadAttention state dict")
     out = {}
-    for name, w in zip(("q_proj", "k_proj", "v_proj"), _split_rows(state[prefix + "in_proj_weight"])):
+    for name, w in zip(("q_proj", "k_proj", "v_proj"), split_qkv_rows(state[prefix + "in_proj_weight"])):
         out[f"{out_prefix}{name}.weight"] = w
     if bias:
-        for name, b in zip(("q_proj", "k_proj", "v_proj"), _split_rows(state[prefix + "in_proj_bias"])):
+        for name, b in zip(("q_proj", "k_proj", "v_proj"), split_qkv_rows(state[prefix + "in_proj_bias"])):
             out[f"{out_prefix}{name}.bias"] = b
-    _linear(out, out_prefix + "out_proj", state, prefix + "out_proj", bias=bias)
+    copy_linear(out, out_prefix + "out_proj", state, prefix + "out_proj", bias=bias)
     return out
 
 
 def zoo_attention_from_mha(mha: nn.MultiheadAttention, *, kernel: str | Callable = "math") -> MultiHeadAttention:
     """A MultiHeadAttention computing the same as ``mha`` (key_padding_mask inverted: True = real key)."""
-    _require(mha._qkv_same_embed_dim and mha.bias_k is None and not mha.add_zero_attn,
+    require(mha._qkv_same_embed_dim and mha.bias_k is None and not mha.add_zero_attn,
              "attention with kdim/vdim, bias_k/bias_v or add_zero_attn has no zoo counterpart")
     w = mha.in_proj_weight
     zoo = MultiHeadAttention(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, dropout=mha.dropout,
                              kernel=kernel, device=w.device, dtype=w.dtype)
     keys = [k for k in mha.state_dict() if k not in ("in_proj_weight", "in_proj_bias")]
-    _require(all(k.startswith("out_proj.") for k in keys), f"unexpected nn.MultiheadAttention parameters: {keys}")
+    require(all(k.startswith("out_proj.") for k in keys), f"unexpected nn.MultiheadAttention parameters: {keys}")
     load_state_dict_checked(zoo, mha_to_zoo(mha.state_dict()), source="converted nn.MultiheadAttention weights")
     return zoo.train(mha.training)
 
 
 def torch_transformer_to_zoo(state: State, geometry: Geometry, embedding: torch.Tensor) -> dict[str, torch.Tensor]:
     """nn.Transformer state dict + the (shared) embedding matrix -> EncoderDecoder state dict."""
-    _require(geometry.family == "encoder_decoder" and geometry.share_embeddings and geometry.tie_head,
+    require(geometry.family == "encoder_decoder" and geometry.share_embeddings and geometry.tie_head,
              "the nn.Transformer converter fills one shared, tied embedding")
     suffixes = (".weight", ".bias") if geometry.bias else (".weight",)
     attention = [f"{k}{s}" for k, s in (("in_proj_", "weight"), ("out_proj.", "weight"))] + \
@@ -147,7 +146,7 @@ def torch_transformer_to_zoo(state: State, geometry: Geometry, embedding: torch.
                 expected += [f"{t}{ref}.{k}" for k in attention]
         if geometry.final_norm:
             names.update({f"{side}.norm{s}": f"{side}.final_norm{s}" for s in suffixes})
-    _check_keys(state, expected + list(names), "nn.Transformer state dict")
+    check_keys(state, expected + list(names), "nn.Transformer state dict")
 
     out = {"encoder.embedding.embedding.weight": embedding, "decoder.embedding.embedding.weight": embedding,
            "lm_head.weight": embedding}
@@ -165,7 +164,7 @@ def zoo_from_torch_transformer(reference: TorchTransformerReference, *, device=N
                                kernel: str | Callable = "math") -> EncoderDecoder:
     """An EncoderDecoder with the geometry and weights of a ``TorchTransformerReference``."""
     geometry = torch_transformer_geometry(reference.transformer, reference.vocab_size, reference.max_len)
-    model = geometry.build(device=device, dtype=dtype or _dtype_of(reference), kernel=kernel)
+    model = geometry.build(device=device, dtype=dtype or dtype_of(reference), kernel=kernel)
     load_state_dict_checked(model, torch_transformer_to_zoo(reference.transformer.state_dict(), geometry,
                                                             reference.embedding.weight.detach()),
                             source="converted nn.Transformer weights")

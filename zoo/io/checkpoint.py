@@ -18,7 +18,7 @@ the command line. The checksums catch accidents, not an adversary who rewrites t
 refusal is what keeps a shared checkpoint from running code.
 
 This module writes checkpoints and restores a run from one; finding them, verifying them and reading state.json
-and the saved config are in zoo/io/checkpoint_read.py (its names are importable from here too).
+and the saved config are zoo/io/checkpoint_read.py's (``read_state``, ``checkpoints_in``, ``check_config``, ...).
 """
 from __future__ import annotations
 
@@ -36,11 +36,10 @@ import torch
 from torch import nn
 
 from zoo.io.weights import StateDictMismatch, load_state_dict_checked, save_checkpoint, state_from_bytes
-from zoo.io.checkpoint_read import (_COVERED, _FILES, FORMAT, MANIFEST, CheckpointError, _manifest, _sha256,
-                                    check_config, checkpoints_in, latest_checkpoint, read_state, resolve_checkpoint)
+from zoo.io.checkpoint_read import (FORMAT, MANIFEST, MANIFEST_FILES, TENSOR_FILES, CheckpointError, checkpoints_in,
+                                    file_sha256, manifest_of, read_state)
 
-__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "save_training_checkpoint", "checkpoints_in", "latest_checkpoint",
-           "resolve_checkpoint", "read_state", "check_config", "load_weights", "load_training_state"]
+__all__ = ["save_training_checkpoint", "load_weights", "load_training_state"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -108,10 +107,10 @@ def save_training_checkpoint(out_dir: str | os.PathLike, step: int, model: nn.Mo
         save_checkpoint(tensors, tmp / "train_state.safetensors")
         state = {"format": FORMAT, "step": step, "config": config, "metrics": metrics or {},
                  "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
-                 "files": {name: _sha256(tmp / name) for name in _FILES}}
+                 "files": {name: file_sha256(tmp / name) for name in TENSOR_FILES}}
         _write_synced(tmp / "state.json", json.dumps(state, indent=1))
-        _write_synced(tmp / MANIFEST, json.dumps(_manifest(tmp), indent=1))
-        for name in (*_COVERED, MANIFEST):
+        _write_synced(tmp / MANIFEST, json.dumps(manifest_of(tmp), indent=1))
+        for name in (*MANIFEST_FILES, MANIFEST):
             _chmod_like_umask(tmp / name, 0o666)
         os.rename(tmp, final)  # a directory rename is atomic; it fails rather than replace a checkpoint
     except BaseException:

@@ -19,15 +19,15 @@ from typing import Any
 
 from zoo.io.bounded import InputTooLarge, loads_json, read_json
 
-__all__ = ["CheckpointError", "VerifiedState", "FORMAT", "MANIFEST", "checkpoints_in", "latest_checkpoint", "resolve_checkpoint",
-           "read_state", "check_config"]
+__all__ = ["CheckpointError", "VerifiedState", "FORMAT", "MANIFEST", "TENSOR_FILES", "MANIFEST_FILES", "file_sha256",
+           "manifest_of", "checkpoints_in", "latest_checkpoint", "resolve_checkpoint", "read_state", "check_config"]
 
 FORMAT = "zoo-train-checkpoint/2"   # /2: manifest.json covers every file, state.json included
 MANIFEST = "manifest.json"
 _MANIFEST_FORMAT = "zoo-checkpoint-manifest/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_FILES = ("model.safetensors", "train_state.safetensors")
-_COVERED = (*_FILES, "state.json")
+TENSOR_FILES = ("model.safetensors", "train_state.safetensors")   # written by save_training_checkpoint
+MANIFEST_FILES = (*TENSOR_FILES, "state.json")                    # what manifest.json covers
 
 
 # What a checkpoint's JSON files may hold, checked before they are parsed: the zoo writes a manifest of about 400
@@ -46,7 +46,8 @@ def _line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -58,10 +59,12 @@ def _manifest_digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _manifest(directory: Path) -> dict:
+def manifest_of(directory: Path) -> dict:
+    """manifest.json's content for the checkpoint files in ``directory``: each one's size and sha256, sealed by a
+    sha256 of the whole."""
     body = {"format": _MANIFEST_FORMAT,
-            "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
-                      for name in _COVERED}}
+            "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
+                      for name in MANIFEST_FILES}}
     return {**body, "sha256": _manifest_digest(body)}
 
 
@@ -92,12 +95,12 @@ def _verify_files(checkpoint: Path) -> dict[str, bytes]:
         raise CheckpointError(f"{path}: not a {_MANIFEST_FORMAT} file")
     if len(manifest["files"]) > MAX_MANIFEST_ENTRIES:
         raise CheckpointError(f"{path}: {len(manifest['files']):,} entries, more than the {MAX_MANIFEST_ENTRIES} "
-                              f"a checkpoint's manifest has (it lists {', '.join(_COVERED)})")
+                              f"a checkpoint's manifest has (it lists {', '.join(MANIFEST_FILES)})")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if manifest.get("sha256") != _manifest_digest(body):
         raise CheckpointError(f"{path} is damaged: its own sha256 does not match its contents")
     files: dict[str, bytes] = {}
-    for name in _COVERED:
+    for name in MANIFEST_FILES:
         entry = manifest["files"].get(name)
         if not isinstance(entry, dict):
             raise CheckpointError(f"{path}: no checksum for {name}")

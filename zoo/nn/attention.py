@@ -29,12 +29,12 @@ from einops import rearrange
 from torch import nn
 
 from zoo.nn.cache import KVCache
-from zoo.nn.flash import band_allowed
+from zoo.nn.flash_dense import band_allowed
 from zoo.nn.kernel import resolve_kernel, takes_softcap
 from zoo.nn.packing import Packing
 
 if TYPE_CHECKING:
-    from zoo.nn.positional import _Positions
+    from zoo.nn.positional import Positions
 
 __all__ = ["MultiHeadAttention", "window_size"]
 
@@ -123,7 +123,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *,
                 key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
-                positions: "_Positions | None" = None, cache: KVCache | None = None,
+                positions: "Positions | None" = None, cache: KVCache | None = None,
                 packing: Packing | None = None) -> torch.Tensor:
         """x (b, l, d) attends to memory (b, s, d), or to itself when memory is None.
 

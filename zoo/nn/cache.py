@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from einops import rearrange
 
-from zoo.nn.flash import paged_slots
+from zoo.nn.flash_kvcache import paged_slots
 
 __all__ = ["KVCache", "PagedKVCache"]
 
@@ -76,8 +76,8 @@ class PagedKVCache(KVCache):
     grow, in turn across the batch, so one sequence's blocks are not adjacent in the pool; ``capacity`` (positions
     per sequence) reserves the whole pool at the first step, else it doubles when full.
 
-    Reads and writes go through the block table (zoo.nn.flash.paged_slots); each step hands the layer its keys and
-    values gathered in position order, so attention computes exactly what it does with ``KVCache``."""
+    Reads and writes go through the block table (zoo.nn.flash_kvcache.paged_slots); each step hands the layer its keys
+    and values gathered in position order, so attention computes exactly what it does with ``KVCache``."""
     block_size: int = 16
     capacity: int | None = None
     block_table: torch.Tensor | None = None

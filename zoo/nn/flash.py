@@ -35,22 +35,20 @@ a contiguous tensor, then ``reference``) and ``kvcache_paged`` (an online softma
 block through the block table; a contiguous cache is one block per row). Half-precision inputs are computed in
 float32. ``reference`` and ``tiled`` (and the varlen kernels) are differentiable with autograd.
 
-The kernels live by API in zoo/nn/flash_dense.py (with what they all share), zoo/nn/flash_varlen.py and
-zoo/nn/flash_kvcache.py; every name is importable from here.
+The kernels live by API in zoo/nn/flash_dense.py (with what they all share: the band, soft-capping, ALiBi, the
+admissible and the online softmax), zoo/nn/flash_varlen.py and zoo/nn/flash_kvcache.py (with ``paged_slots``), and
+are imported from there; this module names them by API (``FLASH_KERNELS``) and resolves a kernel by name or path.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from zoo.runtime.plugins import PluginError, load_object
-from zoo.nn.flash_dense import (KEY_BLOCK, QUERY_BLOCK, admissible_softmax, band_allowed,  # noqa: F401
-                                flash_attn_reference, flash_attn_tiled, soft_cap)
-from zoo.nn.flash_kvcache import flash_attn_kvcache_gather, flash_attn_kvcache_paged, paged_slots
+from zoo.nn.flash_dense import flash_attn_reference, flash_attn_tiled
+from zoo.nn.flash_kvcache import flash_attn_kvcache_gather, flash_attn_kvcache_paged
 from zoo.nn.flash_varlen import flash_attn_varlen_loop, flash_attn_varlen_packed
 
-__all__ = ["flash_attn_reference", "flash_attn_tiled", "flash_attn_varlen_loop", "flash_attn_varlen_packed",
-           "flash_attn_kvcache_gather", "flash_attn_kvcache_paged", "FLASH_APIS", "FLASH_KERNELS",
-           "resolve_flash_kernel", "band_allowed", "soft_cap", "admissible_softmax", "paged_slots"]
+__all__ = ["FLASH_APIS", "FLASH_KERNELS", "resolve_flash_kernel"]
 
 FLASH_APIS = ("flash", "flash-varlen", "flash-kvcache")
 

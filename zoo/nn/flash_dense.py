@@ -11,13 +11,16 @@ import torch.nn.functional as F
 from einops import einsum, rearrange, repeat
 
 __all__ = ["flash_attn_reference", "flash_attn_tiled", "band_allowed", "soft_cap", "admissible_softmax",
-           "KEY_BLOCK", "QUERY_BLOCK"]
+           "compute_dtype", "alibi_row", "capped_scores", "band_scores", "OnlineSoftmax", "expand_kv", "KEY_BLOCK",
+           "QUERY_BLOCK"]
 
 KEY_BLOCK = 4     # tile sizes of the tiled kernel: small, so that problems of a few keys run several tiles
 QUERY_BLOCK = 3
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores and sums are computed in: float32 for half-precision inputs (their scores overflow and
+    the softmax loses its small weights), the input's own otherwise."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -63,23 +66,24 @@ def _alibi(alibi_slopes, batch: int, heads: int, rows, cols, offset, ct, device)
     return -slopes[:, :, None, None] * distance
 
 
-def _alibi_row(alibi_slopes, index: int):
+def alibi_row(alibi_slopes, index: int):
+    """The slopes of batch entry ``index``: a (h,) table is every entry's, a (b, h) table has a row each."""
     if alibi_slopes is None or alibi_slopes.dim() == 1:
         return alibi_slopes
     return alibi_slopes[index]
 
 
-def _scores(q, k, scale, softcap, ct):
+def capped_scores(q, k, scale, softcap, ct):
     """σ q·k (q scaled first: ATTN-LARGE-SCORES), capped when softcap > 0; (b, h, l, s) in ``ct``."""
     scores = einsum(q.to(ct) * scale, k.to(ct), "b l h e, b s h e -> b h l s")
     return soft_cap(scores, softcap) if softcap > 0 else scores
 
 
-def _band_scores(q, k, scale, softcap, alibi_slopes, batch: int, heads: int, rows, cols, offset, causal: bool,
+def band_scores(q, k, scale, softcap, alibi_slopes, batch: int, heads: int, rows, cols, offset, causal: bool,
                  window_size, ct):
     """The scores of queries ``rows`` against keys ``cols`` (positions, query i aligned to key i + offset):
     σ q·k capped, plus ALiBi, -inf outside the causal/window band; (b, h, l, s) in ``ct``."""
-    scores = _scores(q, k, scale, softcap, ct)
+    scores = capped_scores(q, k, scale, softcap, ct)
     bias = _alibi(alibi_slopes, batch, heads, rows, cols, offset, ct, q.device)
     if bias is not None:
         scores = scores + bias
@@ -98,7 +102,7 @@ def admissible_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return unnormalized / torch.where(total > 0, total, torch.ones_like(total)), row_max, total
 
 
-class _OnlineSoftmax:
+class OnlineSoftmax:
     """FlashAttention's running max, running sum and output accumulator over key tiles (FlashAttention-2,
     Algorithm 1), for (b, h, l) queries; a row that never sees an admissible key ends as zeros."""
 
@@ -123,7 +127,8 @@ class _OnlineSoftmax:
         return self.acc / torch.where(self.sum > 0, self.sum, torch.ones_like(self.sum))
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, s, k, e) keys or values repeated to (b, s, heads, e): query head i reads key/value head i // g."""
     kv_heads = t.shape[-2]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
@@ -145,15 +150,15 @@ def flash_attn_reference(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     b, l, h, e = q.shape
     s = k.shape[1]
     scale = 1.0 / math.sqrt(e) if softmax_scale is None else softmax_scale
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     if s == 0 or l == 0:
         out = q.new_zeros(b, l, h, v.shape[-1])
         lse = torch.full((b, h, l), -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse, None) if return_attn_probs else out
-    kx, vx = _expand_kv(k, h), _expand_kv(v, h)
+    kx, vx = expand_kv(k, h), expand_kv(v, h)
     rows = torch.arange(l, device=q.device)[:, None]
     cols = torch.arange(s, device=q.device)[None, :]
-    scores = _band_scores(q, kx, scale, softcap, alibi_slopes, b, h, rows, cols, s - l, causal, window_size, ct)
+    scores = band_scores(q, kx, scale, softcap, alibi_slopes, b, h, rows, cols, s - l, causal, window_size, ct)
     weights, row_max, total = admissible_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
@@ -174,16 +179,16 @@ def flash_attn_tiled(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, w
     b, l, h, e = q.shape
     s = k.shape[1]
     scale = 1.0 / math.sqrt(e) if softmax_scale is None else softmax_scale
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     left, right = _window(window_size)
-    kx, vx = _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
+    kx, vx = expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
     offset, device = s - l, q.device
     tiles = []
     for i0 in range(0, l, QUERY_BLOCK):
         i1 = min(i0 + QUERY_BLOCK, l)
         q_tile = q[:, i0:i1]
         rows = torch.arange(i0, i1, device=device)[:, None]
-        softmax = _OnlineSoftmax(b, h, i1 - i0, v.shape[-1], ct, device)
+        softmax = OnlineSoftmax(b, h, i1 - i0, v.shape[-1], ct, device)
         # The band of this query tile: keys [first, last] (FlashAttention-2's n_block_min / n_block_max).
         last = s - 1
         if causal or right >= 0:
@@ -192,7 +197,7 @@ def flash_attn_tiled(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, w
         for j0 in range(first - first % KEY_BLOCK, last + 1, KEY_BLOCK):
             j1 = min(j0 + KEY_BLOCK, s)
             cols = torch.arange(j0, j1, device=device)[None, :]
-            scores = _band_scores(q_tile, kx[:, j0:j1], scale, softcap, alibi_slopes, b, h, rows, cols, offset,
+            scores = band_scores(q_tile, kx[:, j0:j1], scale, softcap, alibi_slopes, b, h, rows, cols, offset,
                                   causal, window_size, ct)
             softmax.add(scores, vx[:, j0:j1], dropout_p)
         tiles.append(softmax.result())

@@ -9,8 +9,7 @@ import math
 import torch
 from einops import rearrange
 
-from zoo.nn.flash_dense import (_alibi_row, _band_scores, _compute_dtype, _expand_kv, _OnlineSoftmax,
-                                flash_attn_reference)
+from zoo.nn.flash_dense import OnlineSoftmax, alibi_row, band_scores, compute_dtype, expand_kv, flash_attn_reference
 
 __all__ = ["flash_attn_kvcache_gather", "flash_attn_kvcache_paged", "paged_slots"]
 
@@ -92,7 +91,7 @@ def flash_attn_kvcache_gather(q, k_cache, v_cache, k=None, v=None, rotary_cos=No
         where = _locate(positions, row, index, block_table, k_cache.shape[1])
         outs.append(flash_attn_reference(q[index:index + 1], k_cache[where][None], v_cache[where][None],
                                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                         softcap=softcap, alibi_slopes=_alibi_row(alibi_slopes, index)))
+                                         softcap=softcap, alibi_slopes=alibi_row(alibi_slopes, index)))
     return torch.cat(outs)
 
 
@@ -109,23 +108,23 @@ def flash_attn_kvcache_paged(q, k_cache, v_cache, k=None, v=None, rotary_cos=Non
     b, l, h, e = q.shape
     block_size = k_cache.shape[1]
     scale = 1.0 / math.sqrt(e) if softmax_scale is None else softmax_scale
-    ct, device = _compute_dtype(q.dtype), q.device
+    ct, device = compute_dtype(q.dtype), q.device
     rows_q = torch.arange(l, device=device)[:, None]
     outs = []
     for index, row in enumerate(rows):
         start, end = leftpad[index], seqlens[index] + new
         offset = (end - start) - l
-        slopes = _alibi_row(alibi_slopes, index)
-        softmax = _OnlineSoftmax(1, h, l, v_cache.shape[-1], ct, device)
+        slopes = alibi_row(alibi_slopes, index)
+        softmax = OnlineSoftmax(1, h, l, v_cache.shape[-1], ct, device)
         for n in range(start // block_size, -(-end // block_size)):
             block = row if block_table is None else int(block_table[index, n])
             j0, j1 = max(start, n * block_size), min(end, (n + 1) * block_size)
             if j1 <= j0:
                 continue
-            kb = _expand_kv(k_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
-            vb = _expand_kv(v_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
+            kb = expand_kv(k_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
+            vb = expand_kv(v_cache[block, j0 - n * block_size:j1 - n * block_size][None], h)
             cols = torch.arange(j0, j1, device=device)[None, :] - start
-            scores = _band_scores(q[index:index + 1], kb, scale, softcap,
+            scores = band_scores(q[index:index + 1], kb, scale, softcap,
                                   None if slopes is None else slopes.reshape(-1), 1, h, rows_q, cols, offset,
                                   causal, window_size, ct)
             softmax.add(scores, vb.to(ct))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from einops import einsum
 
-from zoo.nn.flash_dense import _alibi_row, _compute_dtype, _expand_kv, _scores, band_allowed, flash_attn_reference
+from zoo.nn.flash_dense import alibi_row, band_allowed, capped_scores, compute_dtype, expand_kv, flash_attn_reference
 
 __all__ = ["flash_attn_varlen_loop", "flash_attn_varlen_packed"]
 
@@ -36,7 +36,7 @@ def flash_attn_varlen_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     outs = []
     for index, ((q0, q1), (k0, k1)) in enumerate(zip(seq_q, seq_k)):
         outs.append(flash_attn_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
-                                         causal, window_size, softcap, _alibi_row(alibi_slopes, index))[0])
+                                         causal, window_size, softcap, alibi_row(alibi_slopes, index))[0])
     out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
     return torch.cat([out, q.new_zeros(q.shape[0] - out.shape[0], q.shape[1], v.shape[-1])])  # rows past the last
 
@@ -64,7 +64,7 @@ def flash_attn_varlen_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k give {len(seq_q)} and {len(seq_k)} sequences")
     total_l, h, e = q.shape
     total_s = k.shape[0]
-    device, ct = q.device, _compute_dtype(q.dtype)
+    device, ct = q.device, compute_dtype(q.dtype)
     if total_l == 0 or total_s == 0:
         return q.new_zeros(total_l, h, v.shape[-1])
     scale = 1.0 / math.sqrt(e) if softmax_scale is None else softmax_scale
@@ -76,7 +76,7 @@ def flash_attn_varlen_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     rows, cols = q_pos[:, None], k_pos[None, :]
     allowed = (q_id[:, None] == k_id[None, :]) & (q_id[:, None] >= 0)
     allowed = allowed & band_allowed(rows, cols, offset, causal, window_size)
-    scores = _scores(q[None], _expand_kv(k[None], h), scale, softcap, ct)[0]               # (h, total_l, total_s)
+    scores = capped_scores(q[None], expand_kv(k[None], h), scale, softcap, ct)[0]               # (h, total_l, total_s)
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=device, dtype=ct)
         batch = len(seq_q)
@@ -93,6 +93,6 @@ def flash_attn_varlen_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     weights = unnormalized / torch.where(total > 0, total, torch.ones_like(total))
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = einsum(weights, _expand_kv(v[None], h)[0].to(ct), "h l s, s h v -> l h v")
+    out = einsum(weights, expand_kv(v[None], h)[0].to(ct), "h l s, s h v -> l h v")
     return out.to(q.dtype)
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from einops import einsum, repeat
 
 from zoo.runtime.plugins import PluginError, load_object
-from zoo.nn.flash import admissible_softmax, soft_cap
+from zoo.nn.flash_dense import admissible_softmax, compute_dtype, soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 
 __all__ = ["Kernel", "math_attention", "torch_attention", "sdpa_keeping_the_contract", "resolve_kernel", "takes_softcap", "KERNELS"]
@@ -48,11 +48,6 @@ class Kernel(Protocol):
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False) -> torch.Tensor: ...
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision scores overflow and lose the softmax's small weights: accumulate in fp32.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -73,7 +68,7 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         value = repeat(value, "... k s v -> ... (k g) s v", g=h // k)
     scale = 1.0 / math.sqrt(e) if scale is None else scale
 
-    ct = _compute_dtype(query.dtype)
+    ct = compute_dtype(query.dtype)
     # Scale before the product: an unscaled q.k is sqrt(e) times larger than the score and can overflow
     # where the score does not (properties/SPEC.md, ATTN-LARGE-SCORES).
     scores = soft_cap(einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s"), softcap)

@@ -24,8 +24,8 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
-__all__ = ["sinusoidal_table", "alibi_slopes", "SinusoidalPositions", "LearnedPositions", "RotaryPositions",
-           "AlibiPositions", "NoPositions"]
+__all__ = ["Positions", "sinusoidal_table", "alibi_slopes", "SinusoidalPositions", "LearnedPositions",
+           "RotaryPositions", "AlibiPositions", "NoPositions"]
 
 
 def sinusoidal_table(length: int, d_model: int, *, device=None, dtype=None) -> torch.Tensor:
@@ -46,7 +46,12 @@ def position_ids(offset: int | torch.Tensor, l: int, device) -> torch.Tensor:
     return torch.arange(offset, offset + l, device=device)
 
 
-class _Positions(nn.Module):
+class Positions(nn.Module):
+    """The base of every position scheme, and the extension point for a new one: subclass it, override what the
+    scheme does (``forward``, ``rotate``, ``score_bias``, described in the module docstring; each default leaves its
+    input alone) and name the class in a file under conf/pos/. ``max_len`` is the longest sequence it covers
+    (``_check_length`` refuses a position past it); ``injects_order`` says whether it tells the model the order of
+    the tokens at all (False only for ``NoPositions``)."""
     injects_order = True
 
     def __init__(self, max_len: int):
@@ -72,14 +77,14 @@ class _Positions(nn.Module):
         return None
 
 
-class NoPositions(_Positions):
+class NoPositions(Positions):
     injects_order = False
 
     def __init__(self, d_model: int = 0, max_len: int = 2**31 - 1, *, device=None, dtype=None):
         super().__init__(max_len)
 
 
-class SinusoidalPositions(_Positions):
+class SinusoidalPositions(Positions):
     def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
         super().__init__(max_len)
         # A fixed function of the position, not a parameter: kept out of the state dict.
@@ -102,7 +107,7 @@ class SinusoidalPositions(_Positions):
         return x + self.table[offset.to(x.device)].to(x.dtype)
 
 
-class LearnedPositions(_Positions):
+class LearnedPositions(Positions):
     def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
         super().__init__(max_len)
         self.embedding = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
@@ -113,7 +118,7 @@ class LearnedPositions(_Positions):
         return x + self.embedding.weight[position]
 
 
-class RotaryPositions(_Positions):
+class RotaryPositions(Positions):
     """RoPE (Su et al. 2021), "rotate-half" layout as in GPT-NeoX and LLaMA: feature pairs (j, j + e/2)
     of every query and key turn by angle pos * base^(-2j/e), so q·k depends only on the offset."""
 
@@ -155,7 +160,7 @@ def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype or torch.get_default_dtype())
 
 
-class AlibiPositions(_Positions):
+class AlibiPositions(Positions):
     """ALiBi (Press et al. 2022): no position codes; each self-attention score gets the bias -m_h·|i - j|, head h's
     slope m_h (``alibi_slopes``) times the distance between the absolute positions of query i and key j.
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from zoo.nn.attention import MultiHeadAttention, window_size
 from zoo.nn.cache import KVCache
-from zoo.nn.flash import band_allowed
+from zoo.nn.flash_dense import band_allowed
 from zoo.nn.positional import (AlibiPositions, LearnedPositions, NoPositions, RotaryPositions,
                                SinusoidalPositions)
 

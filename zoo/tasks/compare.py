@@ -45,7 +45,8 @@ def check_compare(preset: str | None, reference: str | None, task) -> None:
     reference implementation, that reference, and memory for both models at task.*'s sizes in float32 and float64
     (the zoo model and the reference in each: 24 bytes per parameter)."""
     from zoo.config.errors import ConfigError
-    from zoo.config.sizing import ModelTooLarge, available_memory
+    from zoo.config.sizing import ModelTooLarge
+    from zoo.config.device_memory import available_memory
 
     if preset not in REFERENCES:
         raise ConfigError(f"preset={preset}: task=compare needs a preset with a reference implementation "

@@ -27,9 +27,11 @@ from zoo.nn.static_cache import StaticKVCache, refusal
 from zoo.config.builder import model_from_config
 from zoo.config.sizing import check_fits
 from zoo.config.task_schemas import COMPILE_MODES
-from zoo.io.checkpoint import CheckpointError, check_config, read_state, load_weights, resolve_checkpoint
+from zoo.io.checkpoint import load_weights
+from zoo.io.checkpoint_read import CheckpointError, check_config, read_state, resolve_checkpoint
 from zoo.tasks.data import BOS, EOS, N_SPECIAL, PAD, SEP, task_from_config, symbols_to_text
-from zoo.config.schema import ConfigError, ZooSchema, plugin_in, torch_dtype, validate
+from zoo.config.errors import ConfigError
+from zoo.config.schema import ZooSchema, plugin_in, torch_dtype, validate
 
 __all__ = ["generate", "pick_next", "generate_task", "saved_config", "decode_step", "compiled_step"]
 

@@ -27,12 +27,12 @@ from torch import nn
 from zoo.config.builder import model_from_config
 from zoo.config.sizing import check_fits
 from zoo.io.atomic import unwritable
-from zoo.io.checkpoint import (CheckpointError, check_config, checkpoints_in, latest_checkpoint, load_training_state,
-                               read_state, save_training_checkpoint)
+from zoo.io.checkpoint import load_training_state, save_training_checkpoint
+from zoo.io.checkpoint_read import CheckpointError, check_config, checkpoints_in, latest_checkpoint, read_state
 from zoo.tasks.interrupts import Interrupted
 from zoo.tasks.data import IGNORE, SyntheticTask, pack, task_from_config
 from zoo.runtime.plugins import PluginError, locate
-from zoo.config.schema import ConfigError
+from zoo.config.errors import ConfigError
 
 __all__ = ["check_out_dir", "training_fits", "fit_config_to_data", "family_of", "recipe_values", "recipe_line",
            "learning_rate", "make_optimizer", "forward_batch", "batch_metrics", "evaluate", "seeded_model", "train",

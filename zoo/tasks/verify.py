@@ -36,10 +36,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from zoo.io.atomic import replacing
 from zoo.tasks.plots import PLOTS_HINT
-from zoo.tasks.verify_reports import (REPORT_FILES, SweepSummary, _draw, _reports_lock, _suffixed, _table,
-                                      free_suffix, summarize, write_reports)
+from zoo.tasks.verify_reports import (REPORT_FILES, clause_table, draw_pictures, free_suffix, reports_lock,
+                                      suffixed_name, summarize, write_reports)
 
-__all__ = ["run_suite", "summarize", "write_reports", "verify", "SweepSummary", "suite_dir"]
+__all__ = ["run_suite", "verify", "suite_dir"]
 
 
 def suite_dir() -> Path:
@@ -210,23 +210,24 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
         from zoo.runtime.call_limit import bounded
         from zoo.config.schema import plugin_in
         with bounded(plugin_in(cfg), "drawing the attention pictures of task=verify"):   # the kernel runs here too
-            drawn, notes = _draw(model, cfg.d_model, pictures)
-        with _reports_lock(out_dir):
+            drawn, notes = draw_pictures(model, cfg.d_model, pictures)
+        with reports_lock(out_dir):
             names = [*REPORT_FILES, *(path.name for path in drawn.values())]
             suffix = free_suffix(out_dir, names)
             figures = {}
             for title, path in drawn.items():
-                with replacing(out_dir / _suffixed(path.name, suffix)) as temporary:
+                with replacing(out_dir / suffixed_name(path.name, suffix)) as temporary:
                     shutil.copyfile(path, temporary)
-                figures[title] = _suffixed(path.name, suffix)
+                figures[title] = suffixed_name(path.name, suffix)
             report = write_reports(out_dir, cfg=cfg, overrides=overrides, records=records, junit=junit,
                                    seconds=seconds, status=exit_status, figures=figures, suffix=suffix, notes=notes,
                                    problem=problem, output_tail=tail if problem else "")
     rows = summarize(records)
     print()
-    print(_table(rows))
+    print(clause_table(rows))
     totals = report["totals"]
-    where = out_dir if not suffix else f"{out_dir} ({_suffixed('report.md', suffix)}: the directory already held a report)"
+    where = out_dir if not suffix else \
+        f"{out_dir} ({suffixed_name('report.md', suffix)}: the directory already held a report)"
     print(f"\n{totals['passed']} clauses passed, {totals['failed'] + totals['error']} failed, "
           f"{totals['skipped']} skipped in {seconds:.1f} s; reports in {where}")
     if report.get("model_dtypes"):
@@ -236,5 +237,5 @@ def verify(cfg: DictConfig, overrides: list[str], choices: dict[str, str], out_d
     if not figures and not notes:
         print(f"(no pictures: {PLOTS_HINT})")
     if problem:
-        print(f"zoo: verify: {problem}; report in {out_dir / _suffixed('report.md', suffix)}", file=sys.stderr)
+        print(f"zoo: verify: {problem}; report in {out_dir / suffixed_name('report.md', suffix)}", file=sys.stderr)
     return exit_status

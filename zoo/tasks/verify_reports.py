@@ -20,7 +20,8 @@ from zoo.io.bounded import read_json
 from zoo.io.atomic import write_text
 from zoo.tasks.plots import PLOTS_HINT, plots_available, write_figures
 
-__all__ = ["summarize", "write_reports", "SweepSummary", "STATUS_ORDER", "REPORT_FILES", "group_of", "free_suffix"]
+__all__ = ["summarize", "write_reports", "SweepSummary", "STATUS_ORDER", "REPORT_FILES", "group_of", "free_suffix",
+           "clause_table", "suffixed_name", "reports_lock", "draw_pictures"]
 
 STATUS_ORDER = ("failed", "error", "passed", "skipped")
 
@@ -62,7 +63,8 @@ def _detail(row: dict) -> str:
     return message
 
 
-def _table(rows) -> str:
+def clause_table(rows) -> str:
+    """The clauses of ``summarize``'s rows as the text table a run prints: status, time, and what failed."""
     lines = [f"{'clause':<26} {'status':<8} {'time':>7}  counterexample / reason"]
     for row in rows.values():
         detail = _detail(row)
@@ -103,7 +105,8 @@ def _markdown(cfg_yaml: str, rows, totals: dict, figures: dict[str, str], overri
     return "\n".join(out)
 
 
-def _suffixed(name: str, suffix: str) -> str:
+def suffixed_name(name: str, suffix: str) -> str:
+    """``report.md`` with suffix ``-2``: ``report-2.md`` (the suffix before the extension)."""
     stem, dot, ext = name.rpartition(".")
     return f"{stem}{suffix}.{ext}" if dot else f"{name}{suffix}"
 
@@ -133,16 +136,16 @@ def write_reports(out_dir: Path, *, cfg: DictConfig, overrides: list[str], recor
         report["output_tail"] = output_tail
     out_dir.mkdir(parents=True, exist_ok=True)
     if junit.exists():
-        write_text(out_dir / _suffixed("junit.xml", suffix), junit.read_text(encoding="utf-8"))
-    write_text(out_dir / _suffixed("report.md", suffix),
+        write_text(out_dir / suffixed_name("junit.xml", suffix), junit.read_text(encoding="utf-8"))
+    write_text(out_dir / suffixed_name("report.md", suffix),
                _markdown(cfg_yaml, rows, totals, figures, overrides, notes=notes, problem=problem,
                          output_tail=output_tail, called=called))
-    write_text(out_dir / _suffixed("report.json", suffix), json.dumps(report, indent=1, default=str))
+    write_text(out_dir / suffixed_name("report.json", suffix), json.dumps(report, indent=1, default=str))
     return report
 
 
 @contextlib.contextmanager
-def _reports_lock(out_dir: Path) -> Iterator[None]:
+def reports_lock(out_dir: Path) -> Iterator[None]:
     """An exclusive lock on out_dir's reports (flock on a hidden file; released by the kernel if we die)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -162,7 +165,7 @@ def free_suffix(out_dir: Path, names) -> str:
     """'' if none of `names` exists in out_dir, else the first '-N' (N = 2, 3, ...) free for all of them."""
     for n in itertools.count(1):
         suffix = "" if n == 1 else f"-{n}"
-        if not any((out_dir / _suffixed(name, suffix)).exists() for name in names):
+        if not any((out_dir / suffixed_name(name, suffix)).exists() for name in names):
             return suffix
     raise AssertionError("unreachable")
 
@@ -175,7 +178,7 @@ def _suite_version() -> str:
         return "unknown"
 
 
-def _draw(model, d_model: int, where: Path) -> tuple[dict[str, Path], dict[str, str]]:
+def draw_pictures(model, d_model: int, where: Path) -> tuple[dict[str, Path], dict[str, str]]:
     """The pictures, drawn into `where`; one that cannot be drawn is a note, never a lost report."""
     notes: dict[str, str] = {}
     if model is None or not plots_available():
