@@ -20,7 +20,7 @@ from properties.core.tolerance import unit_roundoff
 from properties.model.twin import observe
 from properties.model.precision import OUTPUT_ROUNDINGS, accumulation_roundoff, precision_of
 
-__all__ = ["Batch", "batches", "real_tokens", "padded", "call_subject", "model_settings", "model_property", "EXAMPLES",
+__all__ = ["Batch", "batches", "real_tokens", "padded", "extend_with_padding", "call_subject", "model_settings", "model_property", "EXAMPLES",
            "DECODERS", "only", "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR",
            "comparison_tolerance", "assert_same_output", "record_model_comparison", "record_cached_decoding",
            "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "module_input", "embedding_probe",
@@ -69,6 +69,15 @@ def real_tokens(generator: torch.Generator, shape, subject: Subject, device) -> 
 
 def padded(tokens: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
     return torch.where(mask, tokens, torch.full_like(tokens, pad_id))
+
+
+def extend_with_padding(tokens: torch.Tensor, mask: torch.Tensor, k: int, pad_id: int, left: bool):
+    """(tokens, mask) with k padded positions added on the left or the right: pad ids the mask marks as padding."""
+    pads = torch.full((tokens.shape[0], k), pad_id, dtype=tokens.dtype, device=tokens.device)
+    off = torch.zeros((mask.shape[0], k), dtype=torch.bool, device=mask.device)
+    if left:
+        return torch.cat([pads, tokens], 1), torch.cat([off, mask], 1)
+    return torch.cat([tokens, pads], 1), torch.cat([mask, off], 1)
 
 
 def _describe(out) -> str:

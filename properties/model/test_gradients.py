@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from properties import clause
-from properties.model.checks import (assert_same_output, call_subject, comparison_tolerance, draw_pair, embedding_probe,
+from properties.model.checks import (assert_same_output, extend_with_padding, call_subject, comparison_tolerance, draw_pair, embedding_probe,
                                      requires, subject_args)
 from properties.model.twin import observe, twin_fallback
-from properties.model.test_models import PAIR, _pad, pinned_model_property
+from properties.model.test_models import PAIR, pinned_model_property
 
 
 def _weights(s, src, tokens, mask, seed: int, length: int) -> torch.Tensor:
@@ -55,8 +55,8 @@ def test_padding_gets_no_gradient(mut, data):
     assert not leaking, (f"the loss over real positions gives a non-zero gradient to the embeddings of "
                          f"{len(leaking)} padded positions (indices among the padded ones: {leaking[:6]}); hint: "
                          f"padding is attended (a padding mask dropped or inverted)")
-    padded_tokens, padded_mask = _pad(tokens, mask, extra, s.pad_id, left=False)
-    padded_src = src and _pad(src[0], src[1], extra, s.pad_id, left=False)
+    padded_tokens, padded_mask = extend_with_padding(tokens, mask, extra, s.pad_id, left=False)
+    padded_src = src and extend_with_padding(src[0], src[1], extra, s.pad_id, left=False)
     grad_padded = _embedding_gradient(s, padded_src, padded_tokens, padded_mask, r)[:, : b.length]
     assert_same_output(grad_padded[mask], grad[mask],
                        f"gradient at real positions with {extra} padded positions appended vs without"

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.core import evidence
 from properties.core.strategies import PinnedData
-from properties.model.checks import is_float64_twin
+from properties.model.checks import extend_with_padding, is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      difference_threshold, draw_pair, embedding_probe, forward,
                                      model_property, model_settings, only, record_model_comparison, subject_args,
@@ -182,14 +182,6 @@ def test_batch_independence(mut, data):
 
 
 # -------------------------------------------------------------------------------------- MODEL-PADDING
-def _pad(tokens, mask, k: int, pad_id: int, left: bool):
-    pads = torch.full((tokens.shape[0], k), pad_id, dtype=tokens.dtype, device=tokens.device)
-    off = torch.zeros((mask.shape[0], k), dtype=torch.bool, device=mask.device)
-    if left:
-        return torch.cat([pads, tokens], 1), torch.cat([off, mask], 1)
-    return torch.cat([tokens, pads], 1), torch.cat([mask, off], 1)
-
-
 def _padding_case(mut, data, left: bool):
     s = mut.precise
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, reserve=1)
@@ -198,8 +190,8 @@ def _padding_case(mut, data, left: bool):
     k_src = data.draw(st.integers(0 if k_tgt else 1, s.max_len - src[2].length), label="pads (source)") \
         if src is not None else 0
     before = forward(s, src, (tokens, mask))
-    padded_src = src and _pad(src[0], src[1], k_src, s.pad_id, left)
-    after = forward(s, padded_src, _pad(tokens, mask, k_tgt, s.pad_id, left))
+    padded_src = src and extend_with_padding(src[0], src[1], k_src, s.pad_id, left)
+    after = forward(s, padded_src, extend_with_padding(tokens, mask, k_tgt, s.pad_id, left))
     after = after[:, k_tgt:] if left else after[:, : b.length]
     side = "prepending" if left else "appending"
     assert_same_output(after, before, f"real positions after {side} {k_tgt} padded positions"

@@ -16,7 +16,7 @@ import torch
 from properties.core.oracle import to_float64
 from properties.core.tolerance import gamma, unit_roundoff
 
-__all__ = ["Approx", "exact", "effective_u", "angle_u", "linear", "activation", "product", "LIPSCHITZ"]
+__all__ = ["vector", "Approx", "exact", "effective_u", "angle_u", "linear", "activation", "product", "LIPSCHITZ"]
 
 _F64 = torch.float64
 
@@ -53,13 +53,13 @@ def angle_u(dtype: torch.dtype) -> float:
     return max(unit_roundoff(dtype), unit_roundoff(torch.float32)) + unit_roundoff(_F64)
 
 
-def _vector(t) -> torch.Tensor | None:
+def vector(t) -> torch.Tensor | None:
     return None if t is None else to_float64(t)
 
 
 def linear(a: Approx, weight, bias, u: float) -> Approx:
     w = to_float64(weight)
-    b = _vector(bias)
+    b = vector(bias)
     value = a.value @ w.T + (0.0 if b is None else b)
     magnitude = a.magnitude @ w.abs().T + (0.0 if b is None else b.abs())
     error = a.error @ w.abs().T + gamma(w.shape[-1] + 1, u) * magnitude

@@ -16,7 +16,7 @@ import torch
 from properties.kernel.flash import flash_allowed
 from properties.core.oracle import reference_attention, softmax_rows
 from properties.core.tolerance import evaluation_error, gamma
-from properties.module.approx import _F64, Approx, effective_u, exact, linear
+from properties.module.approx import Approx, effective_u, exact, linear
 
 __all__ = ["Projections", "PROJECTION_NAMES", "projections", "admissible", "attention_core", "multihead_oracle",
            "single_head_oracle", "module_options"]
@@ -110,7 +110,7 @@ def attention_core(q: Approx, k: Approx, v: Approx, visible: torch.Tensor, dtype
     tiny = torch.finfo(dtype).tiny
     w_abs = torch.einsum("bhls,bshe->blhe", weights, v.value.abs())
     w_err = torch.einsum("bhls,bshe->blhe", weights, v.error)
-    underflow = tiny * torch.einsum("bhls,bshe->blhe", visible.to(_F64), v.magnitude)
+    underflow = tiny * torch.einsum("bhls,bshe->blhe", visible.to(torch.float64), v.magnitude)
     error = (rho * w_abs + (1 + rho) * w_err + underflow
              + gamma(s + 2, u) * ((1 + rho) * (w_abs + w_err) + underflow))
     if value is None:

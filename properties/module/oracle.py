@@ -8,8 +8,7 @@ inputs and parameters are exact in ``dtype``; every operation rounds with unit r
 result that carries error e into a function with Lipschitz constant L carries L·e after it.  The oracle's
 own float64 rounding is bounded by the same model with u = 2^-53; since gamma(n, u) is superadditive in u,
 evaluating every step with u_eff = u(dtype) + u(float64) bounds the sum of both errors.  The rules:
-properties/module/approx.py; the attention oracles: properties/module/attention_oracle.py (both re-exported
-here, so that every oracle is imported from this module).
+properties/module/approx.py; the attention oracles: properties/module/attention_oracle.py.
 """
 from __future__ import annotations
 
@@ -19,14 +18,9 @@ import torch
 
 from properties.core.oracle import to_float64
 from properties.core.tolerance import gamma, unit_roundoff
-from properties.module.approx import (LIPSCHITZ, Approx, _F64, _vector, activation, angle_u, effective_u,
-                                      exact, linear, product)
-from properties.module.attention_oracle import (PROJECTION_NAMES, Projections, attention_core, module_options,
-                                                multihead_oracle, projections, single_head_oracle)
+from properties.module.approx import Approx, activation, angle_u, effective_u, exact, linear, product, vector
 
-__all__ = ["Approx", "exact", "effective_u", "angle_u", "linear", "activation", "product", "LIPSCHITZ",
-           "Projections", "PROJECTION_NAMES", "projections", "attention_core", "module_options", "multihead_oracle",
-           "single_head_oracle", "ffn_layers", "ffn_oracle", "layer_norm_stats", "layer_norm_oracle", "rms_norm_oracle",
+__all__ = ["ffn_layers", "ffn_oracle", "layer_norm_stats", "layer_norm_oracle", "rms_norm_oracle",
            "sinusoid_table", "angle_relative_error", "sinusoid_error", "rotary_pair_error"]
 
 
@@ -66,7 +60,7 @@ def ffn_oracle(layers: dict, activation_name: str, x: torch.Tensor, dtype: torch
 # ------------------------------------------------------------------------------------------------ norms
 def _affine(n: Approx, weight, bias, u: float) -> Approx:
     g = to_float64(weight) if weight is not None else None
-    b = _vector(bias)
+    b = vector(bias)
     if g is None:
         return n
     value = n.value * g + (0.0 if b is None else b)
@@ -141,7 +135,7 @@ def sinusoid_table(positions, d: int) -> torch.Tensor:
             angle = pos / 10000.0 ** (2 * (j // 2) / d)
             row.append(math.sin(angle) if j % 2 == 0 else math.cos(angle))
         rows.append(row)
-    return torch.tensor(rows, dtype=_F64).reshape(len(rows), d)
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), d)
 
 
 def angle_relative_error(exponent: torch.Tensor | float, log_base: float, ua: float):
@@ -155,10 +149,10 @@ def sinusoid_error(positions: torch.Tensor, d: int, dtype: torch.dtype) -> torch
     """Bound on |PE_module(pos, j) - PE(pos, j)| (len(positions), d): the angle's error (above), sin/cos
     within 2 ulps of their value (|.| <= 1), the rounding to the dtype."""
     ua = angle_u(dtype)
-    pair = torch.arange(d, dtype=_F64) // 2
+    pair = torch.arange(d, dtype=torch.float64) // 2
     exponent = 2 * pair / d
     omega = 10000.0 ** (-exponent)
-    angle = positions.to(_F64)[:, None] * omega[None, :]
+    angle = positions.to(torch.float64)[:, None] * omega[None, :]
     return (angle_relative_error(exponent, math.log(10000.0), ua)[None, :] * angle + gamma(2, ua)
             + unit_roundoff(dtype))
 
@@ -172,6 +166,6 @@ def rotary_pair_error(positions: torch.Tensor, pair_norm: torch.Tensor, log_base
     against ``pair_norm``.  ``scaling_roundings``: the roundings a frequency scaling adds to each frequency (a
     division by the factor, YaRN's or Llama 3's blend), each a relative error of the angle."""
     ua = angle_u(dtype)
-    angle_error = (angle_relative_error(1.0, log_base, ua) + gamma(scaling_roundings, ua)) * positions.to(_F64)
+    angle_error = (angle_relative_error(1.0, log_base, ua) + gamma(scaling_roundings, ua)) * positions.to(torch.float64)
     return pair_norm * (angle_error + 2 * gamma(2, ua) + math.sqrt(2) * gamma(2, ua)
                         + math.sqrt(2) * unit_roundoff(dtype))

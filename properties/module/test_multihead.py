@@ -17,8 +17,8 @@ from properties.core.assertions import assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, multihead
-from properties.module.oracle import (PROJECTION_NAMES, module_options, multihead_oracle, projections,
-                                      single_head_oracle)
+from properties.module.attention_oracle import (PROJECTION_NAMES, module_options, multihead_oracle, projections,
+                                                single_head_oracle)
 from properties.core import evidence
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.strategies import PinnedData, derived_generator, seeds, selected_dtypes

@@ -18,7 +18,8 @@ from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.core.strategies import require_dtype
 from properties.model.checks import comparison_tolerance
-from properties.module.oracle import effective_u, layer_norm_oracle, layer_norm_stats, rms_norm_oracle
+from properties.module.approx import effective_u
+from properties.module.oracle import layer_norm_oracle, layer_norm_stats, rms_norm_oracle
 from properties.module.gradients import check_gradients, layer_norm, rms_norm
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
