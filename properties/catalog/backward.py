@@ -114,7 +114,8 @@ dq_unscaled = _declared("dq_unscaled", "dQ = dS K: the softmax scale is left out
                         "ATTN-GRAD", "ATTN-GRAD-DROPOUT")
 dk_unscaled = _declared("dk_unscaled", "dK = dSᵀ Q: the softmax scale is left out of the key gradient",
                         "ATTN-GRAD", "ATTN-GRAD-DROPOUT")
-rowsum_term_dropped = _declared("rowsum_term_dropped", "dS = W ∘ dW: the correction term D = rowsum(dO ∘ O) is left out",
+rowsum_term_dropped = _declared("rowsum_term_dropped",
+                                "dS = W ∘ dW: the correction term D = rowsum(dO ∘ O) is left out",
                                 "ATTN-GRAD", "ATTN-GRAD-DROPOUT")
 causal_missing_in_backward = _declared("causal_missing_in_backward",
                                        "the backward recomputes the weights without the causal mask",

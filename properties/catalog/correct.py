@@ -32,7 +32,8 @@ __all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "memory
            "QUERY_BLOCK", "KEY_BLOCK", "block_size"]
 
 
-@correct("stepwise", instance="stepwise_attention", mechanism="correct.StepwiseAttention (the broken kernels' base)")
+@correct("stepwise", instance="stepwise_attention",
+         mechanism="correct.StepwiseAttention (the broken kernels' base)")
 class StepwiseAttention:
     """``softmax(q kᵀ σ + m) v`` in the steps every attention implementation has; one method per step."""
 
@@ -181,6 +182,7 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 # ------------------------------------------------------------------------- nn.MultiheadAttention adapter
+_NO_KERNEL_NOR_KV_HEADS = "~attention.kernel attention.kv_heads=1 ~attention.kv_heads"   # see the class docstring
 def _is_plain_order(positions) -> bool:
     """Whether a position module leaves queries, keys and scores alone (nn.MultiheadAttention has no hook)."""
     from zoo.nn.positional import _Positions
@@ -188,10 +190,10 @@ def _is_plain_order(positions) -> bool:
                                  and type(positions).score_bias is _Positions.score_bias)
 
 
-@correct("nn.MultiheadAttention", zoo="attention._target_={target} ~attention.kernel attention.kv_heads=1 ~attention.kv_heads",
+@correct("nn.MultiheadAttention", zoo=f"attention._target_={{target}} {_NO_KERNEL_NOR_KV_HEADS}",
          mechanism="torch.nn.MultiheadAttention as the zoo's attention")
 @correct("nn.MultiheadAttention (enc-dec)",
-         zoo="model=encoder_decoder attention._target_={target} ~attention.kernel attention.kv_heads=1 ~attention.kv_heads",
+         zoo=f"model=encoder_decoder attention._target_={{target}} {_NO_KERNEL_NOR_KV_HEADS}",
          mechanism="torch.nn.MultiheadAttention in an encoder-decoder")
 class TorchMultiheadAttention(nn.Module):
     """``nn.MultiheadAttention(batch_first=True)`` with the zoo's attention contract (docs/verify.md).
@@ -260,7 +262,8 @@ def memory_efficient_block3(query, key, value, attn_mask=None, dropout_p=0.0, is
 declare(Entry("F.scaled_dot_product_attention", "kernel", "PyTorch's SDPA", (), "--kernel",
               "torch.nn.functional:scaled_dot_product_attention"))
 declare(Entry("zoo math", "kernel", "the zoo's einsum kernel", (), "--kernel", "math"))
-declare(Entry("zoo torch", "kernel", "the zoo's backend calling F.scaled_dot_product_attention", (), "--kernel", "torch"))
+declare(Entry("zoo torch", "kernel", "the zoo's backend calling F.scaled_dot_product_attention", (), "--kernel",
+              "torch"))
 declare(Entry("zoo memory_efficient", "kernel", "the zoo's FlashAttention-2 style kernel with its own backward", (),
               "--kernel", "memory_efficient"))
 declare(Entry("zoo flash-API kernels", "kernel", "zoo/nn/flash.py: reference, tiled, varlen loop and packed, kvcache "

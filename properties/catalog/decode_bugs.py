@@ -206,8 +206,8 @@ def cache_keeps_last_block() -> Subject:
 
 
 @bug("MODEL-BATCHED-DECODING", level="model",
-     mechanism=("the zoo's attention drops the padding mask in one-token cached steps (a lone query \"needs no mask\"):"
-                " padded keys are attended"))
+     mechanism=("the zoo's attention drops the padding mask in one-token cached steps (a lone query \"needs no "
+                "mask\"): padded keys are attended"))
 def one_token_step_attends_padding():
     """The zoo's tiny rotary decoder (left-padding invariant) on OneTokenStepIgnoresPadding."""
     from properties.catalog import models

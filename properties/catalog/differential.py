@@ -114,8 +114,8 @@ def attention_bias_dropped():
 
 
 @bug("MODEL-DIFF-GRADIENT", level="model", extra=_AGAINST_REFERENCE,
-     mechanism=("layer 1's attention kernel has an exact forward and a backward without the rowsum term D = rowsum(dO"
-                " ∘ O)"))
+     mechanism=("layer 1's attention kernel has an exact forward and a backward without the rowsum term "
+                "D = rowsum(dO ∘ O)"))
 def one_layer_wrong_backward():
     """Layer 1's self-attention on a kernel with an exact forward and a backward without the rowsum term."""
     model = _tiny()

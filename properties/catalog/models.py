@@ -210,8 +210,8 @@ def alternating_windows(attention=MultiHeadAttention):
 
 
 @bug("MODEL-WINDOW", level="model",
-     mechanism=("a window of 4 that admits 5 keys, in the windowed layers of a model whose windowed and global layers"
-                " alternate (the global ones hide it from the outputs)"))
+     mechanism=("a window of 4 that admits 5 keys, in the windowed layers of a model whose windowed and global "
+                "layers alternate (the global ones hide it from the outputs)"))
 def local_window_one_more():
     return alternating_windows(LocalWindowOneMore)
 

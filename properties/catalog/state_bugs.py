@@ -33,8 +33,8 @@ SENTINEL = -1e4
 # MASK-LOW-PRECISION's rows of finfo.min catch it too; the entry lists the clauses whose drawn extreme scores catch it,
 # so that the catalog's run shows them doing it.
 @bug("MASK-BOOL", "CAUSAL-ALIGNMENT", instance="running_max_sentinel",
-     mechanism=("online softmax: the running max starts at the sentinel -1e4, not -inf: a row whose admissible scores"
-                " all lie below it outputs zeros"))
+     mechanism=("online softmax: the running max starts at the sentinel -1e4, not -inf: a row whose admissible "
+                "scores all lie below it outputs zeros"))
 class _RunningMaxSentinel(TiledAttention):
     """The running maximum starts at -1e4: a row whose admissible scores all lie below it sums exp(s + 1e4),
     which underflows to 0, and outputs zeros."""
