@@ -184,10 +184,14 @@ def declare(entry: Entry) -> Entry:
 
 
 def entries(modules: list[str]) -> tuple[list[Entry], list[Entry]]:
-    """(broken, correct): the entries the imported ``modules`` declare, level by level (kernel, module, model),
-    in the order of ``modules`` and, within one, of declaration (whatever imported them first). Raises ValueError for a name declared twice or an entry whose
-    module attribute is missing or is not the decorated class's instance."""
+    """(broken, correct): the entries the imported ``modules`` declare, level by level (kernel, module, model), in
+    the order of ``modules`` and, within one, of declaration (whatever imported them first). Raises ValueError for an
+    entry declared in a module not listed, a name declared twice, or an entry whose module attribute is missing or
+    is not the decorated class's instance."""
     rank = {module: index for index, module in enumerate(modules)}
+    unlisted = sorted({d.module for d in _DECLARED if d.module not in rank})
+    if unlisted:
+        raise ValueError(f"modules that declare catalog entries but are not listed: {unlisted}")
     declared = sorted((d for d in _DECLARED if d.module in rank),
                       key=lambda d: (LEVELS.index(d.entry.level), rank[d.module], d.order))
     names = [d.entry.name for d in declared]
