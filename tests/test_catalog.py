@@ -2,30 +2,38 @@
 (``properties.catalog.CATALOG``) fails one of its expected clauses, and the correct implementations
 (``properties.catalog.CORRECT``) pass with zero failures.
 
-Each run is ``pytest properties/ --kernel/--zoo/--model ARGUMENT --report-json PATH`` in a subprocess
-(``properties.catalog.run``). A broken entry runs only the tests of its expected clauses (``--catalog-clause``),
-stops at the first failure (``-x``) and runs only their pinned ``@example`` cases (``--hypothesis-profile
-pinned``): it must be caught whatever Hypothesis draws, because the default profile runs those cases first
-(a known bug class is never a coin flip). A correct one runs every test of its level, unrestricted, at the
-default profile with a fresh seed. The Hugging Face and torch.nn examples, also
-correct implementations, are run by tests/test_examples.py. ``python -m properties.catalog.mutation_report`` runs every
-entry on its whole level and reports the first failing clause and the time to it.
+Each run is ``pytest properties/ --kernel/--zoo/--model ARGUMENT --report-json PATH`` in a new pytest session
+(``properties.catalog.run``). A broken entry runs only the tests of its expected clauses, stops at its first failure
+and runs only their pinned ``@example`` cases (``--hypothesis-profile pinned``): it must be caught whatever
+Hypothesis draws, because the default profile runs those cases first (a known bug class is never a coin flip).
+Broken kernels plugged in the same way share a session, up to ``SESSION_SIZE`` of them, each on its own clauses and
+stopped at its own first failure (``run_together``; one not caught there is run again alone). A correct entry runs
+every test of its level, unrestricted, at the default profile with a fresh seed. The Hugging Face and torch.nn
+examples, also correct implementations, are run by tests/test_examples.py. ``python -m
+properties.catalog.mutation_report`` runs every entry on its whole level and reports the first failing clause and the
+time to it.
 
-Runs are started two at a time (``CATALOG_JOBS``) when the first test here needs one; under pytest-xdist each
-test runs its own.
+The sessions are started two at a time (``CATALOG_JOBS``) when the first test here needs one. Under pytest-xdist a
+worker runs a session when its first test needs it, and the workers share the results (a file per session in the
+run's common temporary directory), so that no session runs twice.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+import properties.catalog
 from properties.catalog import CATALOG, CORRECT, LEVELS, Entry, example_based
-from properties.catalog.run import Run, run_entry
+from properties.catalog.run import Run, run_entry, run_together, shareable
 from properties.core.spec import load_clauses
 from zoo.nn.kernel import KERNELS
 
@@ -34,6 +42,9 @@ SEED = 0
 # test command runs (``pytest`` collects properties/: the same kernel level, at the default profile, on a fresh seed).
 DEFAULT_KERNELS = {e.name for e in CORRECT if e.option == "--kernel" and e.argument in KERNELS and not e.extra}
 CORRECT_HERE = [e for e in CORRECT if not e.needs_source_tree and e.name not in DEFAULT_KERNELS]
+# Broken kernels per shared session: a session's start-up (collection, each kernel's limits probed) is paid once for
+# all of them, and the catalog still splits into sessions enough for two jobs or two xdist workers.
+SESSION_SIZE = 16
 
 
 # Correct entries that differ from another correct entry only by the problems they decline: their numerics are the
@@ -41,32 +52,95 @@ CORRECT_HERE = [e for e in CORRECT if not e.needs_source_tree and e.name not in 
 # skips none wrongly, which the quick profile checks as tests/test_declines.py does (every pinned problem, fitted to
 # the limits, plus 3 draws per clause).
 DECLINING_TWINS = {"tiled, a fused kernel's limits": "tiled"}
+PINNED = dict(stop_first=True, seed=SEED, extra=("--hypothesis-profile", "pinned"))
 
 
-def _options(entry: Entry) -> dict:
-    if entry.expected:
-        return dict(clauses=entry.expected, stop_first=True, seed=SEED, extra=("--hypothesis-profile", "pinned"))
-    if entry.name in DECLINING_TWINS:
-        return dict(extra=("--hypothesis-profile", "quick"))
-    return {}
+def _sessions() -> dict[str, list[Entry]]:
+    """Session name -> its entries: the broken entries that can share a session, in slices of at most SESSION_SIZE,
+    and every correct entry alone."""
+    sessions = {}
+    for group in shareable(CATALOG):
+        slices = math.ceil(len(group) / SESSION_SIZE)
+        for i in range(slices):
+            part = group[i * len(group) // slices:(i + 1) * len(group) // slices]
+            sessions[part[0].name if len(part) == 1 else f"{part[0].name}+{len(part) - 1}"] = part
+    return {**sessions, **{e.name: [e] for e in CORRECT_HERE}}
+
+
+SESSIONS = _sessions()
+SESSION_OF = {e.name: name for name, entries in SESSIONS.items() for e in entries}
+
+
+def _run_session(name: str) -> list[Run]:
+    entries = SESSIONS[name]
+    if entries[0].expected:
+        return run_together(entries, **PINNED)
+    if entries[0].name in DECLINING_TWINS:
+        return [run_entry(entries[0], extra=("--hypothesis-profile", "quick"))]
+    return [run_entry(entries[0])]
+
+
+class _Shared:
+    """A session's runs, computed once for every xdist worker: the first worker that needs it claims it (a file made
+    exclusively) and writes the runs; the others wait for them (or run it themselves if the claimer died)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def runs(self, name: str) -> list[Run]:
+        key = "catalog-session-" + "".join(c if c.isalnum() or c in "_+-" else "_" for c in name)
+        done, claim = self.directory / f"{key}.json", self.directory / f"{key}.claim"
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            deadline = time.monotonic() + 1800
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if done.exists():
+                return [_run_from(record) for record in json.loads(done.read_text())]
+        runs = _run_session(name)
+        partial = done.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps([dataclasses.asdict(run) for run in runs]))
+        os.replace(partial, done)
+        return runs
+
+
+def _run_from(record: dict) -> Run:
+    entry = Entry(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.pop("entry").items()})
+    return Run(entry, **record)
 
 
 @pytest.fixture(scope="module")
-def runs(request):
-    """name -> Future[Run], all started at once (two at a time) unless under pytest-xdist."""
+def runs(request, tmp_path_factory):
+    """name -> a callable returning its Run: under pytest-xdist, the worker's share of the sessions (``_Shared``);
+    else every selected entry's session started at once, two at a time."""
     if hasattr(request.config, "workerinput"):
-        yield None
+        shared = _Shared(tmp_path_factory.getbasetemp().parent)
+        cache: dict[str, list[Run]] = {}
+
+        def result(name: str) -> Run:
+            session = SESSION_OF[name]
+            if session not in cache:
+                cache[session] = shared.runs(session)
+            return next(run for run in cache[session] if run.entry.name == name)
+        yield result
         return
     selected = {item.callspec.params["entry"].name for item in request.session.items
                 if item.module.__name__ == __name__ and hasattr(item, "callspec") and "entry" in item.callspec.params}
-    entries = [e for e in CATALOG + CORRECT_HERE if e.name in selected]
+    chosen = {name: [e for e in entries if e.name in selected] for name, entries in SESSIONS.items()}
     with ThreadPoolExecutor(max_workers=int(os.environ.get("CATALOG_JOBS", "2"))) as pool:
-        yield {e.name: pool.submit(run_entry, e, **_options(e)) for e in entries}
+        futures: dict[str, Future] = {}
+        for name, entries in chosen.items():
+            if entries:
+                future = pool.submit(_run_chosen, name, entries)
+                futures.update({e.name: future for e in entries})
+        yield lambda name: next(run for run in futures[name].result() if run.entry.name == name)
 
 
-def _run(runs, entry: Entry) -> Run:
-    future: Future | None = None if runs is None else runs.get(entry.name)
-    return future.result() if future is not None else run_entry(entry, **_options(entry))
+def _run_chosen(name: str, entries: list[Entry]) -> list[Run]:
+    if len(entries) == len(SESSIONS[name]):
+        return _run_session(name)
+    return run_together(entries, **PINNED)
 
 
 def _explain(run: Run) -> str:
@@ -91,6 +165,7 @@ def test_catalog_is_well_formed():
     assert len(names) == len(set(names)), "entry names must be unique"
     here = {e.name for e in CORRECT_HERE}
     assert all(name in here and twin in here for name, twin in DECLINING_TWINS.items()), DECLINING_TWINS
+    assert sorted(SESSION_OF) == sorted(e.name for e in CATALOG + CORRECT_HERE)
     assert len(CATALOG) >= 30
     assert {e.level for e in CATALOG} == set(LEVELS)
     for entry in CATALOG:
@@ -99,11 +174,58 @@ def test_catalog_is_well_formed():
         assert not unknown, f"{entry.name}: clauses not in SPEC.md: {unknown}"
         assert entry.mechanism and "\n" not in entry.mechanism
     assert all(not e.expected for e in CORRECT)
+    # every module that declares an entry is listed: an unlisted one would leave its entries out unseen
+    from properties.catalog import MODULES
+    catalog = Path(properties.catalog.__file__).parent
+    declaring = {f"properties.catalog.{path.stem}" for path in catalog.glob("*.py") if path.stem != "registry"
+                 and any(word in path.read_text(encoding="utf-8") for word in ("@bug(", "@module_bug(", "@correct(",
+                                                                              "\ndeclare("))}
+    assert declaring <= set(MODULES), sorted(declaring - set(MODULES))
+
+
+def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypatch):
+    import types
+
+    from properties.catalog import registry
+    monkeypatch.setattr(registry, "_DECLARED", [])
+    module = types.ModuleType("catalog_fake_bugs")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def attention(q, k, v):
+        return q
+    attention.__module__ = module.__name__
+
+    class Broken:
+        def __call__(self, q, k, v):
+            return q
+    Broken.__module__ = module.__name__
+    registry.bug("ATTN-ORACLE", mechanism="m")(attention)
+    registry.bug("WINDOW-BOUNDS", api="flash", mechanism="m", instance="broken")(Broken)
+    registry.module_bug("part_bug", "ffn=gelu ffn._target_={target}", "FFN-FORMULA", mechanism="m")(Broken)
+    module.attention, module.broken = attention, Broken
+    with pytest.raises(ValueError, match="catalog_fake_bugs.broken is not an instance of"):
+        registry.entries([module.__name__])
+    module.broken = Broken()
+    broken, correct = registry.entries([module.__name__])
+    assert [(e.name, e.level, e.option, e.argument, e.extra) for e in broken] == [
+        ("attention", "kernel", "--kernel", "catalog_fake_bugs:attention", ()),
+        ("flash_broken", "kernel", "--kernel-api=flash", "--kernel=catalog_fake_bugs:broken", ()),
+        ("part_bug", "module", "--zoo", "ffn=gelu ffn._target_=catalog_fake_bugs." + Broken.__qualname__, ())]
+    assert correct == [] and broken[1].api == "flash" and broken[1].spec == "catalog_fake_bugs:broken"
+    with pytest.raises(ValueError, match="not listed: \\['catalog_fake_bugs'\\]"):
+        registry.entries([])
+    registry.bug("MODEL-PADDING", level="model", mechanism="m")(attention)
+    with pytest.raises(ValueError, match=r"declared twice: \['attention'\]"):
+        registry.entries([module.__name__])
+    with pytest.raises(TypeError, match="instance="):
+        registry.bug("ATTN-ORACLE", mechanism="m")(Broken)
+    with pytest.raises(ValueError, match="names the clauses"):
+        registry.bug(mechanism="m")
 
 
 @pytest.mark.parametrize("entry", CATALOG, ids=[e.name for e in CATALOG])
 def test_broken_implementation_fails_an_expected_clause(runs, entry):
-    run = _run(runs, entry)
+    run = runs(entry.name)
     assert run.returncode == 1 and run.rows, f"the suite did not run to a failure:\n{_explain(run)}"
     failed = run.failed_clauses
     assert set(failed) & set(entry.expected), (f"{entry.name} ({entry.mechanism}): expected one of "
@@ -112,7 +234,7 @@ def test_broken_implementation_fails_an_expected_clause(runs, entry):
 
 @pytest.mark.parametrize("entry", CORRECT_HERE, ids=[e.name for e in CORRECT_HERE])
 def test_correct_implementation_passes(runs, entry):
-    run = _run(runs, entry)
+    run = runs(entry.name)
     failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
     assert run.returncode == 0 and not failures, f"false alarm on {entry.name}: {failures}\n{_explain(run)}"
     assert sum(t["status"] == "passed" for t in run.tests) >= 10, f"too few tests ran:\n{_explain(run)}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from properties.catalog import flash_bugs
+from properties.catalog import CATALOG, flash_bugs, flash_kvcache_bugs, flash_varlen_bugs
 from properties.catalog.sessions import run_pytest
 from zoo.nn import flash_dense, flash_kvcache, flash_varlen
 
@@ -75,10 +75,16 @@ def _plain_call(api, fn):
     return fn(q, k.clone(), v.clone()), flash_dense.flash_attn_reference(q, k, v)
 
 
-@pytest.mark.parametrize("name", sorted(flash_bugs.BUGS))
+# The catalog's bugs of the three flash modules: name -> (API, the kernel).
+_FLASH_MODULES = {m.__name__: m for m in (flash_bugs, flash_varlen_bugs, flash_kvcache_bugs)}
+FLASH_BUGS = {name: (e.api, getattr(_FLASH_MODULES[module], name))
+              for e in CATALOG for module, _, name in [e.spec.partition(":")] if module in _FLASH_MODULES}
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_BUGS))
 def test_every_flash_bug_is_correct_on_the_plain_case(name):
-    api = flash_bugs.BUGS[name][0]
-    out, reference = _plain_call(api, getattr(flash_bugs, name))
+    api, kernel = FLASH_BUGS[name]
+    out, reference = _plain_call(api, kernel)
     torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
 
 
@@ -182,5 +188,5 @@ def test_flash_example_based_baseline_passes_the_reference_and_catches_a_bug():
 
     correct = flash_example_based.run(flash_varlen.flash_attn_varlen_packed, "flash-varlen")
     assert correct.cases == len(flash_example_based.GRID) and not correct.failures, correct.failures[:3]
-    broken = flash_example_based.run(flash_bugs.kvcache_leftpad_ignored, "flash-kvcache", stop_first=True)
+    broken = flash_example_based.run(flash_kvcache_bugs.kvcache_leftpad_ignored, "flash-kvcache", stop_first=True)
     assert broken.caught and "leftpad" in broken.failures[0], broken.failures[:1]

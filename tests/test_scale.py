@@ -49,7 +49,7 @@ def _outputs(name: str, s: Subject, length: int) -> torch.Tensor:
         return torch.cat(steps, 1)
 
 
-@pytest.mark.parametrize("name", list(scale_bugs.BUGS))
+@pytest.mark.parametrize("name", list(scale_bugs.TWINS))
 def test_scale_bugs_are_exact_below_their_threshold(name, one_thread):
     bug, twin = getattr(scale_bugs, name)(), scale_bugs.correct_twin(name)
     threshold = scale_bugs.TWINS[name][1]

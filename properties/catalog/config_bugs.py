@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from properties.adapters import hf_subject, require_transformers
+from properties.catalog.registry import bug, correct
 
-__all__ = ["BUGS", "CORRECT", "gemma3", "gemma2", "gemma", "llama", "llama_yarn", "llama_dynamic", "llama_bf16",
+__all__ = ["CORRECT", "gemma3", "gemma2", "gemma", "llama", "llama_yarn", "llama_dynamic", "llama_bf16",
            "qwen2_moe", "granitemoe", "mixtral", "ernie_moe", "glm4_moe", "phi3_longrope", "stablelm", "llama_pad_eos"]
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -71,6 +72,8 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long
 MOE = dict(num_experts_per_tok=2)
 
 
+@correct("HF Gemma 3, per-layer bases", level="model",
+         mechanism="sliding layers with base 1e4, global ones 1e6, query_pre_attn_scalar (the model the Gemma bugs vary)")
 def gemma3():
     return _subject(_build("Gemma3", **GEMMA3))
 
@@ -130,6 +133,8 @@ def ernie_moe():
     return _subject((_trained_bias(model), keywords))
 
 
+@correct("HF GLM-4-MoE, biased router", level="model",
+         mechanism="sigmoid scores, a trained correction bias, the best 1 of 2 groups, routed_scaling_factor 2.5 (the model the routing bugs vary)")
 def glm4_moe():
     model, keywords = _build("Glm4Moe", **MOE, n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
                              first_k_dense_replace=0, head_dim=8, routed_scaling_factor=2.5)
@@ -142,6 +147,8 @@ CORRECT = {name: globals()[name] for name in ("gemma3", "gemma2", "gemma", "llam
 
 
 # ------------------------------------------------------------------------------------------------------ the bugs
+@bug("MODEL-LAYER-ATTENTION", level="model",
+     mechanism="Gemma 3's sliding layers rotate with the global layers' base (1e6, not 1e4)")
 def gemma3_local_layers_global_base():
     model, keywords = _build("Gemma3", **GEMMA3)
     rotary = model.model.rotary_emb
@@ -151,6 +158,8 @@ def gemma3_local_layers_global_base():
     return _subject((model, keywords))
 
 
+@bug("MODEL-LAYER-ATTENTION", level="model",
+     mechanism="Gemma 2's scores scaled by head_dim^-1/2 where the config says query_pre_attn_scalar^-1/2")
 def gemma2_scale_from_head_dim():
     model, keywords = _build("Gemma2", **GEMMA2)
     for layer in model.model.layers:     # head_dim^-1/2 where the config says query_pre_attn_scalar^-1/2
@@ -158,6 +167,8 @@ def gemma2_scale_from_head_dim():
     return _subject((model, keywords))
 
 
+@bug("MODEL-LAYER-ATTENTION", level="model",
+     mechanism="YaRN's attention factor 0.1·ln(s) + 1 left at 1")
 def yarn_attention_factor_one():
     model, keywords = _build("Llama", rope_parameters=dict(YARN))
     model.model.rotary_emb.attention_scaling = 1.0      # YaRN's 0.1·ln(4) + 1 dropped: cos and sin unscaled
@@ -169,6 +180,8 @@ def _rms_without_unit_offset(self, x):
     return (output * self.weight.float()).type_as(x)     # the bug: w, not (1 + w)
 
 
+@bug("MODEL-LAYER-NORM", level="model",
+     mechanism="Gemma's RMSNorm scales by w instead of (1 + w)")
 def gemma_norm_without_unit_offset():
     model, keywords = _build("Gemma", head_dim=8)
     with torch.no_grad():   # trained-looking gains, so that the model is not degenerate either way
@@ -186,6 +199,8 @@ def _rms_eps_outside_root(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
+@bug("MODEL-LAYER-NORM", level="model",
+     mechanism="RMSNorm x/(√(mean x²) + eps): eps outside the root (NaN gradient at a zero embedding)")
 def rmsnorm_eps_outside_root():
     model, keywords = _build("Llama")
     return _subject((_patch(model, "LlamaRMSNorm", _rms_eps_outside_root), keywords))
@@ -199,6 +214,8 @@ def _shared_expert_ungated(self, hidden_states):
     return (self.experts(flat, experts, weights) + shared).reshape(batch_size, sequence_length, hidden_dim)
 
 
+@bug("MODEL-LAYER-MOE", level="model",
+     mechanism="Qwen2-MoE's shared expert added without its sigmoid gate")
 def qwen2_moe_shared_expert_ungated():
     model, _ = _build("Qwen2Moe", **MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     # hf_subject's probe finds the gate unreached and asks for the keyword; the user passes it, as a user does
@@ -214,6 +231,8 @@ def _mixtral_not_renormalised(self, hidden_states):
     return logits, top, indices
 
 
+@bug("MODEL-ROUTING", "MODEL-LAYER-MOE", level="model",
+     mechanism="Mixtral's router skips the renormalisation over its top 2")
 def mixtral_not_renormalised():
     model, keywords = _build("Mixtral", **MOE, num_local_experts=4)
     return _subject((_patch(model, "MixtralTopKRouter", _mixtral_not_renormalised), keywords))
@@ -228,12 +247,16 @@ def _ernie_bias_ignored(self, hidden_states):
     return logits, weights.to(hidden_states.dtype), chosen
 
 
+@bug("MODEL-ROUTING", "MODEL-LAYER-MOE", level="model",
+     mechanism="Ernie 4.5-MoE's router chooses without its e_score_correction_bias")
 def ernie_moe_bias_ignored():
     model, keywords = _build("Ernie4_5_Moe", **MOE, num_experts=4, moe_intermediate_size=16, moe_layer_start_index=0,
                              moe_num_shared_experts=1)
     return _subject((_patch(_trained_bias(model), "Ernie4_5_MoeTopKRouter", _ernie_bias_ignored), keywords))
 
 
+@bug("MODEL-ROUTING", "MODEL-LAYER-MOE", level="model",
+     mechanism="GLM-4-MoE's combine weights not multiplied by routed_scaling_factor")
 def glm4_moe_scaling_factor_dropped():
     model, keywords = _build("Glm4Moe", **MOE, n_routed_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
                              first_k_dense_replace=0, head_dim=8, routed_scaling_factor=2.5)
@@ -249,11 +272,15 @@ def _granite_router_bf16(self, hidden_states):
     return logits, torch.softmax(top_logits, dim=-1).type_as(hidden_states), top_index
 
 
+@bug("MODEL-PRECISION", level="model",
+     mechanism="GraniteMoE's router computes its logits in bfloat16 inside a float32 model")
 def granitemoe_router_in_bf16():
     model, keywords = _build("GraniteMoe", **MOE, num_local_experts=4)
     return _subject((_patch(model, "GraniteMoeTopKRouter", _granite_router_bf16), keywords))
 
 
+@bug("MODEL-LAYER-ATTENTION", level="model",
+     mechanism="Phi-3's LongRoPE keeps the short factors past the trained length")
 def phi3_longrope_short_factors_past_trained_length():
     model, keywords = _build("Phi3", original_max_position_embeddings=16, rope_parameters=dict(LONGROPE))
     rotary = model.model.rotary_emb
@@ -261,6 +288,8 @@ def phi3_longrope_short_factors_past_trained_length():
     return _subject((model, keywords))
 
 
+@bug("MODEL-LAYER-ATTENTION", level="model",
+     mechanism="StableLM rotates every feature where partial_rotary_factor says a quarter")
 def stablelm_full_rotary():
     model, keywords = _build("StableLm")
     for layer in model.model.layers:    # every feature rotated where partial_rotary_factor says a quarter
@@ -286,11 +315,15 @@ def _rotary_table_cached(self, x, position_ids):
     return table[0][position_ids].to(x.dtype), table[1][position_ids].to(x.dtype)
 
 
+@bug("MODEL-HISTORY", level="model",
+     mechanism="a bfloat16 Llama's rotary table, cached at its first call, kept in bfloat16 after .to(float64)")
 def rotary_table_kept_after_cast():
     model, keywords = _build("Llama", torch.bfloat16)
     return _subject((_patch(model, "LlamaRotaryEmbedding", _rotary_table_cached), keywords))
 
 
+@bug("MODEL-HISTORY", "MODEL-LAYER-ATTENTION", level="model",
+     mechanism="dynamic NTK's base, enlarged by an input past max_position_embeddings, never restored (transformers #25306)")
 def dynamic_ntk_never_restored():
     model, keywords = _build("Llama", rope_parameters=dict(DYNAMIC))
     # transformers #25306: the base enlarged by a call past max_position_embeddings is kept for every later call
@@ -298,6 +331,8 @@ def dynamic_ntk_never_restored():
     return _subject((model, keywords))
 
 
+@bug("MODEL-LAYER-ENDS", level="model",
+     mechanism="Gemma's token embeddings not multiplied by √hidden_size")
 def gemma_embeddings_unscaled():
     model, keywords = _build("Gemma", head_dim=8)
     with torch.no_grad():   # a port that forgets Gemma's √hidden_size on the token embeddings
@@ -306,6 +341,8 @@ def gemma_embeddings_unscaled():
     return _subject((model, keywords))
 
 
+@bug("MODEL-PADDING-IDS", level="model",
+     mechanism="pad = eos, padding taken from input_ids != pad_token_id: real eos tokens dropped")
 def padding_from_ids():
     """pad = eos; the model ANDs the attention mask with ``input_ids != pad_token_id``: every real eos is dropped."""
     model, keywords = _build("Llama", pad_token_id=2, eos_token_id=2)
@@ -330,40 +367,8 @@ def _jitter_always(self, hidden_states):
     return self.experts(hidden_states, experts, weights).reshape(batch_size, sequence_length, hidden_dim)
 
 
+@bug("MODEL-DETERMINISM", level="model",
+     mechanism="Mixtral's router jitter noise applied in eval mode")
 def router_jitter_in_eval():
     model, keywords = _build("Mixtral", **MOE, num_local_experts=4, router_jitter_noise=0.1)
     return _subject((_patch(model, "MixtralSparseMoeBlock", _jitter_always), keywords))
-
-
-BUGS = {
-    "gemma3_local_layers_global_base": ("Gemma 3's sliding layers rotate with the global layers' base (1e6, not 1e4)",
-                                        ("MODEL-LAYER-ATTENTION",)),
-    "gemma2_scale_from_head_dim": ("Gemma 2's scores scaled by head_dim^-1/2 where the config says "
-                                   "query_pre_attn_scalar^-1/2", ("MODEL-LAYER-ATTENTION",)),
-    "yarn_attention_factor_one": ("YaRN's attention factor 0.1·ln(s) + 1 left at 1", ("MODEL-LAYER-ATTENTION",)),
-    "gemma_norm_without_unit_offset": ("Gemma's RMSNorm scales by w instead of (1 + w)", ("MODEL-LAYER-NORM",)),
-    "rmsnorm_eps_outside_root": ("RMSNorm x/(√(mean x²) + eps): eps outside the root (NaN gradient at a zero "
-                                 "embedding)", ("MODEL-LAYER-NORM",)),
-    "qwen2_moe_shared_expert_ungated": ("Qwen2-MoE's shared expert added without its sigmoid gate",
-                                        ("MODEL-LAYER-MOE",)),
-    "mixtral_not_renormalised": ("Mixtral's router skips the renormalisation over its top 2",
-                                 ("MODEL-ROUTING", "MODEL-LAYER-MOE")),
-    "ernie_moe_bias_ignored": ("Ernie 4.5-MoE's router chooses without its e_score_correction_bias",
-                               ("MODEL-ROUTING", "MODEL-LAYER-MOE")),
-    "glm4_moe_scaling_factor_dropped": ("GLM-4-MoE's combine weights not multiplied by routed_scaling_factor",
-                                        ("MODEL-ROUTING", "MODEL-LAYER-MOE")),
-    "granitemoe_router_in_bf16": ("GraniteMoE's router computes its logits in bfloat16 inside a float32 model",
-                                  ("MODEL-PRECISION",)),
-    "phi3_longrope_short_factors_past_trained_length": ("Phi-3's LongRoPE keeps the short factors past the trained "
-                                                        "length", ("MODEL-LAYER-ATTENTION",)),
-    "stablelm_full_rotary": ("StableLM rotates every feature where partial_rotary_factor says a quarter",
-                             ("MODEL-LAYER-ATTENTION",)),
-    "rotary_table_kept_after_cast": ("a bfloat16 Llama's rotary table, cached at its first call, kept in bfloat16 "
-                                     "after .to(float64)", ("MODEL-HISTORY",)),
-    "gemma_embeddings_unscaled": ("Gemma's token embeddings not multiplied by √hidden_size", ("MODEL-LAYER-ENDS",)),
-    "padding_from_ids": ("pad = eos, padding taken from input_ids != pad_token_id: real eos tokens dropped",
-                         ("MODEL-PADDING-IDS",)),
-    "router_jitter_in_eval": ("Mixtral's router jitter noise applied in eval mode", ("MODEL-DETERMINISM",)),
-    "dynamic_ntk_never_restored": ("dynamic NTK's base, enlarged by an input past max_position_embeddings, never "
-                                   "restored (transformers #25306)", ("MODEL-HISTORY", "MODEL-LAYER-ATTENTION")),
-}

@@ -21,6 +21,7 @@ import math
 import torch
 
 from properties.catalog.correct import KEY_BLOCK, StepwiseAttention, block_size
+from properties.catalog.registry import bug
 
 __all__ = ["atomic_order_attention", "split_by_batch_attention", "batch_invariant_attention", "SPLIT_TARGET"]
 
@@ -34,6 +35,8 @@ def _blocked_sum(weights: torch.Tensor, value: torch.Tensor, bounds: list[tuple[
     return out
 
 
+@bug("KERNEL-DETERMINISTIC", extra=("--deterministic",), instance="atomic_order_attention",
+     mechanism="key blocks' partial sums added in an order that changes with every call (atomic adds)")
 class AtomicOrderAttention(StepwiseAttention):
     """Partial sums of key blocks added in a new order on every call (a counter seeds the order, so a run replays)."""
 
@@ -50,6 +53,8 @@ class AtomicOrderAttention(StepwiseAttention):
 SPLIT_TARGET = 8   # the parallel work items the split-K kernel aims at: splits = SPLIT_TARGET // (B x H)
 
 
+@bug("KERNEL-BATCH-INVARIANT", extra=("--batch-invariant",), instance="split_by_batch_attention",
+     mechanism="split-K over the keys with the split count chosen from B x H")
 class SplitByBatchAttention(StepwiseAttention):
     """Split-K over the keys, the split count from the number of (batch, head) slices."""
 

@@ -25,14 +25,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from properties.catalog._utils import compute_dtype
+from properties.catalog.registry import Entry, correct, declare
+
 __all__ = ["StepwiseAttention", "stepwise_attention", "flash_attention", "memory_efficient_block3", "TorchMultiheadAttention",
            "QUERY_BLOCK", "KEY_BLOCK", "block_size"]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
+@correct("stepwise", instance="stepwise_attention",
+         mechanism="correct.StepwiseAttention (the broken kernels' base)")
 class StepwiseAttention:
     """``softmax(q kᵀ σ + m) v`` in the steps every attention implementation has; one method per step."""
 
@@ -60,7 +61,7 @@ class StepwiseAttention:
         return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
 
     def compute_dtype(self, dtype):
-        return _compute_dtype(dtype)
+        return compute_dtype(dtype)
 
     def scores(self, query, key, sigma, ct):
         # Scale q before the product: the unscaled q·k may overflow where the score does not.
@@ -123,6 +124,8 @@ def _key_tiles(s: int, block: int) -> int:
     return math.ceil(s / block)
 
 
+@correct("flash", mechanism="FlashAttention's tiled online softmax in plain torch")
+@correct("flash in the zoo", zoo="attention.kernel={spec}", mechanism="the zoo's attention on the flash kernel")
 def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, *, _key_tiles=_key_tiles):
     """FlashAttention's tiled forward pass with an online softmax, in plain torch (same contract as SDPA)."""
@@ -133,7 +136,7 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
     sigma = 1.0 / math.sqrt(e) if scale is None else scale
-    ct = _compute_dtype(query.dtype)
+    ct = compute_dtype(query.dtype)
     q, k, v = query.to(ct) * sigma, key.to(ct), value.to(ct)
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     mask = None
@@ -179,6 +182,7 @@ def flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 # ------------------------------------------------------------------------- nn.MultiheadAttention adapter
+_NO_KERNEL_NOR_KV_HEADS = "~attention.kernel attention.kv_heads=1 ~attention.kv_heads"   # see the class docstring
 def _is_plain_order(positions) -> bool:
     """Whether a position module leaves queries, keys and scores alone (nn.MultiheadAttention has no hook)."""
     from zoo.nn.positional import Positions
@@ -186,6 +190,11 @@ def _is_plain_order(positions) -> bool:
                                  and type(positions).score_bias is Positions.score_bias)
 
 
+@correct("nn.MultiheadAttention", zoo=f"attention._target_={{target}} {_NO_KERNEL_NOR_KV_HEADS}",
+         mechanism="torch.nn.MultiheadAttention as the zoo's attention")
+@correct("nn.MultiheadAttention (enc-dec)",
+         zoo=f"model=encoder_decoder attention._target_={{target}} {_NO_KERNEL_NOR_KV_HEADS}",
+         mechanism="torch.nn.MultiheadAttention in an encoder-decoder")
 class TorchMultiheadAttention(nn.Module):
     """``nn.MultiheadAttention(batch_first=True)`` with the zoo's attention contract (docs/verify.md).
 
@@ -237,6 +246,8 @@ class TorchMultiheadAttention(nn.Module):
         return out
 
 
+@correct("memory_efficient, blocks of 3",
+         mechanism="the same with 3-key blocks (S/8 past 24 keys): every block path runs")
 def memory_efficient_block3(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                             enable_gqa=False):
     """The zoo's memory-efficient kernel with blocks of 3 keys, so the suite's small problems cross block
@@ -245,3 +256,20 @@ def memory_efficient_block3(query, key, value, attn_mask=None, dropout_p=0.0, is
     from zoo.nn.memory_efficient import memory_efficient_attention
     return memory_efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                       block=block_size(key.shape[-2], 3))
+
+
+# ----------------------------------------------------------- correct implementations defined outside the catalog
+declare(Entry("F.scaled_dot_product_attention", "kernel", "PyTorch's SDPA", (), "--kernel",
+              "torch.nn.functional:scaled_dot_product_attention"))
+declare(Entry("zoo math", "kernel", "the zoo's einsum kernel", (), "--kernel", "math"))
+declare(Entry("zoo torch", "kernel", "the zoo's backend calling F.scaled_dot_product_attention", (), "--kernel",
+              "torch"))
+declare(Entry("zoo memory_efficient", "kernel", "the zoo's FlashAttention-2 style kernel with its own backward", (),
+              "--kernel", "memory_efficient"))
+declare(Entry("zoo flash-API kernels", "kernel", "zoo/nn/flash.py: reference, tiled, varlen loop and packed, kvcache "
+              "gather and paged", (), "--kernel-api", "flash"))
+declare(Entry("nn.TransformerEncoder", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:encoder"))
+declare(Entry("nn.Transformer", "model", "examples/torch_nn.py", (), "--model", "examples/torch_nn.py:transformer"))
+declare(Entry("HF GPT-2", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:gpt2"))
+declare(Entry("HF BERT", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bert"))
+declare(Entry("HF BART", "model", "examples/huggingface.py", (), "--model", "examples/huggingface.py:bart"))

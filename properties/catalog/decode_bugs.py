@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from properties.catalog.registry import bug, correct
 from properties.core.subject import Subject
 from zoo.nn.attention import MultiHeadAttention
 
 __all__ = ["TinyLM", "KVCache", "tiny_lm", "one_token_positions_from_columns", "one_token_past_length_from_first_row",
-           "one_token_step_attends_padding", "cache_keeps_last_block", "long_chunk_causal_top_left", "BUGS"]
+           "one_token_step_attends_padding", "cache_keeps_last_block", "long_chunk_causal_top_left"]
 
 VOCAB, D, HEADS, LAYERS, MAX_LEN, PAD = 64, 32, 2, 2, 32, 0
 BLOCK = 8   # the cache's block (cache_keeps_last_block) and the chunked-prefill threshold (long_chunk_causal_top_left)
@@ -173,11 +174,15 @@ class OneTokenStepIgnoresPadding(MultiHeadAttention):
 
 
 # ------------------------------------------------------------------------------------------------ factories
+@correct("HF-style decoder", level="model", mechanism="decode_bugs.TinyLM, the model the decode-path bugs vary")
 def tiny_lm() -> Subject:
-    """The correct model (properties.catalog.CORRECT)."""
+    """The correct model."""
     return _subject(TinyLM)
 
 
+@bug("MODEL-BATCHED-DECODING", level="model",
+     mechanism=("one-token cached steps number the new token by the cache length (columns, padding included) instead "
+                "of the real tokens before it"))
 def one_token_positions_from_columns() -> Subject:
     return _subject(_PositionsFromColumns)
 
@@ -186,14 +191,23 @@ def one_token_past_length_from_first_row() -> Subject:
     return _subject(_PastLengthFromFirstRow)
 
 
+@bug("MODEL-BATCHED-DECODING", level="model",
+     mechanism=("chunks of 8 or more tokens after cached keys take the chunked-prefill path, whose causal mask is "
+                "aligned top-left (is_causal) and misses the cache's offset"))
 def long_chunk_causal_top_left() -> Subject:
     return _subject(_LongChunkTopLeft)
 
 
+@bug("MODEL-BATCHED-DECODING", level="model",
+     mechanism=("a cache in blocks of 8 positions replaces its contents with the new chunk when a write opens a new "
+                "block: it keeps only the last chunk"))
 def cache_keeps_last_block() -> Subject:
     return _subject(_CacheKeepsLastBlock)
 
 
+@bug("MODEL-BATCHED-DECODING", level="model",
+     mechanism=("the zoo's attention drops the padding mask in one-token cached steps (a lone query \"needs no "
+                "mask\"): padded keys are attended"))
 def one_token_step_attends_padding():
     """The zoo's tiny rotary decoder (left-padding invariant) on OneTokenStepIgnoresPadding."""
     from properties.catalog import models
@@ -203,15 +217,3 @@ def one_token_step_attends_padding():
     return DecoderOnly(**{**models.parts(attention=OneTokenStepIgnoresPadding), "pos": rotary})
 
 
-BUGS = {
-    "one_token_positions_from_columns": "one-token cached steps number the new token by the cache length (columns, "
-                                        "padding included) instead of the real tokens before it",
-    "one_token_past_length_from_first_row": "one-token cached steps take one past length for the whole batch from the "
-                                            "first row's mask (attention_mask[0].sum())",
-    "one_token_step_attends_padding": "the zoo's attention drops the padding mask in one-token cached steps (a lone "
-                                      "query \"needs no mask\"): padded keys are attended",
-    "cache_keeps_last_block": "a cache in blocks of 8 positions replaces its contents with the new chunk when a write "
-                              "opens a new block: it keeps only the last chunk",
-    "long_chunk_causal_top_left": "chunks of 8 or more tokens after cached keys take the chunked-prefill path, whose "
-                                  "causal mask is aligned top-left (is_causal) and misses the cache's offset",
-}

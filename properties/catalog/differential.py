@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from properties.catalog.registry import bug, correct
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.kernel import math_attention, resolve_kernel, torch_attention
 from zoo.nn.memory_efficient import memory_efficient_attention
@@ -27,7 +28,7 @@ from zoo.nn.models import DecoderOnly, EncoderDecoder
 from zoo.nn.positional import RotaryPositions
 
 __all__ = ["reference", "softmax_scale_off", "attention_bias_dropped", "one_layer_wrong_backward",
-           "split_kv_decode_drops_last_block", "memory_efficient", "torch_encoder_decoder", "BUGS", "SPLIT_BLOCK"]
+           "split_kv_decode_drops_last_block", "memory_efficient", "torch_encoder_decoder", "SPLIT_BLOCK"]
 
 MAX_LEN = 64      # room for MODEL-DIFF-DECODE's 64 positions, past split_kv's blocks of 32
 SPLIT_BLOCK = 32
@@ -58,6 +59,9 @@ def reference(subject):
 
 
 # ------------------------------------------------------------------------------------------- the fast parts
+_AGAINST_REFERENCE = ("--reference", f"{__name__}:reference")   # every model here is checked against reference()
+
+
 def _scale_2_percent_off(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False):
     """A fused kernel whose softmax scale is 1.02/sqrt(d_k) (a constant folded in with the wrong value)."""
@@ -97,14 +101,21 @@ def _split_kv_decode(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 # ------------------------------------------------------------------------------------------------ factories
+@bug("MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE", level="model", extra=_AGAINST_REFERENCE,
+     mechanism="a fused kernel's softmax scale is 2% off: 1.02/sqrt(d_k)")
 def softmax_scale_off():
     return _tiny(kernel=_scale_2_percent_off)
 
 
+@bug("MODEL-DIFF-FORWARD", "MODEL-DIFF-GRADIENT", "MODEL-DIFF-DECODE", level="model", extra=_AGAINST_REFERENCE,
+     mechanism="a fused QKV projection drops the query, key and value biases")
 def attention_bias_dropped():
     return _tiny(attention=FusedQKVWithoutBias)
 
 
+@bug("MODEL-DIFF-GRADIENT", level="model", extra=_AGAINST_REFERENCE,
+     mechanism=("layer 1's attention kernel has an exact forward and a backward without the rowsum term "
+                "D = rowsum(dO ∘ O)"))
 def one_layer_wrong_backward():
     """Layer 1's self-attention on a kernel with an exact forward and a backward without the rowsum term."""
     model = _tiny()
@@ -112,6 +123,8 @@ def one_layer_wrong_backward():
     return model
 
 
+@bug("MODEL-DIFF-DECODE", level="model", extra=_AGAINST_REFERENCE,
+     mechanism="split-KV decoding of one query over > 32 keys drops the last, partial block of keys (s // 32 blocks)")
 def split_kv_decode_drops_last_block():
     return _tiny(kernel=_split_kv_decode)
 
@@ -121,21 +134,17 @@ def _memory_efficient_block16(query, key, value, attn_mask=None, dropout_p=0.0, 
     return memory_efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, block=16)
 
 
+@correct("memory_efficient vs math", level="model", extra=_AGAINST_REFERENCE,
+         mechanism="the zoo's memory-efficient kernel (16-key blocks) against the math kernel, the same weights")
 def memory_efficient():
     """Correct: the zoo's FlashAttention-2 style kernel, with blocks of 16 keys so that decoding crosses blocks."""
     return _tiny(kernel=_memory_efficient_block16)
 
 
+@correct("torch vs math (enc-dec)", level="model", extra=_AGAINST_REFERENCE,
+         mechanism="an encoder-decoder on PyTorch's SDPA against the math kernel, the same weights")
 def torch_encoder_decoder():
     """Correct: an encoder-decoder on PyTorch's fused kernel (F.scaled_dot_product_attention)."""
     return _tiny(EncoderDecoder, kernel=torch_attention)
 
 
-BUGS = {
-    "softmax_scale_off": "a fused kernel's softmax scale is 2% off: 1.02/sqrt(d_k)",
-    "attention_bias_dropped": "a fused QKV projection drops the query, key and value biases",
-    "one_layer_wrong_backward": "layer 1's attention kernel has an exact forward and a backward without the rowsum "
-                                "term D = rowsum(dO ∘ O)",
-    "split_kv_decode_drops_last_block": "split-KV decoding of one query over > 32 keys drops the last, partial block "
-                                        "of keys (s // 32 blocks)",
-}

@@ -1,12 +1,15 @@
 """Broken kernels with ``flash_attn_with_kvcache``'s API (a KV cache appended in place, paged, batch-indexed,
 left-padded): ``KVCacheBase``, the correct kernel in overridable steps, and one realistic bug each as a subclass
-that overrides one step (properties/catalog/flash_bugs.py lists them all in ``BUGS``).
+that overrides one step, declared a catalog entry by the ``@bug`` above it.
+
+    pytest properties/ --kernel-api flash-kvcache --kernel properties.catalog.flash_kvcache_bugs:kvcache_seqlens_off_by_one
 """
 from __future__ import annotations
 
 import torch
 
-from properties.catalog.flash_func_bugs import causal_top_left, flash_base
+from properties.catalog.flash_bugs import causal_top_left, flash_base
+from properties.catalog.registry import bug
 
 __all__ = ["KVCacheBase", "kvcache_base", "kvcache_seqlens_off_by_one", "kvcache_stale_slots_attended",
            "kvcache_append_off_by_one", "kvcache_paged_block_table_ignored", "kvcache_batch_idx_ignored_on_read",
@@ -74,16 +77,24 @@ class KVCacheBase:
 kvcache_base = KVCacheBase()
 
 
+@bug("KVCACHE-EQUALS-FULL", "KVCACHE-PAGED-EQUALS-CONTIGUOUS", "KVCACHE-BATCH-IDX", "KVCACHE-LEFTPAD",
+     api="flash-kvcache", instance="kvcache_seqlens_off_by_one",
+     mechanism="attends cache_seqlens + Lnew + 1 positions: one stale slot")
 class _SeqlensOffByOne(KVCacheBase):
     def attended(self, leftpad, seqlen, lnew, capacity):
         return leftpad, min(seqlen + lnew + 1, capacity)
 
 
+@bug("KVCACHE-EQUALS-FULL", "KVCACHE-PAGED-EQUALS-CONTIGUOUS", "KVCACHE-BATCH-IDX", "KVCACHE-LEFTPAD",
+     api="flash-kvcache", instance="kvcache_stale_slots_attended",
+     mechanism="cache_seqlens ignored when attending: the whole cache is read")
 class _StaleSlotsAttended(KVCacheBase):
     def attended(self, leftpad, seqlen, lnew, capacity):
         return leftpad, capacity
 
 
+@bug("KVCACHE-APPEND", "KVCACHE-EQUALS-FULL", api="flash-kvcache", instance="kvcache_append_off_by_one",
+     mechanism="new keys written from cache_seqlens - 1: the last cached key is overwritten")
 class _AppendOffByOne(KVCacheBase):
     def write_positions(self, seqlen, lnew):     # cache_seqlens read as the index of the last filled slot
         return range(max(seqlen - 1, 0), max(seqlen - 1, 0) + lnew)
@@ -92,6 +103,9 @@ class _AppendOffByOne(KVCacheBase):
         return leftpad, max(seqlen - 1, 0) + lnew if lnew else seqlen
 
 
+@bug("KVCACHE-PAGED-EQUALS-CONTIGUOUS", "KVCACHE-APPEND", api="flash-kvcache",
+     instance="kvcache_paged_block_table_ignored",
+     mechanism="paged position p read from block b*max_blocks + p//size (the table assumed to be the identity)")
 class _PagedBlockTableIgnored(KVCacheBase):
     def locate(self, index, row, p, block_table, block_size, max_blocks):
         if block_table is None:
@@ -99,16 +113,23 @@ class _PagedBlockTableIgnored(KVCacheBase):
         return index * max_blocks + p // block_size, p % block_size
 
 
+@bug("KVCACHE-BATCH-IDX", api="flash-kvcache", instance="kvcache_batch_idx_ignored_on_read",
+     mechanism="appends to row cache_batch_idx[b] but attends row b")
 class _BatchIdxIgnoredOnRead(KVCacheBase):
     def read_row(self, index, rows):
         return index
 
 
+@bug("KVCACHE-LEFTPAD", api="flash-kvcache", instance="kvcache_leftpad_ignored",
+     mechanism="cache_leftpad ignored: the pad slots are attended")
 class _LeftpadIgnored(KVCacheBase):
     def attended(self, leftpad, seqlen, lnew, capacity):
         return 0, seqlen + lnew
 
 
+@bug("KVCACHE-EQUALS-FULL", "KVCACHE-PAGED-EQUALS-CONTIGUOUS", "KVCACHE-BATCH-IDX", "KVCACHE-LEFTPAD",
+     api="flash-kvcache", instance="kvcache_causal_top_left",
+     mechanism="decode causal mask aligned to the cache start (j <= i), not its end")
 class _DecodeCausalTopLeft(KVCacheBase):
     flash = causal_top_left
 

@@ -1,6 +1,8 @@
 """Broken kernels with ``flash_attn_varlen_func``'s API (packed sequences, ``cu_seqlens``): ``varlen_base``, the
-correct kernel (flash_func_bugs.flash_base on every sequence's slices), and one realistic bug each
-(properties/catalog/flash_bugs.py lists them all in ``BUGS``).
+correct kernel (flash_bugs.flash_base on every sequence's slices), and one realistic bug each, declared a catalog
+entry by the ``@bug`` above it.
+
+    pytest properties/ --kernel-api flash-varlen --kernel properties.catalog.flash_varlen_bugs:varlen_causal_global_offset
 """
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import math
 
 import torch
 
-from properties.catalog.flash_func_bugs import _ct, flash_base
+from properties.catalog._utils import compute_dtype
+from properties.catalog.flash_bugs import flash_base
+from properties.catalog.registry import bug
 from zoo.nn.flash_dense import band_allowed
 
 __all__ = ["varlen_base", "varlen_reads_one_key_past_the_end", "varlen_backward_across_sequences",
@@ -36,6 +40,8 @@ def varlen_base(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return out
 
 
+@bug("VARLEN-EQUALS-PADDED", "VARLEN-INDEPENDENT", api="flash-varlen",
+     mechanism="sequence b's keys sliced k[cu_k[b] : cu_k[b+1] + 1]: the next sequence's first key leaks in")
 def varlen_reads_one_key_past_the_end(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
     return varlen_base(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs, _key_slice=lambda a, b: (a, b + 1))
 
@@ -61,9 +67,12 @@ class _VarlenBackwardAcrossSequences(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+@bug("VARLEN-GRAD", api="flash-varlen",
+     mechanism="exact forward; the backward differentiates one attention over the whole packed batch")
 def varlen_backward_across_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
     return _VarlenBackwardAcrossSequences.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
+@bug("VARLEN-EQUALS-PADDED", api="flash-varlen", mechanism="(B, H) slopes: row 0 used for every sequence")
 def varlen_alibi_row0(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
     return varlen_base(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs, _row=lambda index: 0)
 
@@ -74,7 +83,7 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_s
     total_k = k.shape[0]
     if total_q == 0 or total_k == 0:
         return q.new_zeros(total_q, h, v.shape[-1])
-    ct = _ct(q.dtype)
+    ct = compute_dtype(q.dtype)
 
     def ids(cu, total):
         seq = torch.full((total,), -1, dtype=torch.long)
@@ -102,6 +111,8 @@ def _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_s
     return torch.einsum("hls,shv->lhv", w, flash_base.expand(v[None], h)[0].to(ct)).to(q.dtype)
 
 
+@bug("VARLEN-EQUALS-PADDED", api="flash-varlen",
+     mechanism="causal/window diagonal of the packed matrix (total_k - total_q), not each sequence's Lk_b - Lq_b")
 def varlen_causal_global_offset(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                 deterministic=False, return_attn_probs=False):
@@ -115,6 +126,8 @@ def varlen_causal_global_offset(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                    allowed)
 
 
+@bug("VARLEN-INDEPENDENT", "VARLEN-EQUALS-PADDED", api="flash-varlen",
+     mechanism="keys bounded by the end of the query's sequence only: earlier sequences leak in")
 def varlen_cross_sequence_leak(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                deterministic=False, return_attn_probs=False):

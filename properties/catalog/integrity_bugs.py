@@ -17,15 +17,18 @@ import torch
 import torch.nn.functional as F
 
 from properties.catalog.correct import StepwiseAttention
-from properties.catalog.scale_bugs import E, ScaleLM, _subject
+from properties.catalog.registry import bug
+from properties.catalog.scale_bugs import E, ScaleLM, scale_subject
 from properties.core.subject import Subject
 
 __all__ = ["query_scaled_in_place", "output_buffer_reused", "output_memoized_by_address", "single_key_returns_value",
            "causal_mask_cached_by_query_length", "assumes_contiguous_strides", "expanded_kv_tail_dropped",
-           "query_rescaled_in_backward", "dynamic_ntk_base_kept", "KERNEL_BUGS", "MODEL_BUGS"]
+           "query_rescaled_in_backward", "dynamic_ntk_base_kept"]
 
 
 # ------------------------------------------------------------------------------------------ integrity
+@bug("ATTN-INPUTS-UNCHANGED", instance="query_scaled_in_place",
+     mechanism="q *= scale on the caller's query before the scores")
 class _QueryScaledInPlace(StepwiseAttention):
     """``query *= scale`` before the scores (fairseq's and Hugging Face's attention code scale q in place, on a
     tensor the module made itself; a kernel that does it changes the caller's query)."""
@@ -36,6 +39,8 @@ class _QueryScaledInPlace(StepwiseAttention):
         return q @ key.to(ct).transpose(-1, -2)
 
 
+@bug("ATTN-OUTPUT-FRESH", instance="output_buffer_reused",
+     mechanism="every output written into one buffer per shape and returned: the next call overwrites it")
 class _OutputBufferReused(StepwiseAttention):
     """Writes every output into one preallocated buffer per shape and returns it (a workspace handed back to the
     caller): the next call of that shape overwrites the output the caller holds."""
@@ -50,6 +55,8 @@ class _OutputBufferReused(StepwiseAttention):
         return buffer
 
 
+@bug("ATTN-OUTPUT-FRESH", instance="output_memoized_by_address",
+     mechanism="outputs memoized by the inputs' data_ptr: inputs written in place get the stale output")
 class _OutputMemoizedByAddress(StepwiseAttention):
     """Memoizes outputs keyed on the inputs' addresses and shapes, as caches of constant tensors (rotary tables,
     masks) are keyed: a caller that writes new values into the same tensors (a static KV cache) gets the stale
@@ -66,6 +73,8 @@ class _OutputMemoizedByAddress(StepwiseAttention):
         return self.memo[memo_key].clone()
 
 
+@bug("ATTN-OUTPUT-FRESH", instance="single_key_returns_value",
+     mechanism="with one key, value.expand over the queries returned: the output aliases value")
 class _SingleKeyReturnsValue(StepwiseAttention):
     """With one key the softmax is exactly 1, so the output is the value row: returned as ``value.expand`` over
     the queries, a view of the caller's value (an output that aliases an input)."""
@@ -78,6 +87,8 @@ class _SingleKeyReturnsValue(StepwiseAttention):
 
 
 # -------------------------------------------------------------------------------------------- history
+@bug("ATTN-HISTORY", instance="causal_mask_cached_by_query_length",
+     mechanism="the causal bias cached per L alone, padded with zeros for a larger S")
 class _CausalMaskCachedByQueryLength(StepwiseAttention):
     """The additive causal bias (0 on and below the diagonal, −inf above) cached per query length L only, and
     fitted to the next call's key count S by cropping or by padding with zeros, the bias's neutral value: a call
@@ -96,6 +107,8 @@ class _CausalMaskCachedByQueryLength(StepwiseAttention):
 
 
 # --------------------------------------------------------------------------------------------- layouts
+@bug("ATTN-LAYOUT", instance="assumes_contiguous_strides",
+     mechanism="q, k, v read with as_strided and contiguous strides")
 class _AssumesContiguousStrides(StepwiseAttention):
     """Reads q, k, v through ``as_strided`` with the contiguous strides of their shapes (as a kernel that takes
     ``data_ptr`` and indexes row-major does): right for contiguous inputs, wrong for transposed, sliced or expanded
@@ -110,6 +123,8 @@ class _AssumesContiguousStrides(StepwiseAttention):
         return super().__call__(*(assume_contiguous(t) for t in (query, key, value)), *args, **kwargs)
 
 
+@bug("ATTN-LAYOUT", instance="expanded_kv_tail_dropped",
+     mechanism="the stride-0 K/V path drops the last key when S ≡ 1 (mod 32)")
 class _ExpandedKvTailDropped(StepwiseAttention):
     """A fast path for key and value broadcast over heads or batch (a zero stride, as ``expand`` gives) that walks
     the keys in tiles of 32 and runs its remainder loop only for remainders of two keys or more: with S ≡ 1 (mod 32)
@@ -153,6 +168,7 @@ class _RescaledInBackward(torch.autograd.Function):
         return dq.to(grad_out.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+@bug("ATTN-INPUTS-UNCHANGED", mechanism="an exact backward that scales the saved query (the caller's) in place")
 def query_rescaled_in_backward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                enable_gqa=False):
     if dropout_p or (enable_gqa and key.shape[-3] != query.shape[-3]) or (
@@ -195,28 +211,8 @@ assumes_contiguous_strides = _AssumesContiguousStrides()
 expanded_kv_tail_dropped = _ExpandedKvTailDropped()
 
 
+@bug("MODEL-HISTORY", level="model", mechanism="dynamic NTK rotary scaling keeps the enlarged base after one long call")
 def dynamic_ntk_base_kept() -> Subject:
-    return _subject(_DynamicNtkBaseKept, "rotary")
+    return scale_subject(_DynamicNtkBaseKept, "rotary")
 
 
-# name -> (mechanism, the clauses that catch it on pinned cases)
-KERNEL_BUGS = {
-    "query_scaled_in_place": ("q *= scale on the caller's query before the scores", ("ATTN-INPUTS-UNCHANGED",)),
-    "query_rescaled_in_backward": ("an exact backward that scales the saved query (the caller's) in place",
-                                   ("ATTN-INPUTS-UNCHANGED",)),
-    "output_buffer_reused": ("every output written into one buffer per shape and returned: the next call "
-                             "overwrites it", ("ATTN-OUTPUT-FRESH",)),
-    "output_memoized_by_address": ("outputs memoized by the inputs' data_ptr: inputs written in place get the stale "
-                                   "output", ("ATTN-OUTPUT-FRESH",)),
-    "single_key_returns_value": ("with one key, value.expand over the queries returned: the output aliases value",
-                                 ("ATTN-OUTPUT-FRESH",)),
-    "causal_mask_cached_by_query_length": ("the causal bias cached per L alone, padded with zeros for a larger S",
-                                           ("ATTN-HISTORY",)),
-    "assumes_contiguous_strides": ("q, k, v read with as_strided and contiguous strides", ("ATTN-LAYOUT",)),
-    "expanded_kv_tail_dropped": ("the stride-0 K/V path drops the last key when S ≡ 1 (mod 32)",
-                                 ("ATTN-LAYOUT",)),
-}
-MODEL_BUGS = {
-    "dynamic_ntk_base_kept": ("dynamic NTK rotary scaling keeps the enlarged base after one long call",
-                              ("MODEL-HISTORY",)),
-}

@@ -1,11 +1,10 @@
 """Broken attention kernels (SDPA signature), one realistic bug each.
 
 Each is ``properties.catalog.correct.StepwiseAttention`` (or ``flash_attention``) with one step replaced;
-the docstring says what goes wrong and why such code gets written. Plug one in as a user would:
+the docstring says what goes wrong and why such code gets written, and the ``@bug`` above it declares the catalog
+entry: the mechanism in a line and the clauses expected to catch it. Plug one in as a user would:
 
     pytest properties/ --kernel properties.catalog.kernels:softmax_over_queries
-
-``properties.catalog.CATALOG`` lists them with the clauses expected to catch them.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from properties.catalog.correct import StepwiseAttention, flash_attention
+from properties.catalog.registry import bug
 
 __all__ = [
     "softmax_over_queries", "scale_missing", "scale_inverted", "scale_applied_twice", "scale_by_model_width",
@@ -28,6 +28,8 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- softmax
+@bug("ATTN-ROWSUM", "ATTN-ORACLE", instance="softmax_over_queries",
+     mechanism="softmax normalizes over the query axis (dim=-2), not the keys")
 class _SoftmaxOverQueries(StepwiseAttention):
     """Normalizes over the query axis (dim=-2) instead of the key axis: the "softmax(dim=1)" of code written
     for (L, S) score matrices, applied to batched (..., L, S) scores."""
@@ -36,6 +38,8 @@ class _SoftmaxOverQueries(StepwiseAttention):
         return super().softmax(scores.transpose(-1, -2), allowed).transpose(-1, -2)
 
 
+@bug("ATTN-LARGE-SCORES", "ATTN-SHIFT-INVARIANT", instance="softmax_without_max",
+     mechanism="exp(s)/sum exp(s) without subtracting the row max: overflow to inf/inf = NaN")
 class _SoftmaxWithoutMax(StepwiseAttention):
     """exp(s) / Σ exp(s) without subtracting the row maximum: exp overflows to inf for scores above ~88
     (float32) and the row becomes inf/inf = NaN."""
@@ -46,6 +50,8 @@ class _SoftmaxWithoutMax(StepwiseAttention):
         return unnormalized / torch.where(total > 0, total, torch.ones_like(total))
 
 
+@bug("MASK-FULLY-MASKED", instance="fully_masked_rows_nan",
+     mechanism="plain softmax over an all -inf row: NaN instead of zeros")
 class _FullyMaskedRowsNaN(StepwiseAttention):
     """The textbook softmax over −inf-filled scores: a query whose keys are all masked gets
     exp(−inf − (−inf)) = NaN (the behaviour of PyTorch's SDPA before 2.5 and of many hand-written kernels)."""
@@ -55,6 +61,8 @@ class _FullyMaskedRowsNaN(StepwiseAttention):
 
 
 # ---------------------------------------------------------------------------------------------- scaling
+@bug("SCALE-DEFAULT", "SCALE-VARIANCE", "ATTN-ORACLE", instance="scale_missing",
+     mechanism="the 1/sqrt(d_k) factor forgotten (scale=None treated as 1)")
 class _ScaleMissing(StepwiseAttention):
     """Plain dot-product attention: the 1/√d_k factor forgotten (scale=None treated as 1)."""
 
@@ -62,6 +70,8 @@ class _ScaleMissing(StepwiseAttention):
         return 1.0 if scale is None else scale
 
 
+@bug("SCALE-DEFAULT", "SCALE-VARIANCE", "ATTN-ORACLE", instance="scale_inverted",
+     mechanism="multiplies by sqrt(d_k) instead of dividing")
 class _ScaleInverted(StepwiseAttention):
     """Multiplies by √d_k instead of dividing (``scale = math.sqrt(E)``)."""
 
@@ -69,6 +79,8 @@ class _ScaleInverted(StepwiseAttention):
         return math.sqrt(query.shape[-1]) if scale is None else scale
 
 
+@bug("SCALE-DEFAULT", "SCALE-EXPLICIT", "SCALE-VARIANCE", "ATTN-ORACLE", instance="scale_applied_twice",
+     mechanism="q pre-scaled and the scores scaled again: sigma^2 = 1/d_k")
 class _ScaleAppliedTwice(StepwiseAttention):
     """Divides by √d_k twice (σ² = 1/E): the query is pre-scaled, as in fairseq/HF code that scales q at
     projection time, and the kernel scales the scores again."""
@@ -77,6 +89,8 @@ class _ScaleAppliedTwice(StepwiseAttention):
         return super().scores(query, key, sigma, ct) * sigma
 
 
+@bug("SCALE-DEFAULT", "ATTN-ORACLE", instance="scale_by_model_width",
+     mechanism="divides by sqrt(d_model) = sqrt(H*E) instead of sqrt(d_k)")
 class _ScaleByModelWidth(StepwiseAttention):
     """Divides by √d_model = √(H·E) instead of √d_k: the paper's d_k read as the model width."""
 
@@ -85,6 +99,8 @@ class _ScaleByModelWidth(StepwiseAttention):
         return 1.0 / math.sqrt(heads * query.shape[-1]) if scale is None else scale
 
 
+@bug("SCALE-DEFAULT", "ATTN-ORACLE", instance="scale_by_value_width",
+     mechanism="divides by sqrt(d_v) (value.size(-1)) instead of sqrt(d_k)")
 class _ScaleByValueWidth(StepwiseAttention):
     """Divides by √d_v (``value.size(-1)``) instead of √d_k: the two are equal in most models, so it goes
     unnoticed until E ≠ Ev."""
@@ -93,6 +109,8 @@ class _ScaleByValueWidth(StepwiseAttention):
         return 1.0 / math.sqrt(value.shape[-1]) if scale is None else scale
 
 
+@bug("SCALE-DEFAULT", "ATTN-ORACLE", instance="scale_by_head_count",
+     mechanism="head size read from dim 1, the head count in (B, H, L, E)")
 class _ScaleByHeadCount(StepwiseAttention):
     """Reads the head size from dim 1 (``query.size(1)``), which in the (B, H, L, E) layout is the head
     count: code written for an unbatched (L, E) or a (B, E, ...) layout."""
@@ -101,6 +119,8 @@ class _ScaleByHeadCount(StepwiseAttention):
         return 1.0 / math.sqrt(query.shape[1]) if scale is None else scale
 
 
+@bug("SCALE-EXPLICIT", instance="scale_argument_ignored",
+     mechanism="the scale= keyword accepted and ignored (always 1/sqrt(E))")
 class _ScaleArgumentIgnored(StepwiseAttention):
     """Accepts ``scale=`` but always uses 1/√E (the keyword added to the signature, not to the body)."""
 
@@ -108,6 +128,8 @@ class _ScaleArgumentIgnored(StepwiseAttention):
         return 1.0 / math.sqrt(query.shape[-1])
 
 
+@bug("ATTN-LARGE-SCORES", instance="scores_in_input_dtype",
+     mechanism="(q @ k^T) * scale in the input dtype, no upcast: the unscaled product overflows")
 class _ScoresInInputDtype(StepwiseAttention):
     """Scores computed as (q @ kᵀ) · σ in the input dtype, with no upcast: the unscaled product of
     half-precision inputs overflows to inf where the scaled score is in range (and the SDPA docs'
@@ -121,6 +143,8 @@ class _ScoresInInputDtype(StepwiseAttention):
 
 
 # ---------------------------------------------------------------------------------------------- masking
+@bug("MASK-LOW-PRECISION", instance="mask_added_in_input_dtype",
+     mechanism="float mask added after casting the scores back to float16: score + finfo.min overflows to -inf")
 class _MaskAddedInInputDtype(StepwiseAttention):
     """Scores computed in float32 but cast back to the input dtype before the float mask is added (eager code
     of the form ``attn_weights.to(query.dtype) + causal_mask``): in float16 a negative score plus finfo.min
@@ -134,6 +158,8 @@ class _MaskAddedInInputDtype(StepwiseAttention):
         return super().admissible(scores, attn_mask, is_causal)
 
 
+@bug("CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT", instance="causal_off_by_one",
+     mechanism="causal mask tril(diagonal=1): each query also sees the next key")
 class _CausalOffByOne(StepwiseAttention):
     """``tril(diagonal=1)``: every query also sees the next key (an off-by-one in the diagonal)."""
 
@@ -141,6 +167,8 @@ class _CausalOffByOne(StepwiseAttention):
         return torch.ones(l, s, dtype=torch.bool, device=device).tril(diagonal=1)
 
 
+@bug("CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT", instance="causal_ignored",
+     mechanism="is_causal accepted and never applied")
 class _CausalIgnored(StepwiseAttention):
     """``is_causal`` accepted and never used: only an explicit mask is applied."""
 
@@ -148,6 +176,8 @@ class _CausalIgnored(StepwiseAttention):
         return torch.ones(l, s, dtype=torch.bool, device=device)
 
 
+@bug("CAUSAL-ALIGNMENT", "CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", instance="causal_bottom_right",
+     mechanism="causal diagonal aligned bottom-right (FlashAttention >= 2.1) under PyTorch's top-left contract")
 class _CausalBottomRight(StepwiseAttention):
     """Aligns the causal diagonal bottom-right (j ≤ i + S − L, FlashAttention ≥ 2.1) while claiming
     PyTorch's top-left semantics: differs whenever L ≠ S (decoding with a cache, chunked prefill)."""
@@ -156,6 +186,8 @@ class _CausalBottomRight(StepwiseAttention):
         return torch.ones(l, s, dtype=torch.bool, device=device).tril(diagonal=s - l)
 
 
+@bug("MASK-BOOL", "MASK-BOOL-FLOAT", "MASK-NO-INFLUENCE", "MASK-BROADCAST", instance="bool_mask_inverted",
+     mechanism="bool mask read as True = masked (nn.MultiheadAttention's polarity)")
 class _BoolMaskInverted(StepwiseAttention):
     """Treats a bool mask as True = masked out (the convention of nn.MultiheadAttention's masks) instead of
     SDPA's True = may attend."""
@@ -166,6 +198,8 @@ class _BoolMaskInverted(StepwiseAttention):
         return super().mask(scores, attn_mask, is_causal)
 
 
+@bug("MASK-FLOAT-ADDITIVE", "MASK-BOOL-FLOAT", "MASK-LOW-PRECISION", "MASK-BROADCAST", instance="float_mask_ignored",
+     mechanism="only bool masks handled: an additive float mask is dropped")
 class _FloatMaskIgnored(StepwiseAttention):
     """Handles only bool masks: an additive float mask (ALiBi, relative bias, −inf padding) is dropped."""
 
@@ -175,6 +209,8 @@ class _FloatMaskIgnored(StepwiseAttention):
         return super().mask(scores, attn_mask, is_causal)
 
 
+@bug("MASK-BOOL", "MASK-BOOL-FLOAT", "ATTN-ROWSUM", "CAUSAL-ALIGNMENT", "MASK-BROADCAST", instance="mask_after_softmax",
+     mechanism="masked weights zeroed after the softmax: rows no longer sum to 1")
 class _MaskAfterSoftmax(StepwiseAttention):
     """Zeroes masked weights after the softmax instead of masking the scores before it: the remaining
     weights no longer sum to 1 (and masked keys still shrink every other weight)."""
@@ -186,6 +222,8 @@ class _MaskAfterSoftmax(StepwiseAttention):
         return super().softmax(scores, allowed).masked_fill(~allowed, 0.0)
 
 
+@bug("MASK-NO-INFLUENCE", "CAUSAL-NO-FUTURE", "MASK-FULLY-MASKED", instance="finite_mask_fill",
+     mechanism="-1e4 added to masked scores (BERT's extended mask) instead of -inf: masked keys keep weight")
 class _FiniteMaskFill(StepwiseAttention):
     """Masks by adding a finite "large negative" constant, ``scores + (1 − mask)·(−10⁴)`` (BERT's extended
     attention mask), instead of setting −inf: a masked key whose score exceeds the others by 10⁴ still
@@ -196,6 +234,8 @@ class _FiniteMaskFill(StepwiseAttention):
         return scores + (~allowed).to(scores.dtype) * -1e4, allowed
 
 
+@bug("MASK-FULLY-MASKED", "MASK-NO-INFLUENCE", instance="masked_fill_minus_1e9",
+     mechanism="masked_fill(mask == 0, -1e9) (The Annotated Transformer): fully masked rows average the values")
 class _MaskedFillMinus1e9(StepwiseAttention):
     """``scores.masked_fill(mask == 0, -1e9)`` (The Annotated Transformer): masked scores replaced by a finite
     constant instead of −inf, so a query whose keys are all masked averages every value instead of giving
@@ -207,6 +247,8 @@ class _MaskedFillMinus1e9(StepwiseAttention):
 
 
 # ---------------------------------------------------------------------------------------------- dropout
+@bug("DROPOUT-OFF", "DROPOUT-RATE", "ATTN-ORACLE", instance="dropout_always_on",
+     mechanism="dropout with a fixed p = 0.1 whatever dropout_p says (also at inference)")
 class _DropoutAlwaysOn(StepwiseAttention):
     """Applies dropout with a fixed p = 0.1 (a module default baked into the kernel) whatever dropout_p
     says, so inference (dropout_p = 0) is random too."""
@@ -215,6 +257,8 @@ class _DropoutAlwaysOn(StepwiseAttention):
         return F.dropout(weights, p=0.1, training=True)
 
 
+@bug("DROPOUT-EXPECTATION", instance="dropout_not_rescaled",
+     mechanism="kept weights not rescaled by 1/(1 - p): the expected output shrinks")
 class _DropoutNotRescaled(StepwiseAttention):
     """Drops weights with probability p but does not rescale the kept ones by 1/(1 − p): the expected
     output shrinks by (1 − p) in training."""
@@ -225,6 +269,8 @@ class _DropoutNotRescaled(StepwiseAttention):
         return weights * (torch.rand(weights.shape, device=weights.device) >= p)
 
 
+@bug("DROPOUT-EXPECTATION", "DROPOUT-RATE", "DROPOUT-INDEPENDENT", instance="dropout_mask_shared",
+     mechanism="one (L, S) dropout mask broadcast over batch and heads: drops not independent")
 class _DropoutMaskShared(StepwiseAttention):
     """Draws one (L, S) dropout mask and broadcasts it over batch and heads (random numbers generated per
     attention-matrix position only, as a kernel that seeds its RNG by (row, column) without the batch and head
@@ -237,6 +283,8 @@ class _DropoutMaskShared(StepwiseAttention):
         return weights * keep / (1.0 - p)
 
 
+@bug("DROPOUT-INDEPENDENT", instance="dropout_mask_shared_across_heads",
+     mechanism="4-D dropout whose RNG offset advances per batch entry, not per head: every head drops the same weights")
 class _DropoutMaskSharedAcrossHeads(StepwiseAttention):
     """A 4-D (B, H, L, S) kernel whose dropout RNG offset advances per batch entry but not per head (the head's
     offset left out of the Philox counter): every head of a batch entry drops the same weights. Rate and mean are
@@ -251,6 +299,8 @@ class _DropoutMaskSharedAcrossHeads(StepwiseAttention):
 
 
 # ------------------------------------------------------------------------------------- layout and heads
+@bug("ATTN-SLICE-INDEPENDENT", "ATTN-ORACLE", instance="batch_and_heads_mixed",
+     mechanism="k, v flattened head-major, q batch-major: slices attend to other slices' keys")
 class _BatchAndHeadsMixed(StepwiseAttention):
     """Keys and values flattened head-major, queries batch-major: (B, H, S, E) → ``transpose(0, 1)`` →
     ``reshape(B, H, S, E)`` (a view of the (H, B) order read as (B, H)), so slice (b, h) attends to another
@@ -264,6 +314,8 @@ class _BatchAndHeadsMixed(StepwiseAttention):
         return key, value
 
 
+@bug("GQA-HEADS", instance="gqa_heads_tiled",
+     mechanism="kv heads expanded with repeat (head i mod H_kv), not repeat_interleave")
 class _GqaHeadsTiled(StepwiseAttention):
     """Grouped-query heads expanded with ``repeat`` (tiling: query head i reads key/value head i mod H_kv)
     instead of ``repeat_interleave`` (head i // (H / H_kv))."""
@@ -276,6 +328,8 @@ class _GqaHeadsTiled(StepwiseAttention):
         return key, value
 
 
+@bug("ATTN-SHAPE", instance="output_in_compute_dtype",
+     mechanism="the float32 accumulator returned for half inputs (cast back forgotten)")
 class _OutputInComputeDtype(StepwiseAttention):
     """Returns the float32 accumulator for float16/bfloat16 inputs: the final cast back to the input dtype
     forgotten."""
@@ -284,6 +338,8 @@ class _OutputInComputeDtype(StepwiseAttention):
         return out
 
 
+@bug("ATTN-ORACLE", "ATTN-ROWSUM",
+     mechanism="tiled online softmax with S // block key tiles: the last partial tile is lost")
 def flash_attention_tiles_dropped(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                   scale=None, enable_gqa=False):
     """FlashAttention with the number of key tiles computed as S // block instead of ceil(S / block):

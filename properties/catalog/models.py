@@ -3,8 +3,7 @@
     pytest properties/ -m model --model properties.catalog.models:causal_mask_dropped_with_padding
 
 Every factory is the tiny zoo model (d_model 32, 2 heads, 2 layers, vocabulary 64, max_len 16) with one part
-replaced by a subclass that changes one line. ``properties.catalog.CATALOG`` lists them with the clauses
-expected to catch them.
+replaced by a subclass that changes one line; the ``@bug`` above each factory declares its catalog entry.
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from properties.catalog.registry import bug, correct
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.ffn import FeedForward
 from zoo.nn.blocks import DecoderLayer
@@ -137,37 +137,86 @@ class _MemoryMaskDropped(DecoderLayer):
 
 # ------------------------------------------------------------------------------------------------ factories
 def _factory(family, **replaced):
-    """A factory for ``--model``: the tiny ``family`` model with the ``replaced`` parts, a fresh model each call."""
+    """A factory for ``--model``: the tiny ``family`` model with the ``replaced`` parts, a fresh model each call
+    (tests/test_repro.py builds a correct model with it)."""
     return partial(family, **parts(**replaced))
 
 
-no_causal_mask = _factory(DecoderOnly, attention=NoCausalMask)
-causal_mask_dropped_with_padding = _factory(DecoderOnly, attention=CausalDroppedWithPadding)
-query_padding_mask = _factory(EncoderOnly, attention=QueryPaddingMask)
-padding_mask_inverted = _factory(EncoderOnly, attention=PaddingMaskInverted)
-cross_attends_to_decoder = _factory(EncoderDecoder, attention=SelfInsteadOfCross)
-dropout_in_eval = _factory(DecoderOnly, ffn=DropoutInEval)
-batch_statistics_norm = _factory(EncoderOnly, norm=BatchStatisticsNorm)
-positions_not_added = _factory(EncoderOnly, pos=PositionsNotAdded)
-cache_offset_ignored = _factory(DecoderOnly, pos=CacheOffsetIgnored)
+@bug("MODEL-CAUSAL", "MODEL-FACTORISATION", "MODEL-KV-CACHE", level="model",
+     mechanism="the decoder's self-attention never receives is_causal")
+def no_causal_mask():
+    return DecoderOnly(**parts(attention=NoCausalMask))
+
+
+@bug("MODEL-CAUSAL", "MODEL-PADDING", "MODEL-KV-CACHE", level="model",
+     mechanism="the causal mask is built only without a padding mask (one condition lost)")
+def causal_mask_dropped_with_padding():
+    return DecoderOnly(**parts(attention=CausalDroppedWithPadding))
+
+
+@bug("MODEL-PADDING", level="model",
+     mechanism="the padding mask applied to the queries (output rows) instead of the keys")
+def query_padding_mask():
+    return EncoderOnly(**parts(attention=QueryPaddingMask))
+
+
+@bug("MODEL-PADDING", level="model",
+     mechanism="padding mask passed in torch.nn's polarity (True = ignore): real keys masked")
+def padding_mask_inverted():
+    return EncoderOnly(**parts(attention=PaddingMaskInverted))
+
+
+@bug("MODEL-DEPENDENCE", level="model",
+     mechanism="cross-attention attends over the decoder's own states, not the encoder's")
+def cross_attends_to_decoder():
+    return EncoderDecoder(**parts(attention=SelfInsteadOfCross))
+
+
+@bug("MODEL-DETERMINISM", level="model",
+     mechanism="F.dropout(..., training=True) hard-coded: dropout active in eval mode")
+def dropout_in_eval():
+    return DecoderOnly(**parts(ffn=DropoutInEval))
+
+
+@bug("MODEL-BATCH", "MODEL-PADDING", level="model",
+     mechanism="BatchNorm-style statistics over the batch and positions instead of per token")
+def batch_statistics_norm():
+    return EncoderOnly(**parts(norm=BatchStatisticsNorm))
+
+
+@bug("MODEL-PERMUTATION", level="model", mechanism="position codes computed but never added to the embeddings")
+def positions_not_added():
+    return EncoderOnly(**parts(pos=PositionsNotAdded))
+
+
+@bug("MODEL-KV-CACHE", level="model", mechanism="positions restart at 0 in every cached decoding step (offset ignored)")
+def cache_offset_ignored():
+    return DecoderOnly(**parts(pos=CacheOffsetIgnored))
 
 
 LOCAL_WINDOW = 4
 
 
+@correct("alternating windows", level="model",
+         mechanism=("the tiny zoo decoder, a window of 4 in its even layers and none in its odd ones (the model "
+                    "local_window_one_more varies)"))
 def alternating_windows(attention=MultiHeadAttention):
     """The tiny decoder with a window of LOCAL_WINDOW in its even layers and none in its odd ones (Gemma 2's
-    layout; properties.catalog.CORRECT)."""
+    layout)."""
     model = DecoderOnly(**parts(attention=attention))
     for index, layer in enumerate(model.decoder.layers):
         layer.self_attn.window = LOCAL_WINDOW if index % 2 == 0 else None
     return model
 
 
+@bug("MODEL-WINDOW", level="model",
+     mechanism=("a window of 4 that admits 5 keys, in the windowed layers of a model whose windowed and global "
+                "layers alternate (the global ones hide it from the outputs)"))
 def local_window_one_more():
     return alternating_windows(LocalWindowOneMore)
 
 
+@bug("MODEL-PADDING", level="model", mechanism="cross-attention called without the source padding mask")
 def memory_padding_mask_dropped():
     model = EncoderDecoder(**parts())
     for layer in model.decoder.layers:

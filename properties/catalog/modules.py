@@ -4,7 +4,8 @@
 
 Each class subclasses the zoo's part and changes the one line the docstring names. The layer bugs live in
 the residual block of the zoo's layers; the models that use them (``*EncoderDecoder``) are named with
-``model._target_``. ``properties.catalog.CATALOG`` lists them with the clauses expected to catch them.
+``model._target_``. The ``@module_bug`` above each class declares its catalog entry: the overrides that plug it in
+(``{target}``: the class's path), the clauses expected to catch it and the mechanism in a line.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
+from properties.catalog.registry import module_bug
 from zoo.nn.attention import MultiHeadAttention
 from zoo.nn.ffn import FeedForward
 from zoo.nn.blocks import Residual
@@ -27,6 +29,8 @@ __all__ = ["SplitHeadsWithoutTranspose", "MergeHeadsTransposed", "GqaHeadsInterl
            "LayerNormMeanTermDropped", "FeedForwardDownDetached"]
 
 
+@module_bug("split_heads_without_transpose", "attention._target_={target}", "MHA-ORACLE", "MHA-PERMUTATION",
+            mechanism="heads split with view(b, h, l, e) instead of view(b, l, h, e).transpose")
 class SplitHeadsWithoutTranspose(MultiHeadAttention):
     """Splits heads with ``view(b, h, l, e)`` on the (b, l, h·e) projection instead of
     ``view(b, l, h, e).transpose(1, 2)``: each "head" holds a block of positions and features of several
@@ -37,6 +41,8 @@ class SplitHeadsWithoutTranspose(MultiHeadAttention):
         return t.reshape(b, heads, l, -1)
 
 
+@module_bug("merge_heads_transposed", "attention._target_={target}", "MHA-ORACLE",
+            mechanism="heads merged as (e h) while split as (h e): W^O reads the wrong columns")
 class MergeHeadsTransposed(MultiHeadAttention):
     """Merges the heads as (e h) — ``out.transpose(1, 3).reshape(b, l, -1)`` — while the split was (h e):
     the output projection reads every head's features in the wrong columns."""
@@ -45,6 +51,8 @@ class MergeHeadsTransposed(MultiHeadAttention):
         return rearrange(out, "b h l e -> b l (e h)")
 
 
+@module_bug("gqa_heads_interleaved", "attention._target_={target}", "MHA-GQA",
+            mechanism="grouped kv heads tiled (head i mod k) instead of repeat_interleave (i // g)")
 class GqaHeadsInterleaved(MultiHeadAttention):
     """Repeats grouped key/value heads by tiling (``k.repeat(1, g, 1, 1)``: query head i reads kv head
     i mod k) instead of ``repeat_interleave`` (kv head i // g), the order of the pretrained checkpoints."""
@@ -56,6 +64,8 @@ class GqaHeadsInterleaved(MultiHeadAttention):
                            is_causal=is_causal)
 
 
+@module_bug("attention_scale_by_model_width", "attention._target_={target}", "MHA-ORACLE", "MHA-SINGLE-HEAD",
+            mechanism="the module passes scale = 1/sqrt(d_model) instead of 1/sqrt(d_model/h)")
 class ScaleByModelWidth(MultiHeadAttention):
     """Passes scale = 1/√d_model to the kernel instead of the default 1/√d_k (d_k = d_model/h)."""
 
@@ -65,6 +75,8 @@ class ScaleByModelWidth(MultiHeadAttention):
                            scale=1.0 / math.sqrt(self.heads * self.head_dim))
 
 
+@module_bug("layernorm_over_positions", "norm._target_={target}", "NORM-PER-TOKEN", "NORM-STANDARDIZE",
+            mechanism="LayerNorm statistics over the positions (dim 1), not each token's features")
 class LayerNormOverPositions(LayerNorm):
     """Normalizes each feature over the positions of a sequence (mean and variance over dim 1, as an
     ``nn.LayerNorm``/``InstanceNorm`` applied to a (B, D, L) layout) instead of each token over its features."""
@@ -77,6 +89,8 @@ class LayerNormOverPositions(LayerNorm):
         return y if self.bias is None else y + self.bias
 
 
+@module_bug("ffn_without_activation", "ffn._target_={target}", "FFN-FORMULA",
+            mechanism="the activation between the two linear maps forgotten")
 class FeedForwardWithoutActivation(FeedForward):
     """The activation between the two linear maps forgotten: the FFN collapses to one linear map."""
 
@@ -85,6 +99,8 @@ class FeedForwardWithoutActivation(FeedForward):
         return self.down(self.dropout(hidden))
 
 
+@module_bug("gelu_tanh_for_exact", "ffn=gelu ffn._target_={target}", "FFN-FORMULA",
+            mechanism="GELU's tanh approximation where the config says exact GELU")
 class GeluTanhForExact(FeedForward):
     """Uses GELU's tanh approximation where the node says exact GELU (BERT's ``gelu`` vs GPT-2's
     ``gelu_new``): a pretrained BERT's outputs drift by ~1e-3 per layer."""
@@ -124,11 +140,15 @@ class _Sinusoid(SinusoidalPositions):
         return self
 
 
+@module_bug("sin_cos_swapped", "pos._target_={target}", "POS-SINUSOID-FORMULA",
+            mechanism="cos on the even features and sin on the odd ones")
 class SinCosSwapped(_Sinusoid):
     """cos on the even features and sin on the odd ones (``pe[:, 0::2] = cos``): the paper's order swapped."""
     swap = True
 
 
+@module_bug("frequency_exponent_doubled", "pos._target_={target}", "POS-SINUSOID-FORMULA", "POS-SINUSOID-WAVELENGTHS",
+            mechanism="exponent 2*(2i)/d: the even index arange(0, d, 2) doubled again")
 class FrequencyExponentDoubled(_Sinusoid):
     """Exponent 2·(2i)/d: the even feature index 2i (``arange(0, d, 2)``) multiplied by 2 again, so the
     wavelengths run from 2π to 10000²·2π over the first half and the slowest sinusoids are nearly constant."""
@@ -166,11 +186,16 @@ class _WithResidual(EncoderDecoder):
                 module.__class__ = self.residual  # the layers' residual blocks are of the broken kind
 
 
+@module_bug("residual_missing", "model=encoder_decoder model._target_={target}", "LAYER-RESIDUAL", "LAYER-POST-NORM",
+            mechanism="post-norm sub-layers without the residual: Norm(Sublayer(x))")
 class NoResidualEncoderDecoder(_WithResidual):
     """The zoo's encoder-decoder whose layers drop the residual connection (x → Norm(Sublayer(x)))."""
     residual = _NoResidual
 
 
+@module_bug("residual_of_normed_input", "model=encoder_decoder norm_placement=pre model._target_={target}",
+            "LAYER-PRE-NORM", "LAYER-RESIDUAL",
+            mechanism="pre-norm residual carries the normalized input: h = Norm(x); h + Sublayer(h)")
 class NormedResidualEncoderDecoder(_WithResidual):
     """The zoo's encoder-decoder whose pre-norm layers add the sub-layer to the normalized input."""
     residual = _NormedResidual
@@ -197,6 +222,8 @@ class _LayerNormMeanTermDropped(torch.autograd.Function):
         return dx, (dy * normed).sum(lead), dy.sum(lead), None
 
 
+@module_bug("layernorm_backward_mean_term_dropped", "norm=layernorm norm._target_={target}", "NORM-GRAD",
+            mechanism="hand-written LayerNorm backward without the mean(g·dy) term")
 class LayerNormMeanTermDropped(LayerNorm):
     """Fused-norm bug: the backward drops the mean-correction term of dx (the forward is exact)."""
 
@@ -204,6 +231,8 @@ class LayerNormMeanTermDropped(LayerNorm):
         return _LayerNormMeanTermDropped.apply(x, self.weight, self.bias, self.eps)
 
 
+@module_bug("ffn_down_weight_detached", "ffn._target_={target}", "FFN-GRAD",
+            mechanism="the second linear map applied with a detached weight (W2 gets no gradient)")
 class FeedForwardDownDetached(FeedForward):
     """The second linear map applied with ``self.down.weight.detach()`` (a weight shared by copy, or wrapped in
     no_grad to save memory): the forward is exact, W2 never learns."""

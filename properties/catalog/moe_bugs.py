@@ -10,7 +10,7 @@ weights, built from a config, with their router's forward changed in one line. F
   config says ``norm_topk_prob=False``. Outputs stay consistent (batch, padding, cache all agree): only the weights
   themselves show it.
 
-``mixtral`` and ``qwen3_moe`` are the correct models (properties.catalog.CORRECT runs the first).
+``mixtral`` and ``qwen3_moe`` are the correct models (the catalog runs the first).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from properties.adapters import hf_subject, require_transformers
+from properties.catalog.registry import bug, correct
 
-__all__ = ["mixtral", "qwen3_moe", "router_softmax_over_tokens", "renormalized_against_config", "BUGS"]
+__all__ = ["mixtral", "qwen3_moe", "router_softmax_over_tokens", "renormalized_against_config"]
 
 MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
@@ -38,6 +39,8 @@ def _model(name: str, router_forward=None, **config):
     return hf_subject(model)
 
 
+@correct("HF Mixtral", level="model",
+         mechanism="transformers' Mixtral, 4 experts, top 2 (the model the routing bugs vary)")
 def mixtral():
     return _model("Mixtral", num_local_experts=4)
 
@@ -64,15 +67,16 @@ def _always_renormalized(self, hidden_states):
     return router_logits, router_top_value.to(router_logits.dtype), router_indices
 
 
+@bug("MODEL-ROUTING", level="model",
+     mechanism="Mixtral's router takes its softmax over the tokens (dim=0), not the experts")
 def router_softmax_over_tokens():
     return _model("Mixtral", _softmax_over_tokens, num_local_experts=4)
 
 
+@bug("MODEL-ROUTING", level="model",
+     mechanism=("a Qwen3-MoE router renormalises the chosen experts' weights although the config says "
+                "norm_topk_prob=False"))
 def renormalized_against_config():
     return _model("Qwen3Moe", _always_renormalized, num_experts=4, moe_intermediate_size=16, head_dim=8,
                   norm_topk_prob=False)
 
-
-BUGS = {"router_softmax_over_tokens": "Mixtral's router takes its softmax over the tokens (dim=0), not the experts",
-        "renormalized_against_config": "a Qwen3-MoE router renormalises the chosen experts' weights although the "
-                                       "config says norm_topk_prob=False"}

@@ -1,6 +1,12 @@
 """Running the suite on a catalog entry the way a user does: ``pytest properties/ OPTION ARGUMENT`` in a
 new pytest session with ``--report-json``, and reading the report.
 
+Kernel entries plugged in the same way (the same option and extra words) can also share one session
+(``run_together``): ``pytest properties/kernel --kernel A --kernel B ...`` with a plan
+(``properties.catalog.select``) that runs each kernel only on its own clauses and stops each at its first failure,
+the report split by kernel. An entry such a session does not catch is run again alone, so that a shared session
+never reports a miss, a usage error or a time-out that the entry's own session would not.
+
 Each run starts in a fresh temporary directory, so Hypothesis' example database (``.hypothesis/`` in the
 working directory) is empty: no run replays a failure another run found. The suite itself is the
 installed ``properties`` package's directory, so this works from a wheel as from a checkout.
@@ -17,10 +23,10 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import properties
-from properties.catalog import Entry
+from properties.catalog.registry import FLASH_APIS, Entry
 from properties.catalog.sessions import run_pytest
 
-__all__ = ["SUITE", "SOURCE_ROOT", "Run", "command", "run_entry", "run_all"]
+__all__ = ["SUITE", "SOURCE_ROOT", "Run", "command", "run_entry", "run_all", "shareable", "run_together"]
 
 SUITE = Path(properties.__file__).resolve().parent
 # A checkout holds examples/ next to properties/; an installed package does not.
@@ -99,6 +105,21 @@ class Run:
         return self.returncode not in (0, 1) or (self.returncode == 1 and not self.rows)
 
 
+def _targets(entry: Entry) -> list[Path]:
+    # Only the folders of the entry's level are collected: a kernel option alone runs only the kernel level, and a
+    # --zoo or --model entry of the module or model level neither collects the kernel tests nor probes the default
+    # kernels' limits for them (most of a short run's start-up). The --catalog-level selection is unchanged.
+    if entry.extra:
+        return [SUITE]
+    return {"kernel": [SUITE / "kernel"], "module": [SUITE / "module", SUITE / "model"],
+            "model": [SUITE / "model"]}.get(entry.level, [SUITE])
+
+
+def _pytest(targets: list[Path], plug_in: list[str], report: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", *map(str, targets), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
+            *plug_in, "--report-json", str(report)]
+
+
 def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence[str] = (), stop_first: bool = False,
             seed: int | None = None, extra: Sequence[str] = ()) -> list[str] | None:
     """The pytest command line for ``entry`` (None when its argument is unavailable here): the user's
@@ -107,16 +128,7 @@ def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence
     argument = entry.resolved_argument(SOURCE_ROOT)
     if argument is None:
         return None
-    # Only the folders of the entry's level are collected: a kernel option alone runs only the kernel level, and a
-    # --zoo or --model entry of the module or model level neither collects the kernel tests nor probes the default
-    # kernels' limits for them (most of a short run's start-up). The --catalog-level selection is unchanged.
-    if entry.extra:
-        targets = [SUITE]
-    else:
-        targets = {"kernel": [SUITE / "kernel"], "module": [SUITE / "module", SUITE / "model"],
-                   "model": [SUITE / "model"]}.get(entry.level, [SUITE])
-    cmd = [sys.executable, "-m", "pytest", *map(str, targets), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
-           *([entry.option, argument] if entry.option else []), *entry.extra, "--report-json", str(report)]
+    cmd = _pytest(_targets(entry), [*([entry.option, argument] if entry.option else []), *entry.extra], report)
     if level and entry.option == "--zoo":  # --zoo runs every level; the kernel tests then check the default kernels
         cmd += ["--catalog-level", entry.level]
     for clause in clauses:
@@ -155,3 +167,55 @@ def run_all(entries: Iterable[Entry], *, jobs: int = 2, progress=None, **options
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, entries))
+
+
+def shareable(entries: Iterable[Entry]) -> list[list[Entry]]:
+    """The entries that can share a session, grouped (in their order): kernel entries with the same option, no
+    argument of their own for the option (``--kernel-api flash``, the zoo's kernels) and the same extra words. Every
+    other entry is a group of its own."""
+    groups: dict[tuple, list[Entry]] = {}
+    for entry in entries:
+        together = entry.level == "kernel" and entry.option in ("--kernel", *(f"--kernel-api={api}" for api in
+                                                                               FLASH_APIS))
+        groups.setdefault((entry.option, entry.extra) if together else (id(entry),), []).append(entry)
+    return list(groups.values())
+
+
+def run_together(entries: Sequence[Entry], *, stop_first: bool = False, seed: int | None = None,
+                 extra: Sequence[str] = (), timeout: float = 900) -> list[Run]:
+    """Run kernel ``entries`` of one ``shareable`` group in one session, each on its expected clauses (a correct one
+    on all of them), and return one Run per entry, as ``run_entry`` would; an entry not caught (or every entry,
+    if the session ends with a usage error or a time-out) is run again alone with the same options."""
+    entries = list(entries)
+    if len(entries) == 1:
+        return [run_entry(entries[0], clauses=entries[0].expected, stop_first=stop_first, seed=seed, extra=extra,
+                          timeout=timeout)]
+    if len(shareable(entries)) != 1:
+        raise ValueError(f"entries that cannot share a session: {[e.name for e in entries]}")
+    with tempfile.TemporaryDirectory(prefix="catalog-") as tmp:
+        report, plan, nodeids = Path(tmp) / "report.json", Path(tmp) / "plan.json", Path(tmp) / "nodeids.json"
+        plan.write_text(json.dumps({"kernels": {e.spec: list(e.expected) for e in entries}, "stop_first": stop_first,
+                                    "nodeids": str(nodeids)}))
+        option = entries[0].option
+        plug_in = [word for e in entries for word in ([option, e.spec] if option == "--kernel" else [e.argument])]
+        if option != "--kernel":
+            plug_in.insert(0, option)
+        cmd = _pytest(_targets(entries[0]), [*plug_in, *entries[0].extra], report) + ["--catalog-plan", str(plan)]
+        cmd += [f"--hypothesis-seed={seed}"] if seed is not None else []
+        cmd += [*extra, "--tb=line"]   # each failure's message is read from the report; no source in tracebacks
+        start = time.perf_counter()
+        session = run_pytest(cmd[3:], cwd=tmp, timeout=timeout)
+        wall = time.perf_counter() - start
+        rows = json.loads(report.read_text()) if report.exists() else []
+        kernel_of = json.loads(nodeids.read_text()) if nodeids.exists() else {}
+    runs = []
+    for entry in entries:
+        own = [row for row in rows if kernel_of.get(row["nodeid"]) == entry.spec]
+        failed = any(row["status"] in FAILED for row in own)
+        returncode = session.returncode if session.returncode not in (0, 1) else int(failed)
+        run = Run(entry, cmd, returncode, own, wall, session.output[-6000:])
+        if not run.caught_expected and (entry.expected or run.usage_error):
+            run = run_entry(entry, clauses=entry.expected, stop_first=stop_first, seed=seed, extra=extra,
+                            timeout=timeout)
+        runs.append(run)
+    return runs

@@ -27,11 +27,12 @@ from einops import rearrange
 from torch import nn
 
 from properties.catalog.decode_bugs import KVCache as Cache   # every column decoded so far, per layer
+from properties.catalog.registry import bug, correct
 from properties.core.subject import Subject
 from zoo.nn.positional import alibi_slopes
 
 __all__ = ["ScaleLM", "scale_lm", "rotary_positions_in_bf16", "window_admits_one_more", "cache_keeps_last_100",
-           "alibi_positions_clamped", "position_table_clamped", "correct_twin", "BUGS", "TWINS"]
+           "alibi_positions_clamped", "position_table_clamped", "correct_twin", "scale_subject", "TWINS"]
 
 VOCAB, D, HEADS, LAYERS, MAX_LEN, PAD = 64, 32, 4, 2, 1280, 0
 WINDOW, KEPT, TRAINED, TABLE = 16, 100, 256, 1024
@@ -121,7 +122,7 @@ class ScaleLM(nn.Module):
         return self.head(self.norms[-1](x))
 
 
-def _subject(cls, positions="rotary", window=None, dtype=torch.float32) -> Subject:
+def scale_subject(cls, positions="rotary", window=None, dtype=torch.float32) -> Subject:
     with torch.random.fork_rng():   # the same weights at every call (the float64 twin is a second call)
         torch.manual_seed(0)
         model = cls(positions, window).to(dtype).eval()
@@ -166,42 +167,43 @@ class _TableClamped(ScaleLM):
 
 
 # ------------------------------------------------------------------------------------------------ factories
+@correct("HF-style decoder at scale", level="model",
+         mechanism=("scale_bugs.ScaleLM in bfloat16, rotary, a window of 16, max_len 1280: the model the at-scale bugs "
+                    "vary"))
 def scale_lm() -> Subject:
-    """The correct model in bfloat16, rotary positions and a window of 16 (properties.catalog.CORRECT)."""
-    return _subject(ScaleLM, "rotary", WINDOW, torch.bfloat16)
+    """The correct model in bfloat16, rotary positions and a window of 16."""
+    return scale_subject(ScaleLM, "rotary", WINDOW, torch.bfloat16)
 
 
+@bug("MODEL-SHIFT", level="model",
+     mechanism="rotary angles from positions cast to bfloat16: exact to position 256, wrong by radians past it")
 def rotary_positions_in_bf16() -> Subject:
-    return _subject(_PositionsInModelDtype, "rotary", None, torch.bfloat16)
+    return scale_subject(_PositionsInModelDtype, "rotary", None, torch.bfloat16)
 
 
+@bug("MODEL-WINDOW", level="model", mechanism="a sliding window of 16 that admits 17 keys")
 def window_admits_one_more() -> Subject:
-    return _subject(_WindowOneMore, "rotary", WINDOW)
+    return scale_subject(_WindowOneMore, "rotary", WINDOW)
 
 
+@bug("MODEL-KV-CACHE", level="model",
+     mechanism="a decode cache that keeps only its last 100 positions, exact until prompt plus generation pass 100")
 def cache_keeps_last_100() -> Subject:
-    return _subject(_RingCache, "rotary")
+    return scale_subject(_RingCache, "rotary")
 
 
+@bug("MODEL-SHIFT", level="model", mechanism="ALiBi distances from positions clamped at the trained length 256")
 def alibi_positions_clamped() -> Subject:
-    return _subject(_AlibiClamped, "alibi")
+    return scale_subject(_AlibiClamped, "alibi")
 
 
+@bug("MODEL-SHIFT", level="model",
+     mechanism=("a learned position table of 1024 rows read with indices clamped at its last row, in a model that "
+                "declares max_len 1280"))
 def position_table_clamped() -> Subject:
-    return _subject(_TableClamped, "learned")
+    return scale_subject(_TableClamped, "learned")
 
 
-BUGS = {
-    "rotary_positions_in_bf16": ("rotary angles from positions cast to bfloat16: exact to position 256, wrong by "
-                                 "radians past it", ("MODEL-SHIFT",)),
-    "window_admits_one_more": ("a sliding window of 16 that admits 17 keys", ("MODEL-WINDOW",)),
-    "cache_keeps_last_100": ("a decode cache that keeps only its last 100 positions, exact until prompt plus "
-                             "generation pass 100", ("MODEL-KV-CACHE",)),
-    "alibi_positions_clamped": ("ALiBi distances from positions clamped at the trained length 256",
-                                ("MODEL-SHIFT",)),
-    "position_table_clamped": ("a learned position table of 1024 rows read with indices clamped at its last row, in "
-                               "a model that declares max_len 1280", ("MODEL-SHIFT",)),
-}
 # name -> (the correct model it is a variant of, as the arguments of _subject; its threshold: every input whose
 # positions and columns stay below it gives the correct model's outputs bit for bit: tests/test_scale.py).
 TWINS = {"rotary_positions_in_bf16": ((ScaleLM, "rotary", None, torch.bfloat16), 257),
@@ -213,4 +215,4 @@ TWINS = {"rotary_positions_in_bf16": ((ScaleLM, "rotary", None, torch.bfloat16),
 
 def correct_twin(name: str) -> Subject:
     """The correct model the bug ``name`` is a variant of."""
-    return _subject(*TWINS[name][0])
+    return scale_subject(*TWINS[name][0])

@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import torch
 
-from properties.catalog.flash_func_bugs import FlashBase
+from properties.catalog.flash_bugs import FlashBase
+from properties.catalog.registry import bug
 from properties.catalog.tiled import TiledAttention
 
-__all__ = ["BUGS", "running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile",
+__all__ = ["running_max_sentinel", "masked_tile_resets_max", "state_rounded_per_tile",
            "running_max_sentinel_flash"]
 
 SENTINEL = -1e4
 
 
+# MASK-LOW-PRECISION's rows of finfo.min catch it too; the entry lists the clauses whose drawn extreme scores catch it,
+# so that the catalog's run shows them doing it.
+@bug("MASK-BOOL", "CAUSAL-ALIGNMENT", instance="running_max_sentinel",
+     mechanism=("online softmax: the running max starts at the sentinel -1e4, not -inf: a row whose admissible "
+                "scores all lie below it outputs zeros"))
 class _RunningMaxSentinel(TiledAttention):
     """The running maximum starts at -1e4: a row whose admissible scores all lie below it sums exp(s + 1e4),
     which underflows to 0, and outputs zeros."""
@@ -37,6 +43,9 @@ class _RunningMaxSentinel(TiledAttention):
         return super().update(acc, torch.clamp_min(row_max, SENTINEL), row_sum, scores, v)
 
 
+@bug("MASK-BOOL", "MASK-BOOL-FLOAT", instance="masked_tile_resets_max",
+     mechanism=("online softmax: a row's fully masked 64-key tile is skipped but its max (-inf) overwrites the "
+                "running max, erasing the earlier tiles"))
 class _MaskedTileResetsMax(TiledAttention):
     """A row's fully masked key tile is skipped, but the tile's maximum (-inf) overwrites the running maximum."""
 
@@ -46,6 +55,9 @@ class _MaskedTileResetsMax(TiledAttention):
         return acc, torch.where(tile_max == -torch.inf, tile_max, new_max), row_sum
 
 
+@bug("ATTN-ORACLE", instance="state_rounded_per_tile",
+     mechanism=("online softmax: accumulator and row sum stored in the input dtype between key tiles (half precision "
+                "loses accuracy with S)"))
 class _StateRoundedPerTile(TiledAttention):
     """The running accumulator and row sum are rounded to the input dtype after every key tile."""
 
@@ -59,6 +71,9 @@ class _StateRoundedPerTile(TiledAttention):
         return stored(acc), row_max, stored(row_sum)
 
 
+@bug("WINDOW-BOUNDS", api="flash", instance="running_max_sentinel_flash",
+     mechanism=("flash_attn_func whose row max starts at the sentinel -1e4: rows of very negative scores inside a "
+                "sliding window output zeros"))
 class _RunningMaxSentinelFlash(FlashBase):
     """``flash_attn_func`` whose row maximum is taken with the sentinel -1e4 as its starting value."""
 
@@ -66,26 +81,7 @@ class _RunningMaxSentinelFlash(FlashBase):
         return super().softmax(torch.cat([scores, torch.full_like(scores[..., :1], SENTINEL)], -1))[..., :-1]
 
 
-_KERNELS = {
-    "running_max_sentinel": _RunningMaxSentinel,
-    "masked_tile_resets_max": _MaskedTileResetsMax,
-    "state_rounded_per_tile": _StateRoundedPerTile,
-    "running_max_sentinel_flash": _RunningMaxSentinelFlash,
-}
-# name -> (mechanism, the clauses that catch it on the pinned problems)
-# (MASK-LOW-PRECISION's rows of finfo.min catch running_max_sentinel too; the entry lists the clauses whose drawn
-# extreme scores catch it, so that the catalog's run shows them doing it.)
-BUGS = {
-    "running_max_sentinel": ("online softmax: the running max starts at the sentinel -1e4, not -inf: a row whose "
-                             "admissible scores all lie below it outputs zeros", ("MASK-BOOL", "CAUSAL-ALIGNMENT")),
-    "masked_tile_resets_max": ("online softmax: a row's fully masked 64-key tile is skipped but its max (-inf) "
-                               "overwrites the running max, erasing the earlier tiles",
-                               ("MASK-BOOL", "MASK-BOOL-FLOAT")),
-    "state_rounded_per_tile": ("online softmax: accumulator and row sum stored in the input dtype between key "
-                               "tiles (half precision loses accuracy with S)", ("ATTN-ORACLE",)),
-    "running_max_sentinel_flash": ("flash_attn_func whose row max starts at the sentinel -1e4: rows of very "
-                                   "negative scores inside a sliding window output zeros", ("WINDOW-BOUNDS",)),
-}
-
-for _name, _cls in _KERNELS.items():
-    globals()[_name] = _cls()
+running_max_sentinel = _RunningMaxSentinel()
+masked_tile_resets_max = _MaskedTileResetsMax()
+state_rounded_per_tile = _StateRoundedPerTile()
+running_max_sentinel_flash = _RunningMaxSentinelFlash()

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import torch
 
+from properties.catalog.registry import bug
 from properties.catalog.tiled import TiledAttention
 
-__all__ = ["BUGS", "accumulator_not_rescaled", "row_sum_not_rescaled", "remainder_key_tile_dropped",
+__all__ = ["accumulator_not_rescaled", "row_sum_not_rescaled", "remainder_key_tile_dropped",
            "causal_row_inside_tile", "head_halves_one_unscaled", "query_remainder_unwritten",
            "mask_tile_local_columns", "lse_of_last_tile_saved", "dk_dv_last_partial_tile_dropped",
            "dq_overwritten_per_key_tile"]
 
 
+@bug("ATTN-ORACLE", "ATTN-CONVEX", instance="accumulator_not_rescaled",
+     mechanism="online softmax: the accumulator is not rescaled when a later key tile raises the running max")
 class _AccumulatorNotRescaled(TiledAttention):
     """When a later key tile raises the running maximum, the running sum is rescaled but the output accumulator
     is not: the earlier tiles' values keep the weight of the old maximum."""
@@ -32,6 +35,8 @@ class _AccumulatorNotRescaled(TiledAttention):
         return acc + p @ v, new_max, row_sum * correction + p.sum(-1, keepdim=True)
 
 
+@bug("ATTN-ORACLE", "ATTN-ROWSUM", instance="row_sum_not_rescaled",
+     mechanism="online softmax: the running sum is not rescaled when a later key tile raises the max")
 class _RowSumNotRescaled(TiledAttention):
     """The accumulator is rescaled when the maximum moves, the running sum (the softmax's denominator) is not."""
 
@@ -43,6 +48,8 @@ class _RowSumNotRescaled(TiledAttention):
         return acc * correction + p @ v, new_max, torch.where(row_max > -torch.inf, row_sum, 0.0) + p.sum(-1, keepdim=True)
 
 
+@bug("ATTN-ORACLE", "ATTN-ROWSUM", instance="remainder_key_tile_dropped",
+     mechanism="S // 64 key tiles: the keys of a last partial tile are never read")
 class _RemainderKeyTileDropped(TiledAttention):
     """S // BLOCK key tiles (at least one): the keys of a last partial tile are never read, forward or backward."""
 
@@ -50,6 +57,8 @@ class _RemainderKeyTileDropped(TiledAttention):
         return super().key_tiles(s)[:max(1, s // self.block)]
 
 
+@bug("CAUSAL-ALIGNMENT", "ATTN-GRAD", instance="causal_row_inside_tile",
+     mechanism="the causal test uses the row's index inside its 64-row query tile")
 class _CausalRowInsideTile(TiledAttention):
     """The causal test compares the key position with the row's index inside its query tile, not its position:
     rows past the first tile see only the first keys."""
@@ -58,6 +67,8 @@ class _CausalRowInsideTile(TiledAttention):
         return rows - i0
 
 
+@bug("ATTN-ORACLE", "SCALE-DEFAULT", instance="head_halves_one_unscaled",
+     mechanism="head sizes above 64 in two 64-wide halves, the second one unscaled")
 class _HeadHalvesOneUnscaled(TiledAttention):
     """Head sizes above 64 are done in two halves (two 64-wide products, as register tiling does) and only the
     first half's partial product is scaled."""
@@ -69,6 +80,8 @@ class _HeadHalvesOneUnscaled(TiledAttention):
                 + q[..., 64:] @ k[..., 64:].transpose(-1, -2))
 
 
+@bug("ATTN-ORACLE", "ATTN-ROWSUM", instance="query_remainder_unwritten",
+     mechanism="L // 64 query tiles: the rows of a last partial tile stay zero")
 class _QueryRemainderUnwritten(TiledAttention):
     """L // BLOCK query tiles (at least one): the rows of a last partial query tile keep the zeros the output was
     allocated with (and get no gradient)."""
@@ -77,6 +90,8 @@ class _QueryRemainderUnwritten(TiledAttention):
         return super().query_tiles(l)[:max(1, l // self.block)]
 
 
+@bug("MASK-FLOAT-ADDITIVE", "MASK-BOOL", instance="mask_tile_local_columns",
+     mechanism="the attn_mask tile read at tile-local column offsets")
 class _MaskTileLocalColumns(TiledAttention):
     """The attn_mask tile is read at the key tile's local column offsets (columns 0..63 for every key tile)."""
 
@@ -84,6 +99,8 @@ class _MaskTileLocalColumns(TiledAttention):
         return mask[..., i0:i1, :j1 - j0]
 
 
+@bug("ATTN-GRAD", instance="lse_of_last_tile_saved",
+     mechanism="backward: the log-sum-exp saved is the last key tile's, not the row's")
 class _LseOfLastTileSaved(TiledAttention):
     """The log-sum-exp saved for the backward is written inside the key loop: the last key tile's own, not the
     row's. The forward is exact; the backward recomputes wrong weights."""
@@ -92,6 +109,8 @@ class _LseOfLastTileSaved(TiledAttention):
         return tile_lse
 
 
+@bug("ATTN-GRAD", instance="dk_dv_last_partial_tile_dropped",
+     mechanism="backward: dK, dV of the last partial key tile are never written")
 class _DkDvLastPartialTileDropped(TiledAttention):
     """The backward writes dK and dV only for full key tiles (a store masked by the tile's size): the last
     partial tile of a longer sequence gets zero gradient."""
@@ -101,6 +120,8 @@ class _DkDvLastPartialTileDropped(TiledAttention):
             super().write_dk_dv(dk, dv, j0, j1, dk_tile, dv_tile)
 
 
+@bug("ATTN-GRAD", instance="dq_overwritten_per_key_tile",
+     mechanism="backward: dQ stored per key tile instead of accumulated")
 class _DqOverwrittenPerKeyTile(TiledAttention):
     """dQ is stored per key tile instead of accumulated: it holds only the last key tile's contribution."""
 
@@ -108,40 +129,13 @@ class _DqOverwrittenPerKeyTile(TiledAttention):
         dq[..., i0:i1, :] = contribution
 
 
-_KERNELS = {
-    "accumulator_not_rescaled": _AccumulatorNotRescaled,
-    "row_sum_not_rescaled": _RowSumNotRescaled,
-    "remainder_key_tile_dropped": _RemainderKeyTileDropped,
-    "causal_row_inside_tile": _CausalRowInsideTile,
-    "head_halves_one_unscaled": _HeadHalvesOneUnscaled,
-    "query_remainder_unwritten": _QueryRemainderUnwritten,
-    "mask_tile_local_columns": _MaskTileLocalColumns,
-    "lse_of_last_tile_saved": _LseOfLastTileSaved,
-    "dk_dv_last_partial_tile_dropped": _DkDvLastPartialTileDropped,
-    "dq_overwritten_per_key_tile": _DqOverwrittenPerKeyTile,
-}
-# name -> (mechanism, the clauses that catch it on the pinned problems)
-BUGS = {
-    "accumulator_not_rescaled": ("online softmax: the accumulator is not rescaled when a later key tile raises the "
-                                 "running max", ("ATTN-ORACLE", "ATTN-CONVEX")),
-    "row_sum_not_rescaled": ("online softmax: the running sum is not rescaled when a later key tile raises the max",
-                             ("ATTN-ORACLE", "ATTN-ROWSUM")),
-    "remainder_key_tile_dropped": ("S // 64 key tiles: the keys of a last partial tile are never read",
-                                   ("ATTN-ORACLE", "ATTN-ROWSUM")),
-    "causal_row_inside_tile": ("the causal test uses the row's index inside its 64-row query tile",
-                               ("CAUSAL-ALIGNMENT", "ATTN-GRAD")),
-    "head_halves_one_unscaled": ("head sizes above 64 in two 64-wide halves, the second one unscaled",
-                                 ("ATTN-ORACLE", "SCALE-DEFAULT")),
-    "query_remainder_unwritten": ("L // 64 query tiles: the rows of a last partial tile stay zero",
-                                  ("ATTN-ORACLE", "ATTN-ROWSUM")),
-    "mask_tile_local_columns": ("the attn_mask tile read at tile-local column offsets",
-                                ("MASK-FLOAT-ADDITIVE", "MASK-BOOL")),
-    "lse_of_last_tile_saved": ("backward: the log-sum-exp saved is the last key tile's, not the row's",
-                               ("ATTN-GRAD",)),
-    "dk_dv_last_partial_tile_dropped": ("backward: dK, dV of the last partial key tile are never written",
-                                        ("ATTN-GRAD",)),
-    "dq_overwritten_per_key_tile": ("backward: dQ stored per key tile instead of accumulated", ("ATTN-GRAD",)),
-}
-
-for _name, _cls in _KERNELS.items():
-    globals()[_name] = _cls()
+accumulator_not_rescaled = _AccumulatorNotRescaled()
+row_sum_not_rescaled = _RowSumNotRescaled()
+remainder_key_tile_dropped = _RemainderKeyTileDropped()
+causal_row_inside_tile = _CausalRowInsideTile()
+head_halves_one_unscaled = _HeadHalvesOneUnscaled()
+query_remainder_unwritten = _QueryRemainderUnwritten()
+mask_tile_local_columns = _MaskTileLocalColumns()
+lse_of_last_tile_saved = _LseOfLastTileSaved()
+dk_dv_last_partial_tile_dropped = _DkDvLastPartialTileDropped()
+dq_overwritten_per_key_tile = _DqOverwrittenPerKeyTile()

@@ -23,15 +23,16 @@ import math
 
 import torch
 
+from properties.catalog._utils import compute_dtype
+from properties.catalog.registry import correct
+
 __all__ = ["BLOCK", "TiledAttention", "tiled_attention", "fused_limits"]
 
 BLOCK = 64
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
+@correct("tiled", instance="tiled_attention",
+         mechanism="FlashAttention-2 in plain torch, tiles of 64, its own backward (the tile bugs' base)")
 class TiledAttention:
     """The SDPA contract computed tile by tile (see the module docstring); one method per step."""
 
@@ -147,7 +148,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, impl):
         l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
         group = query.shape[-3] // key.shape[-3] if enable_gqa and query.dim() >= 3 else 1
-        ct = _compute_dtype(query.dtype)
+        ct = compute_dtype(query.dtype)
         q, k, v = query.to(ct), key.to(ct), value.to(ct)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
@@ -181,6 +182,8 @@ class _Tiled(torch.autograd.Function):
 tiled_attention = TiledAttention()
 
 
+@correct("tiled, a fused kernel's limits",
+         mechanism="the same declining float32/float64, masks, head sizes other than 16/32/64/128 and L != S")
 def fused_limits(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``tiled_attention`` behind a fused kernel's limits, declined in flash-attn's and Triton wrappers' words."""
     if query.dtype not in (torch.float16, torch.bfloat16):
