@@ -71,8 +71,11 @@ class Coverage:
                 for target in schedule.row_targets[i] - covered:
                     declined.setdefault(target, status)
         not_reached = accepted - covered - set(declined)
+        rejected = {t for i, status in self.row_status.items() if status == "rejected"
+                    for t in schedule.row_targets[i]} & not_reached
         return {"strength": schedule.strength, "covered": len(covered), "declined": len(declined),
                 "beyond_budget": len(schedule.beyond_budget), "not_reached": len(not_reached),
+                "rejected": len(rejected),
                 "rows": len(schedule.rows), "rows_run": self.rows_run, "rows_declined": self.rows_declined,
                 "covered_pairs": sorted(describe(t) for t in covered),
                 "declined_pairs": [{"pair": describe(t), "reason": r} for t, r in sorted(declined.items())],
@@ -371,7 +374,8 @@ def summary_lines(rows: list[dict], verbose: bool = False) -> list[str]:
             if p:
                 what += (f"; {_TUPLES.get(p['strength'], 'tuples')}: {p['covered']} covered, {p['declined']} declined"
                          + (f", {p['beyond_budget']} beyond the budget" if p["beyond_budget"] else "")
-                         + (f", {p['not_reached']} not reached (after a failing row)" if p["not_reached"] else ""))
+                         + (f", {p['not_reached']} not reached ({p.get('rejected', 0)} of them in rows the clause's "
+                            f"own conditions rejected, the others after a failing row)" if p["not_reached"] else ""))
             lines.append(f"  {', '.join(row['clauses'])} [{row['status']}]: {what}")
     return lines
 

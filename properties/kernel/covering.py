@@ -139,8 +139,7 @@ def _new_targets(design: Design, before: dict, after: dict, strength: int, uncov
         for new in combinations(fresh, k):
             for rest in combinations(old, strength - k):
                 attrs = sorted(new + rest, key=order.index)
-                if (t := tuple((a, after[a]) for a in attrs)) in uncovered:
-                    count += 1
+                count += tuple((a, after[a]) for a in attrs) in uncovered
     return count
 
 

@@ -130,10 +130,13 @@ class Space:
     requires: tuple[Callable[[dict], bool], ...] = ()
     fixed: tuple[tuple[str, Any], ...] = ()   # features every problem of the clause has (is_causal, ...)
     long_rows: bool = False                   # LONG_BUDGET instead of BUDGET
+    lengths: tuple[tuple[str, tuple[int, ...]], ...] = ()   # a class's values where the clause needs fewer
+    calls: int = 1                            # what one problem costs, in forward calls (a backward: 4)
 
     @staticmethod
     def of(name: str, *, extras: dict | None = None, weights: bool = False, axes: int = 0,
-           requires: tuple = (), fixed: dict | None = None, long_rows: bool = False, **factors) -> "Space":
+           requires: tuple = (), fixed: dict | None = None, long_rows: bool = False, lengths: dict | None = None,
+           calls: int = 1, **factors) -> "Space":
         """``factors``: factor -> the classes posed (``True``: all of them), in FACTORS' order."""
         chosen = []
         for factor, classes in FACTORS.items():
@@ -149,7 +152,7 @@ class Space:
         if factors:
             raise ValueError(f"{name}: no factor {sorted(factors)}")
         return Space(name, tuple(chosen), tuple((extras or {}).items()), weights, axes, tuple(requires),
-                     tuple((fixed or {}).items()), long_rows)
+                     tuple((fixed or {}).items()), long_rows, tuple((lengths or {}).items()), calls)
 
     @functools.cached_property
     def _factor_classes(self) -> dict:
@@ -351,13 +354,14 @@ def _reason(limits: Limits, key: str, declared: str) -> str:
     return limits.reasons.get(key) or f"outside the declared limits: {declared}"
 
 
-def lengths_of(cls: str, limits: Limits) -> tuple[int, ...]:
-    return _lengths(cls, limits.length_multiple)
+def lengths_of(cls: str, limits: Limits, space: "Space | None" = None) -> tuple[int, ...]:
+    values = dict(space.lengths).get(cls, LENGTHS[cls]) if space is not None else LENGTHS[cls]
+    return _lengths(tuple(values), limits.length_multiple)
 
 
 @functools.lru_cache(maxsize=None)
-def _lengths(cls: str, multiple: int) -> tuple[int, ...]:
-    return tuple(sorted({n if multiple <= 1 else -(-n // multiple) * multiple for n in LENGTHS[cls]}))
+def _lengths(values: tuple, multiple: int) -> tuple[int, ...]:
+    return tuple(sorted({n if multiple <= 1 else -(-n // multiple) * multiple for n in values}))
 
 
 def heads_of(cls: str, limits: Limits) -> tuple[int, ...]:
@@ -418,7 +422,8 @@ def limits_reason(space: Space, ctx: Context, row: dict) -> str | None:
             return _reason(limits, f"{kind} mask", "no attn_mask" if not limits.masks else f"masks: {limits.masks}")
         if limits.causal_only and attend != "causal":
             return _reason(limits, "is_causal only", "is_causal only")
-    if row.get("group", "1") != "1" and not limits.gqa:
+    if (row.get("group", "1") != "1" or dict(space.fixed).get("gqa") or row.get("history") == "group") \
+            and not limits.gqa:
         return _reason(limits, "enable_gqa", "no enable_gqa")
     if row.get("layout", "contiguous") != "contiguous" and not limits.strided:
         return _reason(limits, "strided", "contiguous inputs only")
@@ -435,7 +440,7 @@ def _minimum(space: Space, ctx: Context, row: dict) -> dict:
     def least_length(factor):
         cls = row.get(factor)
         pool = [cls] if cls else list(space.classes(factor)) or ["short"]
-        return min(lengths_of(c, limits)[0] for c in pool)
+        return min(lengths_of(c, limits, space)[0] for c in pool)
 
     def least_head(factor):
         cls = row.get(factor)
@@ -446,7 +451,7 @@ def _minimum(space: Space, ctx: Context, row: dict) -> dict:
     l = least_length("L") if space.has("L") else 1
     s = least_length("S") if space.has("S") else 1
     if row.get("L") == row.get("S") and row.get("order") in ("<", ">") and row.get("L") is not None:
-        values = lengths_of(row["L"], limits)
+        values = lengths_of(row["L"], limits, space)
         second = values[len(values) // 2] if len(values) > 1 else values[0]
         l, s = (l, second) if row["order"] == "<" else (second, s)
     e = least_head("E") if space.has("E") else 1
@@ -457,7 +462,7 @@ def _minimum(space: Space, ctx: Context, row: dict) -> dict:
 
 def row_cost(space: Space, ctx: Context, row: dict) -> int:
     m = _minimum(space, ctx, row)
-    return cost(m["l"], m["s"], m["e"], m["ev"], m["heads"], space.weights)
+    return space.calls * cost(m["l"], m["s"], m["e"], m["ev"], m["heads"], space.weights)
 
 
 def budget_ok(space: Space, ctx: Context, row: dict) -> bool:
@@ -480,13 +485,13 @@ def realize(space: Space, ctx: Context, row: dict, chooser: Chooser, row_index: 
     fixed = dict(space.fixed)
 
     def fits(l, s, e, ev, heads):
-        return cost(l, s, e, ev, heads, space.weights) <= ctx.budget
+        return space.calls * cost(l, s, e, ev, heads, space.weights) <= ctx.budget
 
     least = _minimum(space, ctx, row)
     # lengths: the order inside one class picks the shorter from the lower half and the longer from the upper half
     if space.has("L") and space.has("S"):
         cl, cs, order = row["L"], row["S"], row.get("order", "=")
-        lv, sv = lengths_of(cl, limits), lengths_of(cs, limits)
+        lv, sv = lengths_of(cl, limits, space), lengths_of(cs, limits, space)
         if row.get("attend") == "bool-tiles":
             sv = tuple(n for n in sv if n >= 64) or sv
         if cl == cs and order == "=":
@@ -504,8 +509,8 @@ def realize(space: Space, ctx: Context, row: dict, chooser: Chooser, row_index: 
             if not fits(l, s, least["e"], least["ev"], least["heads"]):
                 l = lv[0]
     else:
-        l = chooser.pick("L", lengths_of(row["L"], limits)) if "L" in row else fixed.get("l", 1)
-        s = chooser.pick("S", lengths_of(row["S"], limits)) if "S" in row else fixed.get("s", l)
+        l = chooser.pick("L", lengths_of(row["L"], limits, space)) if "L" in row else fixed.get("l", 1)
+        s = chooser.pick("S", lengths_of(row["S"], limits, space)) if "S" in row else fixed.get("s", l)
     if limits.equal_lengths:
         l = s = max(l, s)
     # head sizes, within the budget left
@@ -538,7 +543,8 @@ def realize(space: Space, ctx: Context, row: dict, chooser: Chooser, row_index: 
         size = math.prod(lead) if lead else 1
         if fits(l, s, e, ev, size):
             options.append(lead)
-    if options and cost(l, s, e, ev, math.prod(options[0]) if options[0] else 1, space.weights) > ctx.budget // 16:
+    if options and space.calls * cost(l, s, e, ev, math.prod(options[0]) if options[0] else 1,
+                                      space.weights) > ctx.budget // 16:
         options = options[:1]   # a large problem keeps one slice per group (its pairs need no more)
     lead = chooser.pick("lead", tuple(options)) if options else tuple(
         (*((1,) * (len(RANK_SIZES[rank][0]) - 1)), group) if RANK_SIZES[rank][0] else ())
