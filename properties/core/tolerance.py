@@ -290,15 +290,17 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
 
 def quick_output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
                        weight_factor: float = 1.0) -> torch.Tensor:
-    """A bound never above ``output_bound``, from the oracle alone (no intervals): half of its rounding terms,
-    (r + γ64(S + 1))·Σ_j w_j |v_j| / 2 with r the output's rounding of step 5. ``output_bound`` holds those terms with
-    ``upper`` ≥ w (the interval contains the float64 weight up to float64 rounding, which the half absorbs) and adds
-    non-negative ones, so an error within this bound is within that one: a sufficient condition that costs one
-    product instead of the intervals' O(L·S) passes."""
+    """A bound never above ``output_bound``, from the oracle alone (no intervals): 0.9·(r + γ64(S + 1) + e − 2γ64(S + 3))
+    ·Σ_j w_j |v_j|, with r the output's rounding of step 5 and e the evaluation error of step 4. ``output_bound``
+    holds r·Σ upper·|v| + γ64(S + 1)·Σ w|v| + Σ |upper − w|·|v|, and the interval contains the exact weight inflated
+    by e (upper ≥ w·(1 + e)), which the float64 weight w misses by at most γ64(S + 3); the factor 0.9 covers the
+    float64 rounding of the products. So an error within this bound is within that one: a sufficient condition that
+    costs one product instead of the intervals' O(L·S) passes, and decides most comparisons of a correct kernel."""
     w = bounds.weights
     s = w.shape[-1]
-    factor = (rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype)
-              + gamma(s + 1, unit_roundoff(_F64))) / 2 * weight_factor
+    u64 = unit_roundoff(_F64)
+    factor = 0.9 * weight_factor * max(0.0, rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype)
+                                       + gamma(s + 1, u64) + bounds.eval_error - 2 * gamma(s + 3, u64))
     if value is None:
         return factor * w
     v = to_float64(value).abs()

@@ -86,9 +86,40 @@ def _fixes(design: Design, target: Target) -> tuple[dict, list[tuple[str, str]]]
     return fixed, conditions
 
 
+def _meets(design: Design, row: dict, conditions: tuple) -> bool:
+    return all(design.value(row, a) in (None, c) for a, c in conditions)
+
+
 def complete(design: Design, partial: dict, conditions: tuple = ()) -> dict | None:
     """A complete valid row extending ``partial`` (cheapest classes first) whose derived attributes meet
-    ``conditions``, or None."""
+    ``conditions``, or None: a greedy pass first (each missing factor its first class that keeps the row valid, which
+    almost always succeeds), a depth-first search where it does not."""
+    key = ("greedy", tuple(partial.get(f) for f in design.factors), conditions)
+    if key in design._completions:
+        return design._completions[key]
+    design._completions[key] = result = _complete(design, partial, conditions)
+    return result
+
+
+def _complete(design: Design, partial: dict, conditions: tuple) -> dict | None:
+    if not design.valid(partial) or not _meets(design, partial, conditions):
+        return None
+    row = dict(partial)
+    for factor, classes in design.factors.items():
+        if factor in row:
+            continue
+        chosen = next((c for c in classes if design.valid({**row, factor: c})
+                       and _meets(design, {**row, factor: c}, conditions)), None)
+        if chosen is None:
+            break
+        row[factor] = chosen
+    else:
+        if all(design.value(row, a) == c for a, c in conditions):
+            return row
+    return _search(design, partial, conditions)
+
+
+def _search(design: Design, partial: dict, conditions: tuple) -> dict | None:
     key = (tuple(partial.get(f) for f in design.factors), conditions)
     if key in design._completions:
         return design._completions[key]
@@ -104,7 +135,7 @@ def complete(design: Design, partial: dict, conditions: tuple = ()) -> dict | No
     factor = missing
     result = None
     for c in design.factors[factor]:
-        result = complete(design, {**partial, factor: c}, conditions)
+        result = _search(design, {**partial, factor: c}, conditions)
         if result is not None:
             break
     design._completions[key] = result
@@ -159,15 +190,16 @@ def covering_rows(design: Design, targets: list[Target], strength: int) -> list[
             if factor in row:
                 continue
             before = _known(design, row)
-            best, best_key = None, None
+            ranked = []
             for rank, c in enumerate(design.factors[factor]):
                 trial = {**row, factor: c}
-                if complete(design, trial, conditions) is None:
+                if not design.valid(trial):
                     continue
                 gain = _new_targets(design, before, _known(design, trial), strength, uncovered)
-                key = (gain, -design.cost(trial), -rank)
-                if best_key is None or key > best_key:
-                    best, best_key = c, key
+                ranked.append(((gain, -design.cost(trial), -rank), c))
+            ranked.sort(reverse=True)
+            # the best class whose row can still be completed (checked in that order: the first usually can)
+            best = next((c for _, c in ranked if complete(design, {**row, factor: c}, conditions) is not None), None)
             if best is None:   # cannot happen: the seed was posable and each step keeps the row completable
                 raise RuntimeError(f"covering construction: no class of {factor} completes {row}")
             row[factor] = best

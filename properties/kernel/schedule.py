@@ -82,9 +82,11 @@ def _design(space: Space, ctx: Context, level: int) -> Design:
             costs[key] = row_cost(space, ctx, row)
         return costs[key]
 
+    limited = level >= 2 and bool(ctx.limits)   # (a kernel without limits accepts every row)
+
     def valid(row):
         return (structure_ok(space, row) and (level < 1 or cost(row) <= ctx.budget)
-                and (level < 2 or limits_reason(space, ctx, row) is None))
+                and (not limited or limits_reason(space, ctx, row) is None))
     lengths = all(f in factors for f in ("L", "S", "order"))
     return Design(factors, valid, cost,
                   derived={"scale": scale_of} if lengths else None,
