@@ -325,6 +325,26 @@ CATALOG: list[Entry] = [
     *(_moe_bug(name) for name in ("router_softmax_over_tokens", "renormalized_against_config")),
 ]
 
+# ------------------------------------------------------------------------ pair bugs (the covering schedule, issue 40)
+# Kernels a line or two from a correct one, exact on every problem that holds one of two classes and wrong on those
+# that hold both (pair_bugs.py). Caught by the covering rows of their clauses, at the pinned profile too.
+_PB = "properties.catalog.pair_bugs"
+
+
+def _pair_bug(name):
+    from properties.catalog.pair_bugs import BUGS
+    mechanism, pair, expected = BUGS[name]
+    return Entry(name, "kernel", f"{mechanism} (needs {pair})", expected, "--kernel", f"{_PB}:{name}")
+
+
+CATALOG += [_pair_bug(name) for name in (
+    "query_tiles_from_key_length", "causal_positions_in_input_dtype", "causal_dropped_for_head_size_256",
+    "float_mask_rows_fixed_in_place", "grouped_kv_memoized_by_address", "keys_memoized_by_address_past_64",
+    "rows_without_key_nan_in_half", "scale_ignored_at_head_size_256", "dropout_repeats_per_tile",
+    "strided_tail_tile_read_contiguous", "split_keys_without_empty_guard", "accumulator_sized_by_e_at_256",
+    "mask_heads_read_by_kv_head", "tile_skipped_by_its_first_row")]
+# ------------------------------------------------------------------------------------------- end of pair bugs
+
 _MHA = "properties.catalog.correct.TorchMultiheadAttention"
 CORRECT: list[Entry] = [
     Entry("F.scaled_dot_product_attention", "kernel", "PyTorch's SDPA", (), "--kernel",

@@ -47,7 +47,8 @@ from properties.kernel.limits import Limits, nearest_size
 from properties.kernel.magnitudes import Scores, covered_tiles
 
 __all__ = ["SHAPES", "SPREAD", "MAGNITUDE", "MEAN", "DENSITY", "COVER", "VALUE_EXTRAS", "MASK_EXTRAS", "LENGTHS", "HEAD_SIZES", "RANKS", "GROUPS", "ATTENDS", "VALUES", "LAYOUTS", "HISTORIES", "FACTORS",
-           "Extra", "Space", "Problem", "Context", "BUDGET", "LONG_BUDGET", "cost", "scale_of"]
+           "Extra", "Space", "Problem", "Context", "BUDGET", "LONG_BUDGET", "cost", "scale_of", "square_of",
+           "SQUARE_CLASSES"]
 
 # ------------------------------------------------------------------------------------------------ the classes
 LENGTHS: dict[str, tuple[int, ...]] = {
@@ -100,6 +101,18 @@ def scale_of(row: dict) -> str | None:
     if "L" not in row or "S" not in row:
         return None
     return max(row["L"], row["S"], key=_LENGTH_RANK.__getitem__)
+
+
+def square_of(row: dict) -> str | None:
+    """The class of L = S (self-attention: one sequence), "-" for L != S (a derived attribute of a row)."""
+    if "L" not in row or "S" not in row or "order" not in row:
+        return None
+    return row["L"] if row["order"] == "=" else "-"
+
+
+# Self-attention (L = S, one sequence) at every scale but the longest, against every other class: positions past 256
+# exist in both the queries and the keys only there (a causal mask built from positions rounded in bfloat16).
+SQUARE_CLASSES = ("one", "short", "tile", "past256")
 
 
 # ------------------------------------------------------------------------------------------------ a clause's space
@@ -306,7 +319,12 @@ class Problem(Case):
         mask = random_bool_mask(g, shape, density)          # every query keeps a key ...
         if self.attend == "bool-tiles":
             tile = int(dict(self.extras).get("cover", 64))
-            mask = mask & ~covered_tiles(shape, tile, derived_generator(self.seed, stream + 3))
+            covered = covered_tiles(shape, tile, derived_generator(self.seed, stream + 3))
+            if shape[-1] >= tile:   # the first tile masked for query 0 and kept for query 1: a tile some rows skip
+                covered[..., 0, :tile] = True
+                if shape[-2] > 1:
+                    covered[..., 1, :tile] = False
+            mask = mask & ~covered
             mask[..., -1] |= ~mask.any(-1)
         if self.attend.endswith("-empty"):                  # ... except some that keep none
             empty = torch.rand(shape[:-1], generator=g, dtype=torch.float64) < 0.5
@@ -428,8 +446,7 @@ def limits_reason(space: Space, ctx: Context, row: dict) -> str | None:
             return _reason(limits, f"{kind} mask", "no attn_mask" if not limits.masks else f"masks: {limits.masks}")
         if limits.causal_only and attend != "causal":
             return _reason(limits, "is_causal only", "is_causal only")
-    if (row.get("group", "1") != "1" or dict(space.fixed).get("gqa") or row.get("history") == "group") \
-            and not limits.gqa:
+    if (row.get("group", "1") != "1" or row.get("history") == "group") and not limits.gqa:
         return _reason(limits, "enable_gqa", "no enable_gqa")
     if row.get("layout", "contiguous") != "contiguous" and not limits.strided:
         return _reason(limits, "strided", "contiguous inputs only")

@@ -26,8 +26,8 @@ from hypothesis import example, given, settings, strategies as st
 
 from properties.kernel.covering import Design, complete, covered_by, covering_rows, posable, targets_of
 from properties.kernel.problem_space import (BUDGET, LONG_BUDGET, DTYPE_NAMES, DTYPE_ORDER, Context, Drawing, Problem, Rotation,
-                                             Smallest, Space, limits_reason, picks_of, realize, row_cost,
-                                             scale_of, structure_ok)
+                                             SQUARE_CLASSES, Smallest, Space, limits_reason, picks_of, realize,
+                                             row_cost, scale_of, square_of, structure_ok)
 
 __all__ = ["Schedule", "Slot", "scheduled", "problems", "context", "schedule_for", "strength", "SLOTS",
            "shrink_names", "shrunk"]
@@ -88,20 +88,27 @@ def _design(space: Space, ctx: Context, level: int) -> Design:
         return (structure_ok(space, row) and (level < 1 or cost(row) <= ctx.budget)
                 and (not limited or limits_reason(space, ctx, row) is None))
     lengths = all(f in factors for f in ("L", "S", "order"))
+    squares = tuple(c for c in SQUARE_CLASSES if c in factors.get("L", ()) and c in factors.get("S", ()))
     return Design(factors, valid, cost,
-                  derived={"scale": scale_of} if lengths else None,
-                  derived_classes={"scale": factors["L"]} if lengths else None,
+                  derived={"scale": scale_of, "square": square_of} if lengths else None,
+                  derived_classes={"scale": factors["L"], "square": squares} if lengths else None,
                   allowed=_allowed if lengths else None)
 
 
 _SIZE_FACTORS = ("L", "S", "order", "E", "Ev", "group", "attend")
+_LENGTH_ATTRIBUTES = {"L", "S", "order", "scale", "square"}   # (the dtype: see _allowed)
 
 
 def _allowed(attributes: tuple[str, ...]) -> bool:
     """The order of L and S is covered against the scale (the longer one's class), not against L and S apart: L > S
-    at tile scale, without a pair (L = long, L < S) that would force two long sequences into a row."""
+    at tile scale, without a pair (L = long, L < S) that would force two long sequences into a row. Self-attention
+    (L = S below the longest class: ``square``) is covered against the dtype: positions past 256 in both the queries
+    and the keys, in bfloat16."""
+    lengths = _LENGTH_ATTRIBUTES.intersection(attributes)
+    if "square" in attributes:
+        return lengths == {"square"} and "dtype" in attributes
     if "scale" in attributes:
-        return "order" in attributes and "L" not in attributes and "S" not in attributes
+        return lengths == {"scale", "order"}
     return not ("order" in attributes and ("L" in attributes or "S" in attributes))
 
 

@@ -73,7 +73,8 @@ def test_outputs_ignore_later_keys_and_values(kernel, device, case, causal_align
 
 
 @clause("CAUSAL-ZERO-ABOVE")
-@scheduled(Space.of("CAUSAL-ZERO-ABOVE", **{n: c for n, c in SHAPES.items() if n != "Ev"}, weights=True, **CAUSAL))
+@scheduled(Space.of("CAUSAL-ZERO-ABOVE", **{n: c for n, c in SHAPES.items() if n != "Ev"}, weights=True, long_rows=True,
+                    **CAUSAL))
 def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, causal_alignment, fully_masked):
     q, k, _ = case.qkv(device)
     allowed = causal_allowed(case.l, case.s, causal_alignment)

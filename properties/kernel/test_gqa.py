@@ -24,7 +24,7 @@ def gqa_kernel(kernel, device):
 
 
 @clause("GQA-HEADS")
-@scheduled(Space.of("GQA-HEADS", **{**SHAPES, "rank": ("1", "0")}, group=True, axes=1, fixed={"gqa": True},
+@scheduled(Space.of("GQA-HEADS", **{**SHAPES, "rank": ("1", "0")}, group=True, axes=1,
                     extras={"kv_heads": Extra((2, 1, 3), st.integers(1, 3))}))
 def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case):
     """case.lead holds the batch dims (one, or none); the test adds the head axis: the query has kv_heads * group
