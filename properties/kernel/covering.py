@@ -174,17 +174,23 @@ def _new_targets(design: Design, before: dict, after: dict, strength: int, uncov
     return count
 
 
-def covering_rows(design: Design, targets: list[Target], strength: int) -> list[dict]:
-    """Rows (factor -> class) covering every target of ``targets`` (each must be posable: ``posable``); targets are
-    ``strength``-tuples in the attributes' declaration order (``targets_of``)."""
+def covering_rows(design: Design, targets: list[Target], strength: int) -> tuple[list[dict], list[Target]]:
+    """(rows, the targets no row can hold): rows (factor -> class) covering every target of ``targets`` that some
+    valid row holds; targets are ``strength``-tuples in the attributes' declaration order (``targets_of``). A target
+    is tried as a row's seed only while no row holds it, so that the completion search runs for the seeds alone."""
     uncovered = set(targets)
     order = {t: i for i, t in enumerate(targets)}
     seed_cost = {t: design.cost(_fixes(design, t)[0]) for t in targets}
     rows: list[dict] = []
+    unposable: list[Target] = []
     while uncovered:
         seed = max(uncovered, key=lambda t: (seed_cost[t], -order[t]))
         fixed, conditions = _fixes(design, seed)
         conditions = tuple(conditions)
+        if complete(design, fixed, conditions) is None:
+            unposable.append(seed)
+            uncovered.discard(seed)
+            continue
         row = dict(fixed)
         for factor in design.factors:
             if factor in row:
@@ -208,4 +214,4 @@ def covering_rows(design: Design, targets: list[Target], strength: int) -> list[
             raise RuntimeError(f"covering construction: the row {row} does not cover its seed {seed}")
         uncovered -= newly
         rows.append(row)
-    return rows
+    return rows, unposable

@@ -33,7 +33,7 @@ __all__ = ["Schedule", "Slot", "scheduled", "problems", "context", "schedule_for
            "shrink_names", "shrunk"]
 
 # Explicit examples per clause, one covering row each (more rows than slots share them: slot i runs rows i, i + n, ...).
-SLOTS = {1: 24, 2: 120, 3: 900}
+SLOTS = {1: 12, 2: 72, 3: 480}
 
 
 def profile_examples() -> int:
@@ -126,23 +126,22 @@ class Schedule:
         self.strength = ctx.strength
         structure, budget, full = (_design(space, ctx, level) for level in (0, 1, 2))
         self.design = full
-        self.accepted: list = []
         self.declined: dict = {}      # target -> the kernel's reason
         self.beyond_budget: list = []
-        for target in targets_of(structure, ctx.strength):
-            if posable(full, target) is not None:
-                self.accepted.append(target)
-                continue
+        targets = targets_of(structure, ctx.strength)
+        rows, unposable = covering_rows(full, targets, ctx.strength)
+        for target in unposable:   # (the targets some row holds are the accepted ones)
             if posable(structure, target) is None:
                 continue
             fitting = posable(budget, target)
             if fitting is None:
                 self.beyond_budget.append(target)
-            elif posable(full, target) is None:
+            else:
                 fixed = {a: c for a, c in target if a in full.factors}
                 self.declined[target] = (limits_reason(space, ctx, fixed) or limits_reason(space, ctx, fitting)
                                          or "outside the kernel's limits")
-        rows = covering_rows(full, self.accepted, ctx.strength) if self.accepted else []
+        rejected = set(unposable)
+        self.accepted: list = [t for t in targets if t not in rejected]
         self.rows = sorted(rows, key=lambda row: row_cost(space, ctx, row))
         accepted = set(self.accepted)
         self.row_targets = [covered_by(full, row, ctx.strength) & accepted for row in self.rows]

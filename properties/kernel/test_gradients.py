@@ -6,6 +6,7 @@ raises NotImplementedError, has these clauses skipped with that reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -246,13 +247,18 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case):
     case = GradCase(**{**case.__dict__, "s": s, "ev": s, "e": s if limits.equal_head_sizes else case.e,
                        "l": s if limits.equal_lengths else case.l})
     q, k, _, do, _ = case.tensors(device)
+    # Scores within [-1, 1]: every weight at least e^-2/S, far above the dtype's underflow (float16's smallest normal
+    # is 6e-5), so that a zero output means a dropped weight whatever the head size, scale and length.
+    scale = default_scale(case.e) if case.scale is None else case.scale
+    largest = float((abs(scale) * to_float64(q).abs() @ to_float64(k).abs().transpose(-1, -2)).max())
+    if largest > 1:
+        q = q / 2.0 ** math.ceil(math.log2(largest))   # a power of two: exact in every dtype
     v = torch.eye(case.s, dtype=case.dtype, device=device).expand(case.b, case.kv_heads, case.s, case.s)
     bounds = _bounds(case, q, k, v, None, "top-left")
     assume(bool((bounds.lower > 0).all()))   # every weight nonzero before dropout: a zero output means dropped
     with seeded_rng(device, case.seed):   # a kernel that declines dropout has this clause skipped (the guard)
         out, grads = backward(kernel, q, k, v.contiguous(), do, dropout_p=p, **case.contract(None))
     keep = to_float64(out) != 0
-    scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, keep=keep, p=p)
     if repro.active():   # the script's own draw may differ (another kernel): the bound of a mask that keeps all
         repro.record("dropout-gradient", subject=kernel.name, device=str(device), query=q, key=k, upstream=do, p=p,
