@@ -175,7 +175,7 @@ def _counted(inner, record: Coverage, kernel_name: str, explicit: int, covering=
         slot = next(((name, v) for name, v in kwargs.items() if isinstance(v, Slot)), None)
         if slot is not None:
             return _run_rows(inner, record, args, kwargs, *slot)
-        _example["calls"], _example["decline"] = [], None
+        _fresh()
         fitted = {name: fit(value) for name, value in kwargs.items()}
         outcome = ""
         try:
@@ -184,6 +184,8 @@ def _counted(inner, record: Coverage, kernel_name: str, explicit: int, covering=
             changed = [f"{name}={fitted[name]!r}" for name in kwargs if fitted[name] is not kwargs[name]]
             if changed:
                 exc.add_note(f"(the kernel's limits fitted this example: {', '.join(changed)})")
+            if covering is not None and record.failed_row is None:
+                record.failed_row = -1   # a pinned example failed: the covering rows after it are left (one failure)
             raise
         finally:
             outcome = _commit(record)
@@ -197,6 +199,14 @@ def _counted(inner, record: Coverage, kernel_name: str, explicit: int, covering=
     return example
 
 
+def _fresh() -> None:
+    """A new example: nothing called yet, and no evidence for --repro-dir but its own (a comparison recorded by an
+    earlier example that passed would stand for this one's failure)."""
+    from properties.core import repro
+    _example["calls"], _example["decline"] = [], None
+    repro.clear()
+
+
 def _run_rows(inner, record: Coverage, args, kwargs, argname: str, slot):
     """Run a slot's covering rows (one, or more where the rows outnumber the slots); a row the kernel declines is
     counted and the next one runs; after a failing row the remaining rows are left (one failure is reported)."""
@@ -207,7 +217,7 @@ def _run_rows(inner, record: Coverage, args, kwargs, argname: str, slot):
         reject()
     ran = False
     for problem in problems:
-        _example["calls"], _example["decline"] = [], None
+        _fresh()
         try:
             inner(*args, **{**kwargs, argname: problem})
         except UnsatisfiedAssumption:
@@ -235,7 +245,7 @@ def _shrink(inner, args, kwargs, argname, space, problem, exc, record) -> Assert
     from hypothesis.errors import UnsatisfiedAssumption
     from properties.kernel.schedule import shrink_names, shrunk, schedule_for
     best, best_exc, trials, last = problem, exc, 0, problem
-    for _ in range(2):
+    for _ in range(2 if space.shrink else 0):
         changed = False
         for name in shrink_names(best):
             candidate = shrunk(space, best, name)
@@ -243,7 +253,7 @@ def _shrink(inner, args, kwargs, argname, space, problem, exc, record) -> Assert
                 continue
             trials += 1
             last = candidate
-            _example["calls"], _example["decline"] = [], None
+            _fresh()
             try:
                 inner(*args, **{**kwargs, argname: candidate})
             except AssertionError as failure:
@@ -252,7 +262,8 @@ def _shrink(inner, args, kwargs, argname, space, problem, exc, record) -> Assert
                 pass
         if not changed:
             break
-    if last is not best and best is not problem:   # the evidence of --repro-dir is the last call's: make it best's
+    if last is not best:   # --repro-dir keeps the evidence of the last calls: make them the failing problem's alone
+        _fresh()
         try:
             inner(*args, **{**kwargs, argname: best})
         except AssertionError as failure:

@@ -145,11 +145,12 @@ class Space:
     long_rows: bool = False                   # LONG_BUDGET instead of BUDGET
     lengths: tuple[tuple[str, tuple[int, ...]], ...] = ()   # a class's values where the clause needs fewer
     calls: int = 1                            # what one problem costs, in forward calls (a backward: 4)
+    shrink: bool = True                       # a failing covering row is shrunk (not where calls before matter)
 
     @staticmethod
     def of(name: str, *, extras: dict | None = None, weights: bool = False, axes: int = 0,
            requires: tuple = (), fixed: dict | None = None, long_rows: bool = False, lengths: dict | None = None,
-           calls: int = 1, **factors) -> "Space":
+           calls: int = 1, shrink: bool = True, **factors) -> "Space":
         """``factors``: factor -> the classes posed (``True``: all of them), in FACTORS' order."""
         chosen = []
         for factor, classes in FACTORS.items():
@@ -165,7 +166,7 @@ class Space:
         if factors:
             raise ValueError(f"{name}: no factor {sorted(factors)}")
         return Space(name, tuple(chosen), tuple((extras or {}).items()), weights, axes, tuple(requires),
-                     tuple((fixed or {}).items()), long_rows, tuple((lengths or {}).items()), calls)
+                     tuple((fixed or {}).items()), long_rows, tuple((lengths or {}).items()), calls, shrink)
 
     @functools.cached_property
     def _factor_classes(self) -> dict:

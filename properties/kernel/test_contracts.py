@@ -41,7 +41,7 @@ def _forward_backward(kernel, q, k, v, upstream, contract):
 
 
 @clause("KERNEL-DETERMINISTIC")
-@scheduled(Space.of("KERNEL-DETERMINISTIC", **SHAPES, attend=ATTENDS))
+@scheduled(Space.of("KERNEL-DETERMINISTIC", **SHAPES, shrink=False, attend=ATTENDS))
 def test_repeated_calls_are_bitwise_equal(kernel, device, case):
     """The same call twice, a call on another problem between them (other shapes, values and flags: a kernel that
     keeps state between calls, or caches a plan by shape, shows it there)."""
@@ -72,7 +72,7 @@ BATCH_SIZES = (2, 3, 8)
 
 
 @clause("KERNEL-BATCH-INVARIANT")
-@scheduled(Space.of("KERNEL-BATCH-INVARIANT", **{**SHAPES, "rank": ("2",)}, attend=ATTENDS,
+@scheduled(Space.of("KERNEL-BATCH-INVARIANT", **{**SHAPES, "rank": ("2",)}, shrink=False, attend=ATTENDS,
                     extras={"batch": Extra((8, 2, 3), st.sampled_from(BATCH_SIZES)),
                             "position": Extra((5, 0, 1, 7), st.integers(0, 7))}))
 def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case):

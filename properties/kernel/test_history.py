@@ -59,7 +59,7 @@ _P = Problem(lead=(1, 2), l=3, s=4, e=5, ev=3, dtype=F32, seed=0, attend="causal
 @clause("ATTN-HISTORY")
 # The same L, more keys: a mask cached under L alone serves the second S with the first's.
 @example(case=_P)
-@scheduled(Space.of("ATTN-HISTORY", **SHAPES, group=True, attend=ATTENDS, history=True,
+@scheduled(Space.of("ATTN-HISTORY", **SHAPES, shrink=False, group=True, attend=ATTENDS, history=True,
                     requires=(lambda row: not (row.get("history") == "group" and row.get("rank") == "0"),),
                     extras={**MASK_EXTRAS, "n": Extra((8, 1, 16, 3, 12), st.integers(1, 16))}))
 def test_output_does_not_depend_on_earlier_calls(kernel, device, causal_alignment, fully_masked, case):

@@ -55,7 +55,7 @@ INTEGRITY = dict(**SHAPES, group=True, attend=True, extras=MASK_EXTRAS)
 
 
 @clause("ATTN-INPUTS-UNCHANGED")
-@scheduled(Space.of("ATTN-INPUTS-UNCHANGED", **INTEGRITY))
+@scheduled(Space.of("ATTN-INPUTS-UNCHANGED", **INTEGRITY, shrink=False))
 def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, fully_masked, case):
     require_dtype(device, case.dtype)
     q, k, v = case.qkv(device)
@@ -68,7 +68,8 @@ def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, f
 
 
 @clause("ATTN-INPUTS-UNCHANGED")
-@scheduled(Space.of("ATTN-INPUTS-UNCHANGED (backward)", **GRAD, attend=("none", "causal", "bool", "float")))
+@scheduled(Space.of("ATTN-INPUTS-UNCHANGED (backward)", **GRAD, shrink=False,
+                    attend=("none", "causal", "bool", "float")))
 def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
     case = GradCase.of(case)
     q, k, v, do, mask = case.tensors(device)
@@ -89,7 +90,7 @@ def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
 
 # ---------------------------------------------------------------------------------------- ATTN-OUTPUT-FRESH
 @clause("ATTN-OUTPUT-FRESH")
-@scheduled(Space.of("ATTN-OUTPUT-FRESH", **INTEGRITY))
+@scheduled(Space.of("ATTN-OUTPUT-FRESH", **INTEGRITY, shrink=False))
 def test_outputs_are_the_callers_own(kernel, device, causal_alignment, fully_masked, case):
     """The output aliases no input; a second call on the same tensors, written in place with new values (a static
     KV cache is), gives a new tensor with the new problem's output and leaves the first output alone; writing into
