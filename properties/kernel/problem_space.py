@@ -444,7 +444,7 @@ def limits_reason(space: Space, ctx: Context, row: dict) -> str | None:
             return _reason(limits, "is_causal", "no is_causal")
         kind = attend.split("-")[0]
         if kind in ("bool", "float") and kind not in limits.masks:
-            return _reason(limits, f"{kind} mask", "no attn_mask" if not limits.masks else f"masks: {limits.masks}")
+            return _reason(limits, f"{kind} mask", f"a {kind} attn_mask")
         if limits.causal_only and attend != "causal":
             return _reason(limits, "is_causal only", "is_causal only")
     if (row.get("group", "1") != "1" or row.get("history") == "group") and not limits.gqa:

@@ -156,9 +156,16 @@ class Schedule:
                 seen[key] = seen.get(key, 0) + 1
 
     def reasons(self) -> list[str]:
-        """The kernel's reasons for the declined targets, most frequent first."""
+        """The kernel's reasons for the declined targets: first those that rule out a whole factor (every class the
+        clause poses of it, or a feature every problem of the clause has), then the others, most frequent first."""
         from collections import Counter
-        return [reason for reason, _ in Counter(self.declined.values()).most_common()]
+        blocking = [] if (whole := limits_reason(self.space, self.ctx, {})) is None else [whole]
+        for factor, classes in self.design.factors.items():
+            why = [limits_reason(self.space, self.ctx, {factor: c}) for c in classes]
+            if why and all(why):
+                blocking += [w for w in why if w not in blocking]
+        others = [reason for reason, _ in Counter(self.declined.values()).most_common() if reason not in blocking]
+        return blocking + others
 
 
 _PICK_NAMES = ["L", "S", "L=S", "shorter", "longer", "E", "Ev", "lead"]
