@@ -296,7 +296,7 @@ def _schedule_skip(kernel_name: str, schedule) -> str | None:
         return None
     reasons = "; ".join(schedule.reasons()[:3]) or "no problem of this clause fits the budget"
     return (f"kernel {kernel_name} declines every problem of this clause (not covered): "
-            f"{len(schedule.declined)} pairs of classes declined: {reasons}")
+            f"{len(schedule.declined)} {_TUPLES_OF.get(schedule.strength, 'tuples of classes')} declined: {reasons}")
 
 
 @contextlib.contextmanager
@@ -362,8 +362,8 @@ def summary_lines(rows: list[dict], verbose: bool = False) -> list[str]:
         scheduled = [c["pairs"] for c in cs if c.get("pairs")]
         pairs = ""
         if scheduled:
-            name = _TUPLES.get(scheduled[0]["strength"], "tuples")
-            pairs = (f"; {name} of classes: {sum(p['covered'] for p in scheduled)} covered, "
+            name = _TUPLES_OF.get(scheduled[0]["strength"], "tuples of classes")
+            pairs = (f"; {name}: {sum(p['covered'] for p in scheduled)} covered, "
                      f"{sum(p['declined'] for p in scheduled)} declined, "
                      f"{sum(p['beyond_budget'] for p in scheduled)} beyond the budget, in "
                      f"{sum(p['rows'] for p in scheduled)} covering rows of {len(scheduled)} clauses")
@@ -397,3 +397,4 @@ def _not_bitwise(c: dict) -> bool:
 
 THIN = 3   # a clause run on fewer problems than this is listed even when it passed
 _TUPLES = {1: "classes", 2: "pairs", 3: "triples"}
+_TUPLES_OF = {1: "classes", 2: "pairs of classes", 3: "triples of classes"}

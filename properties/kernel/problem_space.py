@@ -547,7 +547,8 @@ def realize(space: Space, ctx: Context, row: dict, chooser: Chooser, row_index: 
         return chooser.pick(factor, ok)
     e = heads_pick("E", least["ev"]) if "E" in row else fixed.get("e", 8)
     if space.weights:
-        ev = fixed.get("ev", 1)   # (read through V = I: the value tensor is the clause's own)
+        # (read through V = I: the value tensor is the clause's own, as narrow as the kernel takes)
+        ev = e if limits.equal_head_sizes or limits.head_sizes is not None else fixed.get("ev", 1)
     elif "Ev" in row:
         ev = e if limits.equal_head_sizes else heads_pick("Ev", e)
     else:

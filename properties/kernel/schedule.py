@@ -163,9 +163,9 @@ class Schedule:
         for factor, classes in self.design.factors.items():
             why = [limits_reason(self.space, self.ctx, {factor: c}) for c in classes]
             if why and all(why):
-                blocking += [w for w in why if w not in blocking]
-        others = [reason for reason, _ in Counter(self.declined.values()).most_common() if reason not in blocking]
-        return blocking + others
+                blocking += why
+        ordered = blocking + [reason for reason, _ in Counter(self.declined.values()).most_common()]
+        return list(dict.fromkeys(ordered))
 
 
 _PICK_NAMES = ["L", "S", "L=S", "shorter", "longer", "E", "Ev", "lead"]
@@ -235,12 +235,12 @@ def problems(draw, space: Space) -> Problem:
 
 def scheduled(space: Space, argname: str = "case"):
     """Decorator: the test draws ``argname`` from ``space`` (``problems``) after running its covering rows as
-    explicit examples (``Slot``); Hypothesis draws a quarter of the profile's examples besides."""
+    explicit examples (``Slot``); Hypothesis draws a sixth of the profile's examples besides (2 by default)."""
     def decorate(test):
         test = given(**{argname: problems(space)})(test)
         for index in reversed(range(SLOTS[strength()])):
             test = example(**{argname: Slot(space, index)})(test)
-        draws = max(1, profile_examples() // 4)
+        draws = max(1, profile_examples() // 6)
         test = settings(max_examples=draws)(test)
         test.covering_space = (space, argname)
         return test

@@ -273,7 +273,8 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case):
 @clause("ATTN-GRAD-GQA")
 @example(case=Problem(lead=(1, 2), l=1, s=2, e=8, ev=16, dtype=torch.bfloat16, seed=2, attend="bool", group=2,
                       extras=(("scale", None),)))   # the query admits no key (cuDNN's rows: the derivation below)
-@scheduled(Space.of("ATTN-GRAD-GQA", **{**GRAD, "group": ("2", "4")}, attend=("none", "causal", "bool", "float")))
+@scheduled(Space.of("ATTN-GRAD-GQA", **{**GRAD, "group": ("2", "4"), "calls": 8},   # two backward passes
+                    attend=("none", "causal", "bool", "float")))
 def test_shared_kv_head_gradient_is_the_sum_over_its_group(kernel, device, causal_alignment, fully_masked, case):
     case = GradCase.of(case)
     q, k, v, do, mask = case.tensors(device)
