@@ -23,11 +23,13 @@ CORRECT = ("torch.nn.functional:scaled_dot_product_attention", "math",
            "properties.catalog.contract_bugs:batch_invariant_attention")
 
 
-def test_correct_kernels_keep_both_contracts():
-    """PyTorch's CPU SDPA, the zoo's math kernel and the batch-invariant twin, in one session."""
-    run = _passes(CORRECT[0], CONTRACTS, (*FLAGS, *(w for spec in CORRECT[1:] for w in ("--kernel", spec))))
+def test_correct_kernels_keep_their_contracts():
+    """PyTorch's CPU SDPA, the zoo's math kernel and the batch-invariant twin repeat bitwise, in one session; the twin
+    keeps its rows whatever the batch. (SDPA and math do not, on this CPU, for every class: docs/kernels.md.)"""
+    run = _passes(CORRECT[0], CONTRACTS[:1], (FLAGS[0], *(w for spec in CORRECT[1:] for w in ("--kernel", spec))))
     kernels = {r["coverage"]["kernel"] for r in run.rows if r["status"] == "passed"}
     assert kernels == set(CORRECT), kernels
+    _passes(CORRECT[2], CONTRACTS[1:], FLAGS[1:])
 
 
 def test_contracts_are_skipped_unless_declared():

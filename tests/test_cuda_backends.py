@@ -20,12 +20,14 @@ EMULATED = "examples/repro_mem_efficient_finfo_min.py:log2e_scaled_attention"
 
 def _mask_clause(kernel_spec: str, finfo_min_rows: str, fully_masked: str = "zeros", dtype=torch.float32):
     """MASK-LOW-PRECISION's body on one pinned shape (row 0 of finfo.min everywhere), in this process."""
-    from properties.kernel.cases import Case
     from properties.kernel.guard import GuardedKernel
+    from properties.kernel.problem_space import Problem
     from properties.kernel.test_masks import test_extreme_float_mask_values_do_not_overflow as clause
     kernel = GuardedKernel(kernel_spec, load_object(kernel_spec))
-    clause.hypothesis.inner_test(kernel=kernel, device="cpu", case=Case((1, 1), 3, 5, 8, 4, dtype, 0), density=0.5,
-                                 magnitude=0.0, opposed=False, fully_masked=fully_masked, finfo_min_rows=finfo_min_rows)
+    case = Problem((1, 1), 3, 5, 8, 4, dtype, 0, attend="float",
+                   extras=(("density", 0.5), ("magnitude", 0.0), ("opposed", False)))
+    clause.hypothesis.inner_test(kernel=kernel, device="cpu", case=case, fully_masked=fully_masked,
+                                 finfo_min_rows=finfo_min_rows)
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")   # the body's assume, called bare

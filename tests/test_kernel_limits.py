@@ -182,9 +182,10 @@ def test_kernels_that_decline_pass_with_coverage_or_are_skipped_with_the_reason(
     assert grad["status"] == "passed" and grad["coverage"]["run"] >= 10, grad
     mask = rows[("MASK-BOOL", fused)]      # every problem declined: skipped with the kernel's reason, never passed
     assert mask["status"] == "skipped" and "attn_mask is not supported" in mask["message"], mask
-    old = f"{HERE}:before_gqa"             # no enable_gqa: its GQA draws are declined, the clause that needs them skipped
+    old = f"{HERE}:before_gqa"             # no enable_gqa: its GQA pairs are declined, the clause that needs them skipped
     assert rows[("ATTN-GRAD", old)]["status"] == "passed", rows[("ATTN-GRAD", old)]
-    assert any("enable_gqa" in reason for reason in rows[("ATTN-GRAD", old)]["coverage"]["reasons"])
+    declined = rows[("ATTN-GRAD", old)]["coverage"]["pairs"]["declined_pairs"]
+    assert declined and all("enable_gqa" in d["reason"] and "group=2" in d["pair"] for d in declined), declined
     gqa = rows[("ATTN-GRAD-GQA", old)]
     assert gqa["status"] == "skipped" and "enable_gqa" in gqa["message"], gqa
     flex_grad = rows[("ATTN-GRAD", flex)]  # flex_attention on the CPU: no backward, the gradient clauses skipped

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["PROFILES", "CANNOT_RUN", "TAGS", "cannot_run", "triton_limits", "cudnn_bool_mask_rows", "zoo_torch_on_cudnn_rows", "flash_backend", "efficient_backend", "cudnn_backend", "grouped_heads_declined",
-           "masks_declined", "four_dims_only", "causal_only", "equal_lengths_only"]
+           "masks_declined", "four_dims_only", "causal_only", "equal_lengths_only", "contiguous_only"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -120,6 +120,13 @@ def _causal(q, k, v, kw):
     return None
 
 
+def _contiguous(q, k, v, kw):
+    """Only contiguous q, k, v (a fused kernel that reads raw pointers with the contiguous strides)."""
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return NotImplementedError("only supports contiguous q, k, v (contiguous_only)")
+    return None
+
+
 def _equal_lengths(q, k, v, kw):
     """Only L = S."""
     if q.shape[-2] != k.shape[-2]:
@@ -162,16 +169,19 @@ masks_declined = _declining("masks_declined", _no_masks)
 four_dims_only = _declining("four_dims_only", _four_dims)
 causal_only = _declining("causal_only", _causal)
 equal_lengths_only = _declining("equal_lengths_only", _equal_lengths)
+contiguous_only = _declining("contiguous_only", _contiguous)
 
 PROFILES = {kernel.__name__: kernel for kernel in (flash_backend, efficient_backend, cudnn_backend,
                                                    grouped_heads_declined, masks_declined, four_dims_only,
-                                                   causal_only, equal_lengths_only, zoo_torch_on_cudnn_rows)}
+                                                   causal_only, equal_lengths_only, contiguous_only,
+                                                   zoo_torch_on_cudnn_rows)}
 
 # Clauses a profile cannot run a single problem of: each must be skipped with the profile's own message (TAGS), and
 # every other clause the suite runs on an undeclining kernel must run and pass.
 _MASKS = ("MASK-BOOL", "MASK-FLOAT-ADDITIVE", "MASK-BOOL-FLOAT", "MASK-NO-INFLUENCE", "MASK-FULLY-MASKED",
           "MASK-BROADCAST", "MASK-LOW-PRECISION", "ATTN-GRAD-MASKED", "ATTN-SHIFT-INVARIANT")
 _CAUSAL = ("CAUSAL-NO-FUTURE", "CAUSAL-ZERO-ABOVE", "CAUSAL-ALIGNMENT", "ATTN-GRAD", "ATTN-GRAD-CAUSAL", "ATTN-GRAD-GQA",
+           "ATTN-ORACLE",   # the oracle clause poses is_causal among its classes
            # the integrity clauses draw causal calls among their others
            "ATTN-HISTORY", "ATTN-INPUTS-UNCHANGED", "ATTN-OUTPUT-FRESH", "ATTN-LAYOUT")
 CANNOT_RUN: dict[str, tuple[str, ...]] = {
@@ -183,6 +193,7 @@ CANNOT_RUN: dict[str, tuple[str, ...]] = {
     "four_dims_only": (),
     "causal_only": ("not", *_CAUSAL),    # every clause but these: they pose causal problems (grad_cases: always)
     "equal_lengths_only": (),
+    "contiguous_only": ("ATTN-LAYOUT",),   # every layout it poses is strided
     "zoo_torch_on_cudnn_rows": (),
 }
 # The words of each profile's own declines.

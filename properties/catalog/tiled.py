@@ -76,6 +76,10 @@ class TiledAttention:
         """The query positions the causal test compares the key positions with."""
         return rows
 
+    def key_tile(self, t, j0, j1):
+        """Keys (or values) j0 … j1 - 1 as the forward reads them."""
+        return t[..., j0:j1, :]
+
     # ---------------------------------------------------------------------------------- online softmax
     def update(self, acc, row_max, row_sum, scores, v):
         """Fold one key tile into the running (acc, max, sum) of a query tile."""
@@ -102,10 +106,10 @@ class TiledAttention:
             for j0, j1 in self.key_tiles(s):
                 if is_causal and j0 > i1 - 1:
                     break   # this and every later key tile lie above the diagonal for all rows of the tile
-                scores = self.admissible(self.scores(q[..., i0:i1, :], k[..., j0:j1, :], sigma), mask, is_causal,
-                                         i0, i1, j0, j1)
+                scores = self.admissible(self.scores(q[..., i0:i1, :], self.key_tile(k, j0, j1), sigma), mask,
+                                         is_causal, i0, i1, j0, j1)
                 tile_lse = torch.logsumexp(scores, -1, keepdim=True)
-                acc, row_max, row_sum = self.update(acc, row_max, row_sum, scores, v[..., j0:j1, :])
+                acc, row_max, row_sum = self.update(acc, row_max, row_sum, scores, self.key_tile(v, j0, j1))
             out[..., i0:i1, :] = acc / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
             lse[..., i0:i1, :] = self.saved_lse(row_max, row_sum, tile_lse)
         return out, lse

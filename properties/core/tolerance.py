@@ -38,14 +38,12 @@ exceeded by a correct kernel (no flaky failures), loose by roughly sqrt(n) for t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from properties.core.oracle import Reference, expand_kv_heads, reference_attention, to_float64
 
 __all__ = ["unit_roundoff", "gamma", "accumulation_roundoff", "rounding_error", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
-           "output_bound", "STORED_WEIGHT_ROUNDINGS", "STORED_OUTPUT_ROUNDINGS"]
+           "output_bound", "quick_output_bound", "deciding_output_bound", "STORED_WEIGHT_ROUNDINGS", "STORED_OUTPUT_ROUNDINGS"]
 
 _F64 = torch.float64
 
@@ -93,18 +91,42 @@ def rowsum_error(s: int, dtype: torch.dtype) -> float:
     return evaluation_error(s, dtype) + s * torch.finfo(dtype).tiny
 
 
-@dataclass(frozen=True)
 class SoftmaxBounds:
-    """Oracle and error intervals for the weights of one attention call (all float64, CPU)."""
+    """Oracle and error intervals for the weights of one attention call (all float64, CPU).
 
-    reference: Reference        # the oracle (scores, weights, output)
-    score_error: torch.Tensor   # (..., l, s) delta of step 2, tested dtype plus the oracle's float64
-    lower: torch.Tensor         # (..., l, s) every correctly computed weight is >= lower ...
-    upper: torch.Tensor         # ... and <= upper; both are exactly 0 where a key is not admissible
-    eval_error: float           # step 4: relative error of evaluating the softmax (both precisions)
-    rowsum_error: float         # bound on |sum_j w_hat_ij - 1| for a row with an admissible key
-    dtype: torch.dtype
-    tiny: float                 # underflow slack per weight
+    The oracle (``reference``) is computed at once; the intervals (``score_error``, ``lower``, ``upper``: steps 2-4,
+    O(L·S) with a large constant) when first read, so that a comparison that passes the sufficient bound
+    (``quick_output_bound``) never pays for them."""
+
+    def __init__(self, reference: Reference, interval, eval_error: float, rowsum_error: float, dtype: torch.dtype,
+                 tiny: float):
+        self.reference = reference            # the oracle (scores, weights, output)
+        self._interval = interval             # () -> (score_error, lower, upper)
+        self._computed = None
+        self.eval_error = eval_error          # step 4: relative error of evaluating the softmax (both precisions)
+        self.rowsum_error = rowsum_error      # bound on |sum_j w_hat_ij - 1| for a row with an admissible key
+        self.dtype = dtype
+        self.tiny = tiny                      # underflow slack per weight
+
+    def _intervals(self):
+        if self._computed is None:
+            self._computed = self._interval()
+        return self._computed
+
+    @property
+    def score_error(self) -> torch.Tensor:
+        """(..., l, s) delta of step 2, tested dtype plus the oracle's float64."""
+        return self._intervals()[0]
+
+    @property
+    def lower(self) -> torch.Tensor:
+        """(..., l, s): every correctly computed weight is >= lower ..."""
+        return self._intervals()[1]
+
+    @property
+    def upper(self) -> torch.Tensor:
+        """... and <= upper; both are exactly 0 where a key is not admissible."""
+        return self._intervals()[2]
 
     @property
     def weights(self) -> torch.Tensor:
@@ -175,6 +197,17 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     e, s = q.shape[-1], k.shape[-2]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     reference = reference_attention(q, k, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    eval_error = evaluation_error(s, dtype)
+    tiny = torch.finfo(dtype).tiny
+
+    def interval():
+        return _interval(reference, q, k, attn_mask, scale, enable_gqa, dtype, eval_error, tiny)
+    return SoftmaxBounds(reference, interval, eval_error, rowsum_error(s, dtype), dtype, tiny)
+
+
+def _interval(reference: Reference, q, k, attn_mask, scale, enable_gqa, dtype, eval_error, tiny):
+    """(score_error, lower, upper) of steps 2-4 (see ``softmax_bounds``)."""
+    e, s = q.shape[-1], k.shape[-2]
     scores, admissible = reference.scores, reference.scores > float("-inf")
     u, u64 = unit_roundoff(dtype), unit_roundoff(_F64)
 
@@ -223,13 +256,10 @@ def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, s
     # A weight whose upper bound is exp(-inf) is exactly 0 whatever the evaluation error.
     log_upper = torch.where(log_upper == -math.inf, log_upper, log_upper + evaluation)
     log_lower = log_lower - evaluation
-    eval_error = evaluation_error(s, dtype)
-    tiny = torch.finfo(dtype).tiny
     zero = torch.zeros_like(scores)
     upper = torch.where(admissible, (log_upper.exp() * (1 + eval_error)).clamp_max(1 + eval_error) + tiny, zero)
     lower = torch.where(admissible, (log_lower.exp() * (1 - eval_error) - tiny).clamp_min(0.0), zero)
-    return SoftmaxBounds(reference=reference, score_error=delta, lower=lower, upper=upper,
-                         eval_error=eval_error, rowsum_error=rowsum_error(s, dtype), dtype=dtype, tiny=tiny)
+    return delta, lower, upper
 
 
 def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
@@ -256,3 +286,37 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
                              + rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype) * (bounds.upper @ v)
                              + gamma(s + 1, u64) * (w @ v))
     return bound + torch.where(has_key, bounds.tiny, 0.0)
+
+
+def quick_output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
+                       weight_factor: float = 1.0) -> torch.Tensor:
+    """A bound never above ``output_bound``, from the oracle alone (no intervals): 0.9·(r + γ64(S + 1) + e − 2γ64(S + 3))
+    ·Σ_j w_j |v_j|, with r the output's rounding of step 5 and e the evaluation error of step 4. ``output_bound``
+    holds r·Σ upper·|v| + γ64(S + 1)·Σ w|v| + Σ |upper − w|·|v|, and the interval contains the exact weight inflated
+    by e (upper ≥ w·(1 + e)), which the float64 weight w misses by at most γ64(S + 3); the factor 0.9 covers the
+    float64 rounding of the products. So an error within this bound is within that one: a sufficient condition that
+    costs one product instead of the intervals' O(L·S) passes, and decides most comparisons of a correct kernel."""
+    w = bounds.weights
+    s = w.shape[-1]
+    u64 = unit_roundoff(_F64)
+    factor = 0.9 * weight_factor * max(0.0, rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype)
+                                       + gamma(s + 1, u64) + bounds.eval_error - 2 * gamma(s + 3, u64))
+    if value is None:
+        return factor * w
+    v = to_float64(value).abs()
+    if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
+        v = expand_kv_heads(v, w.shape[-3])
+    return factor * (w @ v)
+
+
+def deciding_output_bound(actual: torch.Tensor, expected: torch.Tensor, bounds: SoftmaxBounds, value=None, *,
+                          factor: float = 1.0, terms=None, **kwargs) -> torch.Tensor:
+    """The bound that decides |actual − expected| as ``factor`` times ``output_bound(bounds, value)`` does (or the
+    sum over ``terms``, (value, coefficient) pairs): the quick bounds where the difference is within them everywhere,
+    else the full ones, computed only then."""
+    terms = [(value, 1.0)] if terms is None else terms
+    quick = factor * sum(c * quick_output_bound(bounds, v, **kwargs) for v, c in terms)
+    difference = (to_float64(actual) - to_float64(expected)).abs()
+    if bool((difference <= quick).all()):
+        return quick
+    return factor * sum(c * output_bound(bounds, v, **kwargs) for v, c in terms)

@@ -1,18 +1,19 @@
-"""Attention problems at the kernel level: a drawn ``Case`` (shapes, dtype, seed) inside the limits of the kernel
-under test, and the shapes every kernel clause pins (SPEC.md, "Problems at kernel scale, kernels with limits,
-coverage"). The bulk tensors follow the suite's one seed formula (properties/core/strategies.py)."""
+"""Attention problems at the kernel level: a ``Case`` (shapes, dtype, seed), and ``cases``, a strategy of general use
+that draws one inside the limits of the kernel under test (a property of a user's own writes ``@given(case=cases())``;
+the suite's clauses draw from their covering schedule, properties/kernel/schedule.py). The bulk tensors follow the
+suite's one seed formula (properties/core/strategies.py)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 import torch
-from hypothesis import example, strategies as st
+from hypothesis import strategies as st
 
 from properties.core.strategies import derived_generator, gaussian, on, require_dtype, seeds, selected_dtypes
 from properties.kernel.tiles import TILE_SHARE, drawn_head_size, kernel_limits, tile_shape
 
-__all__ = ["dtypes", "Case", "cases", "pinned_cases", "tile_pins", "with_pinned_cases"]
+__all__ = ["dtypes", "Case", "cases"]
 
 
 @st.composite
@@ -88,37 +89,3 @@ def cases(draw, *, lead=None, min_lead=0, max_lead=2, max_dim=3, min_l=1, max_l=
         l, s = limits.length(l), limits.length(s)
     return Case(lead=dims, l=l, s=s, e=e, ev=ev, dtype=draw(dtype if dtype is not None else dtypes()),
                 seed=draw(seeds), axes=axes)
-
-
-def pinned_cases(n_lead: int = 2, tiles: bool = True, axes: int = 0) -> list[Case]:
-    """Shapes every property also runs on, in the first selected dtype: L = 1, S = 1, odd head sizes, and
-    B == L (a kernel that swaps the batch and query axes raises no shape error there, so the values are
-    what catch it); with ``tiles``, the kernel-scale ones (``TILE_PINS``).  ``n_lead`` keeps that many leading dims."""
-    dtype = selected_dtypes()[0]
-    shapes = [((1, 1), 1, 1, 1, 1), ((1, 1), 1, 5, 3, 2), ((1, 1), 4, 1, 5, 3),
-              ((1, 2), 3, 7, 7, 5), ((3, 2), 3, 4, 4, 4)]
-    small = [Case(lead=lead[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0, axes=axes)
-             for lead, l, s, e, ev in shapes]
-    return small + (tile_pins(n_lead, axes) if tiles else [])
-
-
-def tile_pins(n_lead: int = 2, axes: int = 0) -> list[Case]:
-    """The kernel-scale shapes pinned in every kernel clause: L = S = 65 (one query and one key past a 64-tile:
-    partial last tiles on both axes, causal in the causal clauses); L = 65, S = 130 with E = 128 (L != S, a
-    two-row last key tile of 64, a head size past 64; the mask clauses add their float mask); S = 1024 in
-    bfloat16 (long rows: 16 full tiles of 64, 8 of 128); L = S = 129 with E = 96 (one past a 128-tile, for kernels
-    whose query tiles are 128 rows; a head size that is no power of two)."""
-    first = selected_dtypes()[0]
-    return [Case(lead=(1, 1)[:n_lead], l=l, s=s, e=e, ev=ev, dtype=dtype, seed=0, axes=axes)
-            for l, s, e, ev, dtype in ((65, 65, 64, 64, first), (65, 130, 128, 64, first),
-                                       (3, 1024, 64, 64, torch.bfloat16), (129, 129, 96, 96, first))]
-
-
-def with_pinned_cases(argname: str = "case", n_lead: int = 2, tiles: bool = True, axes: int = 0, **other_args):
-    """Decorator: run the test on :func:`pinned_cases` as explicit examples (``axes``: as in ``cases``);
-    ``other_args`` give the test's other drawn arguments."""
-    def decorate(test):
-        for case in pinned_cases(n_lead, tiles, axes):
-            test = example(**{argname: case}, **other_args)(test)
-        return test
-    return decorate

@@ -9,42 +9,17 @@ would miss.
 from __future__ import annotations
 
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
 
 from properties.core.assertions import assert_identical, assert_within
-from properties.core.strategies import on, random_bool_mask
-from properties.kernel.cases import Case
-from properties.kernel.tiles import kernel_limits
 
-__all__ = ["FEW", "ATTENDS", "attends", "contract", "StorageSnapshot", "snapshot", "assert_unchanged",
+__all__ = ["FEW", "StorageSnapshot", "snapshot", "assert_unchanged",
            "storage_span", "overlaps", "assert_no_alias", "assert_same_result", "as_integers", "bitwise_equal"]
 
-# A sixth of the profile's draws (2 by default), after the pins: these clauses fail on the first call that breaks
-# them, whatever its shape, so a few draws cover them; the thorough profile scales them up with the rest. Read when
-# the test modules import this one, at collection, after the plugin has loaded the profile.
+# A sixth of the profile's draws (2 by default), after the pins: the FlashAttention-API integrity clauses fail on the
+# first call that breaks them, whatever its shape, so a few draws cover them; the thorough profile scales them up with
+# the rest. Read when the test modules import this one, at collection, after the plugin has loaded the profile.
 FEW = settings(max_examples=max(2, settings().max_examples // 6))
-ATTENDS = ("none", "causal", "bool", "float")
-
-
-def attends():
-    """How queries are restricted, inside the kernel's limits: nothing, is_causal, a bool or a float mask."""
-    limits = kernel_limits()
-    return st.sampled_from([a for a in ATTENDS if a == "none" or (a == "causal" and limits.causal)
-                            or a in limits.masks])
-
-
-def contract(case: Case, attend: str, device) -> dict:
-    """The keyword arguments of ``attend`` for the case: a mask over every leading dim (one key kept per query)."""
-    if attend == "causal":
-        return {"is_causal": True}
-    if attend == "none":
-        return {}
-    mask = random_bool_mask(case.generator(1), (*case.lead, case.l, case.s), 0.5)
-    if attend == "float":
-        mask = torch.where(mask, 0.0, float("-inf")) + torch.randn(mask.shape, generator=case.generator(2),
-                                                                  dtype=torch.float64)
-        return {"attn_mask": on(mask, case.dtype, device)}
-    return {"attn_mask": mask.to(device)}
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

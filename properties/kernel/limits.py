@@ -140,14 +140,16 @@ class Limits:
         l, s = self.length(l), self.length(s)
         if (l, s) != (problem.l, problem.s):
             changes["l"], changes["s"] = l, s
-        lead, axes = getattr(problem, "lead", None), getattr(problem, "axes", 0)
+        lead = problem.lead if "lead" in {f.name for f in dataclasses.fields(problem)} else None
+        axes = getattr(problem, "axes", 0)
         if lead is not None and self.ranks is not None and len(lead) + axes not in self.ranks:
             fitting = [r - axes for r in self.ranks if r >= axes] or [0]
             rank = min(fitting, key=lambda r: abs(r - len(lead)))
             changes["lead"] = tuple(lead[len(lead) - rank:]) if rank < len(lead) else (1,) * (rank - len(lead)) + lead
-        if getattr(problem, "strided", False) and not self.strided:
+        fields = {f.name for f in dataclasses.fields(problem)}
+        if "strided" in fields and problem.strided and not self.strided:
             changes["strided"] = False
-        if getattr(problem, "scale", None) is not None and not self.explicit_scale:
+        if "scale" in fields and problem.scale is not None and not self.explicit_scale:
             changes["scale"] = None
         return dataclasses.replace(problem, **changes) if changes else problem
 

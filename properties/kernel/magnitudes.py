@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from properties.core.strategies import on, require_dtype, scale_partial_sums, score_limit
+from properties.core.strategies import scale_partial_sums, score_limit
 
-__all__ = ["Scores", "TYPICAL", "score_shapes", "covered_tiles", "tile_covers", "TILE_COVERS", "shaped_qkv64",
-           "shaped_qkv"]
+__all__ = ["Scores", "TYPICAL", "score_shapes", "covered_tiles"]
 
 # Below a shared direction's weight of 1, the noise that keeps scores distinct (and rows not constant).
 _NOISE = 0.1
@@ -65,14 +64,6 @@ def score_shapes() -> st.SearchStrategy[Scores]:
     return st.one_of(st.just(TYPICAL), extreme)
 
 
-# Key tile sizes of fused kernels (FlashAttention's 64 and 128-key blocks).
-TILE_COVERS = (64, 128)
-
-
-def tile_covers() -> st.SearchStrategy[int | None]:
-    return st.sampled_from([None, *TILE_COVERS])
-
-
 def covered_tiles(shape, tile: int | None, generator: torch.Generator) -> torch.Tensor:
     """(..., L, S) bool, True where a key is inside a whole aligned ``tile``-key tile that is masked for its row:
     each full tile of each row is covered with probability 1/2 (none for ``tile`` None or S < tile)."""
@@ -83,17 +74,3 @@ def covered_tiles(shape, tile: int | None, generator: torch.Generator) -> torch.
         chosen = torch.rand(*lead, l, tiles, generator=generator, dtype=torch.float64) < 0.5
         cover[..., :tiles * tile] = chosen.repeat_interleave(tile, dim=-1)
     return cover
-
-
-def shaped_qkv64(case, scores: Scores, stream: int = 0):
-    """The case's float64 (q, k, v) (CPU, before rounding) with ``scores``' profile at the default scale."""
-    q, k, v = case.qkv64(stream)
-    q, k = scores.apply(q, k, 1 / math.sqrt(case.e), case.dtype, case.generator(3))
-    return q, k, v
-
-
-def shaped_qkv(case, scores: Scores, device):
-    """``shaped_qkv64`` rounded to the case's dtype on ``device`` (an example the device cannot compute is
-    discarded, as ``Case.qkv`` does)."""
-    require_dtype(str(device), case.dtype)
-    return tuple(on(t, case.dtype, device) for t in shaped_qkv64(case, scores))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import assume, example, given, strategies as st
+from hypothesis import assume, example, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_all
@@ -15,8 +15,11 @@ from properties.core.strategies import require_dtype
 from properties.kernel.guard import NON_FINITE_CONVENTIONS, check_against_oracle
 from properties.core.oracle import causal_allowed, to_float64
 from properties.core.strategies import huge_values, on, rescale_keys, selected_dtypes
-from properties.kernel.cases import Case, cases, with_pinned_cases
-from properties.kernel.magnitudes import TYPICAL, Scores, score_shapes, shaped_qkv, shaped_qkv64
+from properties.kernel.problem_space import MAGNITUDE, SHAPES, Extra, Problem, Space
+from properties.kernel.schedule import scheduled
+
+# is_causal in every problem; scores typical, peaked or all very negative (SPEC.md, "Extreme scores under masks").
+CAUSAL = dict(fixed={"attend": "causal"}, values=("gaussian", "peaked", "negative"), extras={"magnitude": MAGNITUDE})
 
 
 def _offset(l: int, s: int, alignment: str) -> int:
@@ -27,28 +30,26 @@ def _no_key_rows(case, alignment):
     return ~causal_allowed(case.l, case.s, alignment).any(dim=-1)
 
 
-def _pinned_negative_rows(**other):
-    """L = S = 65 with every score near -2^16 (float32's realistic range): rows whose admissible scores all lie
-    below a finite running-max sentinel."""
-    return example(case=Case(lead=(1, 1), l=65, s=65, e=64, ev=64, dtype=selected_dtypes()[0], seed=0),
-                   scores=Scores("negative", 1.0), **other)
+# L = S = 65 with every score near -2^16 (float32's realistic range): rows whose admissible scores all lie below a
+# finite running-max sentinel (a past bug: properties/catalog/state_bugs.py, running_max_sentinel).
+NEGATIVE_ROWS = Problem(lead=(1, 1), l=65, s=65, e=64, ev=64, dtype=selected_dtypes()[0], seed=0, attend="causal",
+                        values="negative", extras=(("magnitude", 1.0),))
 
 
 @clause("CAUSAL-NO-FUTURE")
-@with_pinned_cases(adversarial=True, scores=TYPICAL)
-@given(case=cases(min_s=2), adversarial=st.booleans(), scores=score_shapes())
-def test_outputs_ignore_later_keys_and_values(kernel, device, case, adversarial, scores, causal_alignment,
-                                              fully_masked):
+@scheduled(Space.of("CAUSAL-NO-FUTURE", **{**SHAPES, "S": ("short", "tile", "past256", "long")},
+                    **{**CAUSAL, "extras": {**CAUSAL["extras"], "adversarial": Extra((True, False), st.booleans())}}))
+def test_outputs_ignore_later_keys_and_values(kernel, device, case, causal_alignment, fully_masked):
     require_dtype(device, case.dtype)
     offset = _offset(case.l, case.s, causal_alignment)
     first_cut = max(1, offset + 1)  # keys from `cut` on are replaced; row 0 must not see any of them
     assume(first_cut <= case.s - 1)
     cut = int(torch.randint(first_cut, case.s, (1,), generator=case.generator(1)))
-    q64, k64, v64 = shaped_qkv64(case, scores)
+    q64, k64, v64 = case.qkv64()
     k_new, v_new = (t.clone() for t in (k64, v64))
-    _, fresh_k, fresh_v = shaped_qkv64(case, scores, stream=2)
+    _, fresh_k, fresh_v = case.qkv64(stream=2)
     k_new[..., cut:, :], v_new[..., cut:, :] = fresh_k[..., cut:, :], fresh_v[..., cut:, :]
-    if adversarial:  # huge but finite: scaled partial sums up to finfo.max/(4 sqrt E), values finfo.max/4
+    if case.adversarial:  # huge but finite: scaled partial sums up to finfo.max/(4 sqrt E), values finfo.max/4
         big = torch.finfo(case.dtype).max / 4
         k_new[..., cut:, :] = rescale_keys(q64, k_new[..., cut:, :], 1 / math.sqrt(case.e), big / math.sqrt(case.e),
                                            big)
@@ -72,10 +73,10 @@ def test_outputs_ignore_later_keys_and_values(kernel, device, case, adversarial,
 
 
 @clause("CAUSAL-ZERO-ABOVE")
-@with_pinned_cases(scores=TYPICAL)
-@given(case=cases(weights=True), scores=score_shapes())
-def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, scores, causal_alignment, fully_masked):
-    q, k, _ = shaped_qkv(case, scores, device)
+@scheduled(Space.of("CAUSAL-ZERO-ABOVE", **{n: c for n, c in SHAPES.items() if n != "Ev"}, weights=True, long_rows=True,
+                    **CAUSAL))
+def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, causal_alignment, fully_masked):
+    q, k, _ = case.qkv(device)
     allowed = causal_allowed(case.l, case.s, causal_alignment)
     no_key = ~allowed.any(dim=-1)
     w = to_float64(kernel.weights(q, k, is_causal=True,
@@ -87,10 +88,10 @@ def test_weights_above_the_diagonal_are_exactly_zero(kernel, device, case, score
 
 
 @clause("CAUSAL-ALIGNMENT")
-@with_pinned_cases(scores=TYPICAL)
-@_pinned_negative_rows()
-@given(case=cases(), scores=score_shapes())
-def test_causal_diagonal_alignment(kernel, device, case, scores, causal_alignment, fully_masked):
-    q, k, v = shaped_qkv(case, scores, device)
-    check_against_oracle(kernel, q, k, v, is_causal=True, causal_alignment=causal_alignment,
-                         fully_masked=fully_masked)
+@example(case=NEGATIVE_ROWS)
+@scheduled(Space.of("CAUSAL-ALIGNMENT", **SHAPES, group=True, long_rows=True, **CAUSAL))
+def test_causal_diagonal_alignment(kernel, device, case, causal_alignment, fully_masked):
+    require_dtype(device, case.dtype)
+    q, k, v = case.qkv(device)
+    check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked,
+                         **case.contract(device))

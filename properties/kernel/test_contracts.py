@@ -4,25 +4,26 @@ its batch."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import strategies as st
 
 from properties import clause
 from properties.core import evidence
 from properties.core.assertions import assert_identical
 from properties.core.strategies import gaussian, on, random_bool_mask
-from properties.kernel.cases import cases, with_pinned_cases
+from properties.kernel.problem_space import SHAPES, Extra, Space
+from properties.kernel.schedule import scheduled
 
-FLAVORS = ("plain", "causal", "bool mask", "float mask")   # dropout is left out: its draws differ by design
+ATTENDS = ("none", "causal", "bool", "float")   # dropout is left out: its draws differ by design
 
 
-def _contract(case, flavor: str, device, lead=None) -> dict:
-    """The keyword arguments of the flavor's call, drawn from the case (a mask of shape ``lead`` + (L, S))."""
+def _contract(case, device, lead=None) -> dict:
+    """The keyword arguments of the case's attend class (a mask of shape ``lead`` + (L, S))."""
     lead = case.lead if lead is None else lead
-    if flavor == "causal":
+    if case.attend == "causal":
         return {"is_causal": True}
-    if flavor in ("bool mask", "float mask"):
+    if case.attend in ("bool", "float"):
         mask = random_bool_mask(case.generator(1), (*lead, case.l, case.s), 0.5)
-        if flavor == "float mask":
+        if case.attend == "float":
             mask = torch.zeros(mask.shape, dtype=case.dtype).masked_fill(~mask, float("-inf"))
         return {"attn_mask": mask.to(device)}
     return {}
@@ -40,14 +41,13 @@ def _forward_backward(kernel, q, k, v, upstream, contract):
 
 
 @clause("KERNEL-DETERMINISTIC")
-@with_pinned_cases(flavor="plain")
-@with_pinned_cases(flavor="causal", tiles=False)
-@given(case=cases(), flavor=st.sampled_from(FLAVORS))
-def test_repeated_calls_are_bitwise_equal(kernel, device, case, flavor):
+@scheduled(Space.of("KERNEL-DETERMINISTIC", **SHAPES, shrink=False, attend=ATTENDS))
+def test_repeated_calls_are_bitwise_equal(kernel, device, case):
     """The same call twice, a call on another problem between them (other shapes, values and flags: a kernel that
     keeps state between calls, or caches a plan by shape, shows it there)."""
+    flavor = case.attend
     q, k, v = case.qkv(device)
-    contract = _contract(case, flavor, device)
+    contract = _contract(case, device)
     upstream = on(gaussian(case.generator(3), *case.lead, case.l, case.ev), case.dtype, device)
     first, first_grads = _forward_backward(kernel, q, k, v, upstream, contract)
     oq, ok, ov = (on(t, case.dtype, device) for t in (gaussian(case.generator(4), *case.lead, case.l + 1, case.e),
@@ -72,16 +72,16 @@ BATCH_SIZES = (2, 3, 8)
 
 
 @clause("KERNEL-BATCH-INVARIANT")
-@with_pinned_cases(batch=8, position=5, flavor="plain")
-@with_pinned_cases(batch=3, position=1, flavor="causal", tiles=False)
-@given(case=cases(lead=2), batch=st.sampled_from(BATCH_SIZES), position=st.integers(0, 7),
-       flavor=st.sampled_from(FLAVORS))
-def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case, batch, position, flavor):
+@scheduled(Space.of("KERNEL-BATCH-INVARIANT", **{**SHAPES, "rank": ("2",)}, shrink=False, attend=ATTENDS,
+                    extras={"batch": Extra((8, 2, 3), st.sampled_from(BATCH_SIZES)),
+                            "position": Extra((5, 0, 1, 7), st.integers(0, 7))}))
+def test_sequence_rows_do_not_depend_on_the_batch(kernel, device, case):
     """Sequence 0 of the case, alone (batch 1), then at ``position`` in a batch of ``batch`` with other sequences."""
-    position %= batch
+    flavor, batch = case.attend, case.batch
+    position = case.position % batch
     heads = case.lead[1]
     q, k, v = (t[:1] for t in case.qkv(device))
-    contract = _contract(case, flavor, device, lead=(batch, heads))
+    contract = _contract(case, device, lead=(batch, heads))
     g = case.generator(5)
     others = [on(gaussian(g, batch, heads, n, width), case.dtype, device)
               for n, width in ((case.l, case.e), (case.s, case.e), (case.s, case.ev))]

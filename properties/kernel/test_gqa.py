@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import strategies as st
 
 from properties import clause
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import check_against_oracle
 from properties.core.strategies import gaussian, on
-from properties.kernel.cases import cases, with_pinned_cases
+from properties.kernel.problem_space import SHAPES, Extra, Space
+from properties.kernel.schedule import scheduled
 
 
 @pytest.fixture(scope="session")
@@ -23,14 +24,15 @@ def gqa_kernel(kernel, device):
 
 
 @clause("GQA-HEADS")
-@with_pinned_cases(n_lead=1, axes=1, kv_heads=2, group=2)  # the smallest shape where head i's kv head is observable
-@given(case=cases(lead=1, axes=1), kv_heads=st.integers(1, 3), group=st.integers(1, 3))
-def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case, kv_heads, group):
-    """case.lead holds the batch dims (one, or as many as the kernel's ranks leave beside the head axis); the query
-    has kv_heads * group heads, key and value kv_heads."""
+@scheduled(Space.of("GQA-HEADS", **{**SHAPES, "rank": ("1", "0")}, group=True, axes=1,
+                    extras={"kv_heads": Extra((2, 1, 3), st.integers(1, 3))}))
+def test_query_head_reads_its_group_kv_head(gqa_kernel, device, case):
+    """case.lead holds the batch dims (one, or none); the test adds the head axis: the query has kv_heads * group
+    heads, key and value kv_heads (group 1: enable_gqa with as many key/value heads as query heads)."""
     require_dtype(device, case.dtype)
-    if case.l * case.s > 4096:   # a kernel-scale draw: at most 2 x 2 heads, within the problem budget
-        kv_heads, group = min(kv_heads, 2), min(group, 2)
+    kv_heads, group = case.kv_heads, case.group
+    if case.l * case.s > 4096:   # a long problem: at most 2 key/value heads
+        kv_heads = min(kv_heads, 2)
     g = case.generator()
     h = kv_heads * group
     q = gaussian(g, *case.lead, h, case.l, case.e)

@@ -6,11 +6,12 @@ raises NotImplementedError, has these clauses skipped with that reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, example, given, strategies as st
+from hypothesis import assume, example, strategies as st
 
 from properties import clause
 from properties.core import evidence
@@ -18,9 +19,10 @@ from properties.core.assertions import assert_all, assert_within
 from properties.kernel.gradients import gradient_oracle, group_sum
 from properties.kernel.limits import nearest_size
 from properties.core.oracle import causal_allowed, default_scale, to_float64
-from properties.core.strategies import derived_generator, on, random_bool_mask, require_dtype, seeded_rng, seeds
-from properties.kernel.cases import dtypes
-from properties.kernel.tiles import TILE_SHARE, drawn_head_size, kernel_limits, tile_shape
+from properties.core.strategies import derived_generator, on, random_bool_mask, require_dtype, seeded_rng
+from properties.kernel.problem_space import MEAN, Extra, Problem, Space
+from properties.kernel.schedule import scheduled
+from properties.kernel.tiles import kernel_limits
 from properties.core.tolerance import softmax_bounds
 from properties.kernel.guard import backward_gradients
 
@@ -42,6 +44,7 @@ class GradCase:
     scale: float | None
     strided: bool        # q, k, v and dO as .transpose(1, 2) views of (b, l, h, e) tensors
     seed: int
+    shift: float = 0.0   # the mean of the values and of dO (spread 1/4): ``shifted`` values (0: gaussian)
 
     @property
     def heads(self) -> int:
@@ -50,13 +53,16 @@ class GradCase:
     def __repr__(self) -> str:
         return (f"GradCase(b={self.b}, h={self.heads}, kv_heads={self.kv_heads}, l={self.l}, s={self.s}, "
                 f"e={self.e}, ev={self.ev}, dtype={self.dtype}, mask={self.mask!r}, causal={self.causal}, "
-                f"scale={self.scale}, strided={self.strided}, seed={self.seed})")
+                f"scale={self.scale}, strided={self.strided}, seed={self.seed}"
+                f"{f', shift={self.shift}' if self.shift else ''})")
 
-    def _tensor(self, g, heads, length, features, device):
-        if self.strided:  # the storage of a (b, l, h, e) projection, viewed as (b, h, l, e)
-            t = torch.randn(self.b, length, heads, features, generator=g, dtype=torch.float64)
-            return on(t, self.dtype, device).transpose(1, 2)
-        return on(torch.randn(self.b, heads, length, features, generator=g, dtype=torch.float64), self.dtype, device)
+    def _tensor(self, g, heads, length, features, device, shift: float = 0.0):
+        shape = (self.b, length, heads, features) if self.strided else (self.b, heads, length, features)
+        t = torch.randn(*shape, generator=g, dtype=torch.float64)
+        if shift:
+            t = shift + 0.25 * t
+        t = on(t, self.dtype, device)
+        return t.transpose(1, 2) if self.strided else t   # the storage of a (b, l, h, e) projection
 
     def tensors(self, device):
         """q, k, v, dO and the mask (or None), in the dtype on ``device``."""
@@ -64,8 +70,8 @@ class GradCase:
         g = derived_generator(self.seed)
         q = self._tensor(g, self.heads, self.l, self.e, device)
         k = self._tensor(g, self.kv_heads, self.s, self.e, device)
-        v = self._tensor(g, self.kv_heads, self.s, self.ev, device)
-        do = self._tensor(g, self.heads, self.l, self.ev, device)
+        v = self._tensor(g, self.kv_heads, self.s, self.ev, device, self.shift)
+        do = self._tensor(g, self.heads, self.l, self.ev, device, self.shift)
         mask = None
         if self.mask == "bool":
             mask = random_bool_mask(g, (self.l, self.s), 0.6, keep_one=False).to(device)
@@ -85,48 +91,29 @@ class GradCase:
             kw["enable_gqa"] = True
         return kw
 
-
-@st.composite
-def grad_cases(draw, *, mask=None, causal=None, group=None, strided=None, weights=False) -> GradCase:
-    """Backward problems: today's small ones, and one in TILE_SHARE at kernel scale (core/strategies.py); inside the
-    limits of the kernel under test (a clause that needs a feature it declines asks for it anyway)."""
-    limits = kernel_limits()
-    masks = [m for m in MASKS if m == "none" or m.split("-")[0] in limits.masks]
-    the_mask = draw(st.sampled_from(masks)) if mask is None else mask
-    drawn_causal = limits.causal_only or (draw(st.booleans()) and limits.causal)
-    is_causal = (drawn_causal if causal is None else causal) and the_mask == "none"
-    the_group = (draw(st.integers(1, 2)) if limits.gqa else 1) if group is None else group
-    big = draw(st.integers(0, TILE_SHARE - 1)) == TILE_SHARE - 1
-    kv_heads, b = (1, 1) if big else (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
-    if big:
-        l, s, e, ev = draw(tile_shape(kv_heads * the_group, weights=weights))
-    else:
-        l, s, e = draw(st.integers(1, 6)), draw(st.integers(1, 6)), draw(drawn_head_size(limits, 1, 8))
-        ev = e if limits.equal_head_sizes else draw(drawn_head_size(limits, 1, 6))
-        if limits.equal_lengths:
-            l = s = max(l, s)
-        l, s = limits.length(l), limits.length(s)
-    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0))) if limits.explicit_scale else None
-    return GradCase(b=b, kv_heads=kv_heads, group=the_group, l=l, s=s, e=e, ev=ev, dtype=draw(dtypes()),
-                    mask=the_mask, causal=is_causal, scale=scale, seed=draw(seeds),
-                    strided=(draw(st.booleans()) if strided is None else strided) and limits.strided)
+    @staticmethod
+    def of(problem: Problem) -> "GradCase":
+        """The backward problem of a problem of a GRAD space: (B, H) its leading dims, the mask kind its attend class
+        (a float mask that requires grad where its ``mask_grad`` says), the layout's strides, the values' mean."""
+        group = problem.group
+        b, heads = problem.lead
+        mask = {"none": "none", "causal": "none", "bool": "bool"}.get(problem.attend, "float")
+        if mask == "float" and dict(problem.extras).get("mask_grad"):
+            mask = "float-grad"
+        limits = kernel_limits()
+        scale = dict(problem.extras).get("scale") if limits.explicit_scale else None
+        return GradCase(b=b, kv_heads=heads // group, group=group, l=problem.l, s=problem.s, e=problem.e,
+                        ev=problem.ev, dtype=problem.dtype, mask=mask, causal=problem.attend == "causal", scale=scale,
+                        strided=problem.layout == "transposed", seed=problem.seed,
+                        shift=problem.shift_of_mean() if problem.values == "shifted" else 0.0)
 
 
-# The kernel-scale problems pinned in every gradient clause (core/strategies.py, tile_pins): L = S = 65 causal,
-# L = 65, S = 130 with E = 128 and a float mask that requires grad, S = 1024 in bfloat16, L = S = 129 causal, E = 96.
-TILE_GRAD_PINS = (GradCase(1, 1, 1, 65, 65, 64, 64, torch.float32, "none", True, None, False, 0),
-                  GradCase(1, 1, 1, 65, 130, 128, 64, torch.float32, "float-grad", False, None, False, 0),
-                  GradCase(1, 1, 1, 3, 1024, 64, 64, torch.bfloat16, "none", False, None, False, 0),
-                  GradCase(1, 1, 1, 129, 129, 96, 96, torch.float32, "none", True, None, False, 0))
-
-
-def with_tile_pins(**other_args):
-    """Decorator: the TILE_GRAD_PINS as explicit examples (``other_args``: the test's other drawn arguments)."""
-    def decorate(test):
-        for case in reversed(TILE_GRAD_PINS):
-            test = example(case=case, **other_args)(test)
-        return test
-    return decorate
+# The backward problems: 4-D (B, H, L, E) inputs, contiguous or the (B, L, H, E) storage of projections, values and
+# upstream gradients of zero mean or of mean >> spread (rowsum(dO o O) then far from 0), an explicit scale or none.
+SCALE = Extra((None, 0.5, 0.05, 2.0, 1.0), st.one_of(st.none(), st.floats(0.05, 2.0)))
+GRAD = dict(L=True, S=True, order=True, E=True, Ev=True, dtype=True, group=("1", "2"), calls=4,
+            layout=("contiguous", "transposed"), values=("gaussian", "shifted"), fixed={"rank": "2"},
+            extras={"scale": SCALE, "mean_exponent": MEAN, "mask_grad": Extra((True, False), st.booleans())})
 
 
 def backward(kernel, q, k, v, do, mask=None, **contract) -> tuple[torch.Tensor, dict]:
@@ -170,12 +157,9 @@ def _record_zeros(kernel, q, k, v, do, contract: dict, grads: dict, zeros: dict,
 
 # ------------------------------------------------------------------------------------------ ATTN-GRAD
 @clause("ATTN-GRAD")
-@example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))  # GQA, strided
-@example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))  # causal, l != s
-@example(case=GradCase(1, 1, 1, 2, 4, 3, 3, torch.bfloat16, "bool", False, None, True, 2))
-@with_tile_pins()
-@given(case=grad_cases())
+@scheduled(Space.of("ATTN-GRAD", **GRAD, attend=("none", "causal", "bool", "float")))
 def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, fully_masked, case):
+    case = GradCase.of(case)
     q, k, v, do, mask = case.tensors(device)
     if mask is not None and case.mask == "float-grad":
         mask.requires_grad_()
@@ -196,12 +180,11 @@ def test_gradients_agree_with_float64_oracle(kernel, device, causal_alignment, f
 
 # ----------------------------------------------------------------------------------- ATTN-GRAD-MASKED
 @clause("ATTN-GRAD-MASKED")
-@example(case=GradCase(1, 1, 1, 3, 4, 3, 2, torch.float32, "bool", False, None, False, 0))
-@example(case=GradCase(1, 1, 1, 65, 130, 128, 64, torch.float32, "bool", False, None, False, 0))
-@given(case=grad_cases(mask="bool"))
+@scheduled(Space.of("ATTN-GRAD-MASKED", **GRAD, attend=("bool",)))
 def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_masked, case):
     if fully_masked != "zeros":
         pytest.skip(f"--fully-masked {fully_masked}: dQ of a query with no admissible key is not required to be 0")
+    case = GradCase.of(case)
     q, k, v, do, _ = case.tensors(device)
     g = derived_generator(case.seed, 7)
     mask = random_bool_mask(g, (case.l, case.s), 0.6, keep_one=True)
@@ -225,12 +208,14 @@ def test_masked_keys_and_empty_queries_get_zero_gradient(kernel, device, fully_m
 
 # ----------------------------------------------------------------------------------- ATTN-GRAD-CAUSAL
 @clause("ATTN-GRAD-CAUSAL")
-@example(case=GradCase(1, 1, 1, 4, 4, 3, 2, torch.float32, "none", True, None, False, 0), row=1)
-@example(case=GradCase(1, 1, 1, 3, 5, 3, 2, torch.float32, "none", True, None, True, 0), row=0)
-@example(case=TILE_GRAD_PINS[0], row=64)   # the first row of the second 64-query tile
-@given(case=grad_cases(mask="none", causal=True), row=st.one_of(st.integers(0, 5), st.sampled_from((63, 64, 65, 128))))
-def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alignment, case, row):
-    assume(row < case.l)
+@scheduled(Space.of("ATTN-GRAD-CAUSAL", **{**GRAD, "extras": {**GRAD["extras"], "query": Extra(
+    (64, 0, 1, 63, 65, 128, 3), st.one_of(st.integers(0, 5), st.sampled_from((63, 64, 65, 128))))}},
+    attend=("causal",)))
+def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alignment, case):
+    """dO nonzero at one query (the first of the second 64-row tile where there is one; the last row where the
+    drawn one is past L)."""
+    row = min(case.query, case.l - 1)
+    case = GradCase.of(case)
     q, k, v, do, _ = case.tensors(device)
     only_row = torch.zeros_like(do)
     only_row[..., row, :] = do[..., row, :]
@@ -246,25 +231,34 @@ def test_upstream_gradient_reaches_only_allowed_keys(kernel, device, causal_alig
 
 # ---------------------------------------------------------------------------------- ATTN-GRAD-DROPOUT
 @clause("ATTN-GRAD-DROPOUT")
-@example(case=GradCase(1, 1, 1, 3, 4, 3, 4, torch.float32, "none", False, None, False, 0), p=0.5)
-@given(case=grad_cases(mask="none", causal=False, group=1, weights=True),
-       p=st.one_of(st.floats(0.1, 0.7), st.sampled_from([i / 16 for i in range(2, 12)])))   # (cuDNN's 1/16 steps)
-def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
+@scheduled(Space.of("ATTN-GRAD-DROPOUT", **{
+    **GRAD, "group": ("1",), "Ev": None, "fixed": {"rank": "2", "dropout": True},
+    "extras": {**GRAD["extras"], "p": Extra((0.5, 0.1, 0.7, 2 / 16, 11 / 16),   # (cuDNN's 1/16 steps)
+                                            st.one_of(st.floats(0.1, 0.7), st.sampled_from([i / 16 for i in range(2, 12)])))}},
+    attend=("none",), weights=True))
+def test_backward_uses_the_mask_the_forward_realised(kernel, device, case):
     """V = I: the output is the realised weight matrix W̃ (dropped and rescaled), so the mask is known. Ev = S must
     be a head size the kernel accepts: S moves to the nearest one (and E, L with it where the kernel needs Ev = E or
     L = S), so that one call realises the whole mask."""
+    p = case.p
+    case = GradCase.of(case)
     limits = kernel_limits()
     s = nearest_size(limits.head_sizes, case.s) if limits.head_sizes is not None else case.s
     case = GradCase(**{**case.__dict__, "s": s, "ev": s, "e": s if limits.equal_head_sizes else case.e,
                        "l": s if limits.equal_lengths else case.l})
     q, k, _, do, _ = case.tensors(device)
+    # Scores within [-1, 1]: every weight at least e^-2/S, far above the dtype's underflow (float16's smallest normal
+    # is 6e-5), so that a zero output means a dropped weight whatever the head size, scale and length.
+    scale = default_scale(case.e) if case.scale is None else case.scale
+    largest = float((abs(scale) * to_float64(q).abs() @ to_float64(k).abs().transpose(-1, -2)).max())
+    if largest > 1:
+        q = q / 2.0 ** math.ceil(math.log2(largest))   # a power of two: exact in every dtype
     v = torch.eye(case.s, dtype=case.dtype, device=device).expand(case.b, case.kv_heads, case.s, case.s)
     bounds = _bounds(case, q, k, v, None, "top-left")
     assume(bool((bounds.lower > 0).all()))   # every weight nonzero before dropout: a zero output means dropped
     with seeded_rng(device, case.seed):   # a kernel that declines dropout has this clause skipped (the guard)
         out, grads = backward(kernel, q, k, v.contiguous(), do, dropout_p=p, **case.contract(None))
     keep = to_float64(out) != 0
-    scale = default_scale(case.e) if case.scale is None else case.scale
     oracle = gradient_oracle(bounds, q, k, v, do, scale=scale, keep=keep, p=p)
     if evidence.active():   # the script's own draw may differ (another kernel): the bound of a mask that keeps all
         evidence.record("dropout-gradient", subject=kernel.name, device=str(device), query=q, key=k, upstream=do, p=p,
@@ -277,11 +271,12 @@ def test_backward_uses_the_mask_the_forward_realised(kernel, device, case, p):
 
 # ------------------------------------------------------------------------------------- ATTN-GRAD-GQA
 @clause("ATTN-GRAD-GQA")
-@example(case=GradCase(1, 2, 2, 3, 4, 4, 3, torch.float32, "none", False, None, True, 0))
-@example(case=GradCase(1, 2, 2, 65, 130, 128, 64, torch.float32, "float", False, None, False, 0))
-@example(case=GradCase(1, 1, 2, 1, 2, 8, 16, torch.bfloat16, "bool", False, None, False, 2))   # the query admits no key
-@given(case=grad_cases(group=2))
+@example(case=Problem(lead=(1, 2), l=1, s=2, e=8, ev=16, dtype=torch.bfloat16, seed=2, attend="bool", group=2,
+                      extras=(("scale", None),)))   # the query admits no key (cuDNN's rows: the derivation below)
+@scheduled(Space.of("ATTN-GRAD-GQA", **{**GRAD, "group": ("2", "4"), "calls": 8},   # two backward passes
+                    attend=("none", "causal", "bool", "float")))
 def test_shared_kv_head_gradient_is_the_sum_over_its_group(kernel, device, causal_alignment, fully_masked, case):
+    case = GradCase.of(case)
     q, k, v, do, mask = case.tensors(device)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.detach()

@@ -18,12 +18,12 @@ from properties.kernel.flash import FlashCase, flash_bounds, flash_cases
 from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
 from properties.core.strategies import require_dtype, selected_dtypes
-from properties.kernel.cases import Case, cases
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import backward_gradients, check_against_oracle
-from properties.kernel.integrity import (FEW, assert_no_alias, assert_unchanged, attends, bitwise_equal, contract,
-                                         snapshot)
-from properties.kernel.test_gradients import GradCase, grad_cases
+from properties.kernel.integrity import FEW, assert_no_alias, assert_unchanged, bitwise_equal, snapshot
+from properties.kernel.problem_space import MASK_EXTRAS, SHAPES, Space
+from properties.kernel.schedule import scheduled
+from properties.kernel.test_gradients import GRAD, GradCase
 
 F32 = selected_dtypes()[0]
 
@@ -49,16 +49,17 @@ def _record(kernel, inputs: dict | None, **recorded) -> None:
 
 
 # ------------------------------------------------------------------------------------ ATTN-INPUTS-UNCHANGED
+# Every attend class (masks with rows that admit no key among them) and grouped heads: what a kernel may be tempted
+# to patch in the caller's tensors.
+INTEGRITY = dict(**SHAPES, group=True, attend=True, extras=MASK_EXTRAS)
+
+
 @clause("ATTN-INPUTS-UNCHANGED")
-@example(case=Case(lead=(3, 2), l=3, s=4, e=4, ev=4, dtype=F32, seed=0), attend="none")   # B == L
-@example(case=Case(lead=(2, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="float")
-@example(case=Case(lead=(2, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="causal")
-@FEW
-@given(case=cases(), attend=attends())
-def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, fully_masked, case, attend):
+@scheduled(Space.of("ATTN-INPUTS-UNCHANGED", **INTEGRITY, shrink=False))
+def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, fully_masked, case):
     require_dtype(device, case.dtype)
     q, k, v = case.qkv(device)
-    kw = contract(case, attend, device)
+    kw = case.contract(device)
     before = snapshot(_inputs(q, k, v, kw))
     inputs = _copies(q, k, v, kw)
     check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked, **kw)
@@ -67,12 +68,10 @@ def test_forward_leaves_its_inputs_unchanged(kernel, device, causal_alignment, f
 
 
 @clause("ATTN-INPUTS-UNCHANGED")
-@example(case=GradCase(2, 2, 1, 3, 5, 4, 3, F32, "none", False, None, False, 0))
-@example(case=GradCase(1, 2, 2, 3, 5, 4, 3, F32, "float-grad", False, 0.5, True, 1))   # GQA, strided, a mask's grad
-@example(case=GradCase(1, 1, 1, 4, 4, 8, 8, F32, "none", True, None, False, 2))
-@FEW
-@given(case=grad_cases())
+@scheduled(Space.of("ATTN-INPUTS-UNCHANGED (backward)", **GRAD, shrink=False,
+                    attend=("none", "causal", "bool", "float")))
 def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
+    case = GradCase.of(case)
     q, k, v, do, mask = case.tensors(device)
     leaves = {"query": q.requires_grad_(), "key": k.requires_grad_(), "value": v.requires_grad_()}
     if mask is not None and case.mask == "float-grad":
@@ -91,17 +90,14 @@ def test_backward_leaves_its_inputs_unchanged(kernel, device, case):
 
 # ---------------------------------------------------------------------------------------- ATTN-OUTPUT-FRESH
 @clause("ATTN-OUTPUT-FRESH")
-@example(case=Case(lead=(1, 1), l=4, s=1, e=5, ev=3, dtype=F32, seed=0), attend="none")   # one key: out = v
-@example(case=Case(lead=(1, 2), l=3, s=5, e=4, ev=3, dtype=F32, seed=0), attend="bool")
-@FEW
-@given(case=cases(), attend=attends())
-def test_outputs_are_the_callers_own(kernel, device, causal_alignment, fully_masked, case, attend):
+@scheduled(Space.of("ATTN-OUTPUT-FRESH", **INTEGRITY, shrink=False))
+def test_outputs_are_the_callers_own(kernel, device, causal_alignment, fully_masked, case):
     """The output aliases no input; a second call on the same tensors, written in place with new values (a static
     KV cache is), gives a new tensor with the new problem's output and leaves the first output alone; writing into
     the first output leaves the second alone."""
     require_dtype(device, case.dtype)
     q, k, v = case.qkv(device)
-    kw = contract(case, attend, device)
+    kw = case.contract(device)
     inputs, copies = _inputs(q, k, v, kw), _copies(q, k, v, kw)
     first, _ = check_against_oracle(kernel, q, k, v, causal_alignment=causal_alignment, fully_masked=fully_masked,
                                     what="out (first call)", **kw)

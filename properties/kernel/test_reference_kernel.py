@@ -10,7 +10,7 @@ other. The report also gives each kernel's distance from the oracle, which says 
 from __future__ import annotations
 
 import torch
-from hypothesis import assume, example, given
+from hypothesis import assume
 
 from properties import clause
 from properties.core.assertions import assert_within
@@ -18,7 +18,11 @@ from properties.kernel.gradients import gradient_oracle
 from properties.core.oracle import default_scale, to_float64
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import NON_FINITE_CONVENTIONS
-from properties.kernel.test_gradients import GradCase, backward, grad_cases, with_tile_pins
+from properties.kernel.problem_space import Space
+from properties.kernel.schedule import scheduled
+from properties.kernel.test_gradients import GRAD, GradCase, backward
+
+ATTENDS = ("none", "causal", "bool", "float")
 
 
 def _problem(case: GradCase, device, causal_alignment):
@@ -42,13 +46,10 @@ def _same_nan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 @clause("ATTN-DIFF")
-@example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float", False, None, True, 0))   # GQA, strided
-@example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))    # causal, l != s
-@example(case=GradCase(1, 1, 1, 2, 4, 3, 3, torch.bfloat16, "bool", False, None, True, 2))
-@with_tile_pins()
-@given(case=grad_cases())
+@scheduled(Space.of("ATTN-DIFF", **{**GRAD, "calls": 2}, attend=ATTENDS))
 def test_kernel_agrees_with_the_reference_kernel(kernel, reference_kernel, device, causal_alignment, fully_masked,
                                                    case):
+    case = GradCase.of(case)
     q, k, v, _, mask, bounds = _problem(case, device, causal_alignment)
     no_key = bounds.reference.no_key_rows
     nan_rows = no_key if fully_masked in NON_FINITE_CONVENTIONS or fully_masked == "mean" else None
@@ -64,12 +65,10 @@ def test_kernel_agrees_with_the_reference_kernel(kernel, reference_kernel, devic
 
 
 @clause("ATTN-DIFF-GRAD")
-@example(case=GradCase(2, 2, 2, 3, 5, 4, 3, torch.float32, "float-grad", False, None, True, 0))
-@example(case=GradCase(1, 1, 1, 5, 3, 3, 2, torch.float32, "none", True, 0.5, False, 1))
-@with_tile_pins()
-@given(case=grad_cases())
+@scheduled(Space.of("ATTN-DIFF-GRAD", **{**GRAD, "calls": 8}, attend=ATTENDS))
 def test_kernel_gradients_agree_with_the_reference_kernel(kernel, reference_kernel, device, causal_alignment,
                                                             fully_masked, case):
+    case = GradCase.of(case)
     q, k, v, do, mask, bounds = _problem(case, device, causal_alignment)
     if fully_masked != "zeros":
         assume(not bool(bounds.reference.no_key_rows.any()))

@@ -5,16 +5,17 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_within, fmt
 from properties.core.strategies import require_dtype
 from properties.core.oracle import default_scale, to_float64
 from properties.kernel.statistics import FALSE_ALARM, weighted_chi_square_interval
-from properties.core.strategies import on, required, seeds
-from properties.kernel.cases import cases, dtypes, with_pinned_cases
-from properties.kernel.tiles import head_sizes_up_to, kernel_limits
+from properties.core.strategies import on, required
+from properties.kernel.problem_space import SHAPES, Extra, Space
+from properties.kernel.schedule import scheduled
+from properties.kernel.tiles import kernel_limits
 from properties.core.tolerance import gamma, softmax_bounds, unit_roundoff
 
 # A weight this far above the underflow threshold carries a negligible (1e-6 relative) underflow error.
@@ -44,20 +45,24 @@ def _check_log_ratios(kernel, q, k, scale, scale_kwargs):
                        f"expected, the weights imply {recovered}")
 
 
+# Two keys at least (a log-ratio of weights); the weights are read through V = I.
+RATIO_SHAPES = {**{name: classes for name, classes in SHAPES.items() if name != "Ev"},
+                "S": ("short", "tile", "past256", "long")}
+
+
 @clause("SCALE-DEFAULT")
-@with_pinned_cases()
-@given(case=cases(min_s=2, weights=True))
+@scheduled(Space.of("SCALE-DEFAULT", **RATIO_SHAPES, weights=True))
 def test_default_scale_is_one_over_sqrt_e(kernel, device, case):
     q, k, _ = case.qkv(device)
     _check_log_ratios(kernel, q, k, default_scale(case.e), {})
 
 
 @clause("SCALE-EXPLICIT")
-@with_pinned_cases(scale=0.5)
-@given(case=cases(min_s=2, weights=True), scale=st.floats(1 / 64, 4.0))
-def test_explicit_scale_replaces_the_default(kernel, device, case, scale):
+@scheduled(Space.of("SCALE-EXPLICIT", **RATIO_SHAPES, weights=True,
+                    extras={"scale": Extra((0.5, 1 / 64, 4.0, 0.125, 2.0), st.floats(1 / 64, 4.0))}))
+def test_explicit_scale_replaces_the_default(kernel, device, case):
     q, k, _ = case.qkv(device)
-    _check_log_ratios(kernel, q, k, scale, {"scale": scale})
+    _check_log_ratios(kernel, q, k, case.scale, {"scale": case.scale})
 
 
 def _wide_exponent_range(dtype: torch.dtype) -> bool:
@@ -69,11 +74,14 @@ SAMPLES = 2048
 
 
 @clause("SCALE-VARIANCE")
-@given(d=head_sizes_up_to(64), dtype=dtypes(), unscaled=st.booleans(), seed=seeds)
-def test_scaling_brings_score_variance_from_d_to_one(kernel, device, d, dtype, unscaled, seed):
-    """See SPEC.md, SCALE-VARIANCE, for the derivation of the acceptance interval."""
+@scheduled(Space.of("SCALE-VARIANCE", E=("odd", "8k", "64"), dtype=True,
+                    extras={"unscaled": Extra((False, True), st.booleans())}))
+def test_scaling_brings_score_variance_from_d_to_one(kernel, device, case):
+    """See SPEC.md, SCALE-VARIANCE, for the derivation of the acceptance interval. The case gives the head size d,
+    the dtype and the seed; its samples are the clause's own."""
+    d, dtype, seed = case.e, case.dtype, case.seed
+    unscaled = case.unscaled and _wide_exponent_range(dtype)   # float16 cannot hold those weights (SPEC.md)
     require_dtype(device, dtype)
-    assume(not unscaled or _wide_exponent_range(dtype))  # float16 cannot hold those weights (SPEC.md)
     g = torch.Generator().manual_seed(seed)
     q64 = torch.randn(SAMPLES, 1, d, generator=g, dtype=torch.float64)
     k_sample = torch.randn(SAMPLES, 1, d, generator=g, dtype=torch.float64)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from properties.kernel.limits import Limits, active, active_device
 
-__all__ = ["kernel_limits", "set_run_seed", "run_choice", "RUN_HEAD_SIZES", "TILE_SHARE", "TILE_LENGTHS", "TILE_HEAD_SIZES", "BUDGET", "problem_budget",
+__all__ = ["kernel_limits", "set_run_seed", "run_seed", "run_choice", "RUN_HEAD_SIZES", "TILE_SHARE", "TILE_LENGTHS", "TILE_HEAD_SIZES", "BUDGET", "problem_budget",
            "tile_shape", "drawn_head_size", "head_sizes_up_to"]
 
 
@@ -54,6 +54,11 @@ _run = {"seed": None}
 def set_run_seed(seed: int | None) -> None:
     """The seed of this run's choice of head sizes (the plugin sets the run's Hypothesis seed; None: no choice)."""
     _run["seed"] = seed
+
+
+def run_seed() -> int | None:
+    """The run's Hypothesis seed (None outside a suite run)."""
+    return _run["seed"]
 
 
 def run_choice(candidates, kind: str) -> list:
