@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Floors, lowest first; a package's modules may import their own floor's and those below. Floors that share a
 # number are siblings: neither imports the other.
 FLOORS = {
-    "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "adapters": 3, "repro": 3, "plugin": 4,
+    "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "distributed": 2, "adapters": 3, "repro": 3, "plugin": 4,
                    "catalog": 5},
     "zoo": {"leftovers": 0, "call_limit": 1, "plugins": 2, "nn": 3, "config": 4, "io": 5, "interop": 6, "tasks": 7,
             "cli_dirs": 8, "cli_args": 8, "cli_checks": 9, "cli": 10, "__main__": 11},
