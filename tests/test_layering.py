@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Floors, lowest first; a package's modules may import their own floor's and those below. Floors that share a
 # number are siblings: neither imports the other.
 FLOORS = {
-    "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "adapters": 3, "repro": 3, "plugin": 4,
-                   "catalog": 5},
+    "properties": {"core": 0, "kernel": 1, "module": 2, "model": 2, "distributed": 2, "adapters": 3, "repro": 3,
+                   "plugin": 4, "catalog": 5},
     "zoo": {"runtime": 0, "nn": 1, "config": 2, "io": 3, "interop": 4, "tasks": 5, "cli": 6, "__main__": 7},
 }
 # properties/__init__.py (clause, Subject) reads core/ only; zoo/__init__.py names zoo.config lazily, by string.

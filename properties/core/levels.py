@@ -1,8 +1,9 @@
-"""The level of a property test — kernel, module or model — is the folder it lives in, and nothing else.
+"""The level of a property test — kernel, module, model or distributed — is the folder it lives in, and nothing else.
 
 `properties/kernel/` holds the clauses on functions with the SDPA signature, `properties/module/` those on
 parts (multi-head attention, feed-forward, norms, positions, layers), `properties/model/` those on whole
-models. The plugin's level selection (--kernel, --model, --zoo), `-m kernel|module|model`, the catalog's
+models, `properties/distributed/` those on a kernel split across ranks (--world-size). The plugin's level
+selection (--kernel, --model, --zoo, --world-size), `-m kernel|module|model|distributed`, the catalog's
 --catalog-level and the report's "level" field all ask `level_of`.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 __all__ = ["LEVELS", "SUITE_DIR", "in_suite", "level_of"]
 
-LEVELS = ("kernel", "module", "model")
+LEVELS = ("kernel", "module", "model", "distributed")
 SUITE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -21,7 +22,7 @@ def in_suite(item) -> bool:
 
 
 def level_of(item) -> str | None:
-    """'kernel', 'module' or 'model' for a clause test; None for any other test."""
+    """'kernel', 'module', 'model' or 'distributed' for a clause test; None for any other test."""
     path = Path(str(item.path)).resolve()
     if SUITE_DIR not in path.parents:
         return None

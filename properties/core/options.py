@@ -4,7 +4,7 @@ loading torch, the zoo or the suite; the modules that act on an option import it
 from __future__ import annotations
 
 __all__ = ["DTYPE_NAMES", "ALIGNMENTS", "FULLY_MASKED_CONVENTIONS", "FINFO_MIN_ROWS", "KERNEL_APIS", "LIMIT_OPTIONS",
-           "DEFAULT_TIMEOUT", "MIN_TIMEOUT"]
+           "DEFAULT_TIMEOUT", "MIN_TIMEOUT", "SHARD_LAYOUTS", "LSE_BASES"]
 
 # The dtypes the suite draws (--dtype), by torch's names. The order matters: Hypothesis shrinks sampled_from
 # towards the first entry, so counterexamples show float32 unless the failure needs another dtype.
@@ -25,8 +25,17 @@ FULLY_MASKED_CONVENTIONS = ("zeros", "nan", "mean", "any")
 # memory-efficient CUDA kernel scales the scores by log2(e) in float32, and such a row overflows to -inf).
 FINFO_MIN_ROWS = ("softmax", "masked")
 
-# The calling conventions of --kernel (--kernel-api): SDPA's signature, or flash-attn 2.x's three functions.
-KERNEL_APIS = ("sdpa", "flash", "flash-varlen", "flash-kvcache")
+# The calling conventions of --kernel (--kernel-api): SDPA's signature, flash-attn 2.x's three functions, or a merge of
+# partial attention states with FlashInfer's merge_state / merge_states signature.
+KERNEL_APIS = ("sdpa", "flash", "flash-varlen", "flash-kvcache", "merge")
+
+# How a context-parallel kernel's ranks hold the sequence (--shard; properties/distributed/layouts.py): contiguous
+# shards, or zigzag (2W chunks, rank r holding chunks r and 2W - 1 - r).
+SHARD_LAYOUTS = ("contiguous", "zigzag")
+
+# The base of a log-sum-exp a kernel returns or a merge takes (--lse-base): natural (PyTorch, flash-attn, vLLM) or 2
+# (FlashInfer's kernels compute with exp2).
+LSE_BASES = ("e", "2")
 
 # The options that declare an SDPA kernel's limits (properties/kernel/limits.py; dtypes: --dtype).
 LIMIT_OPTIONS = ("--kernel-head-size", "--kernel-no-mask", "--kernel-equal-lengths", "--kernel-equal-head-sizes")

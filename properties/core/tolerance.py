@@ -31,6 +31,14 @@ Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them)
    float32-state computation at every length; a kernel that rounds its state once per key tile adds S / 64
    roundings of the dtype and leaves it at S = 1024 (SPEC.md, "Tolerance model", step 6).
 
+7. Merged partial states.  A kernel that computes attention over key blocks as partial states (o_i, lse_i) and
+   merges them (flash-decoding, cascade attention, ring attention; zoo/nn/partial.py) rescales each state once per
+   merge by exp(lse_i - lse).  With n states merged in the accumulation type (unit roundoff u_a), each LSE stored
+   and re-rounded at most n times (|lse| <= M: the largest admissible |score| of the row plus log S), the exponent's
+   argument is off by at most 2 n u_a M, exp adds 4u_a, and the products, the sums of n terms and the division
+   gamma(2n + 6): every weight gains the relative error ``merge_error(n, dtype, M)`` on top of step 4.  Over one
+   block (n = 1) nothing is added; the term grows with n only through these counts.
+
 The oracle itself runs in float64, so the same model with u = 2^-53 is added on top: for float64 inputs
 the oracle is no more exact than the kernel, and both errors count.  The bounds are worst cases: never
 exceeded by a correct kernel (no flaky failures), loose by roughly sqrt(n) for typical roundings.
@@ -43,7 +51,8 @@ import torch
 from properties.core.oracle import Reference, expand_kv_heads, reference_attention, to_float64
 
 __all__ = ["unit_roundoff", "gamma", "accumulation_roundoff", "rounding_error", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
-           "output_bound", "quick_output_bound", "deciding_output_bound", "STORED_WEIGHT_ROUNDINGS", "STORED_OUTPUT_ROUNDINGS"]
+           "output_bound", "quick_output_bound", "deciding_output_bound", "STORED_WEIGHT_ROUNDINGS",
+           "STORED_OUTPUT_ROUNDINGS", "merge_error", "lse_magnitude", "lse_bound"]
 
 _F64 = torch.float64
 
@@ -83,6 +92,24 @@ def evaluation_error(s: int, dtype: torch.dtype) -> float:
     row sum and the online rescaling, the division (2s + 4 roundings of the accumulation type) and the weight's
     own storage in the dtype."""
     return rounding_error(2 * s + 4, STORED_WEIGHT_ROUNDINGS, dtype) + gamma(2 * s + 6, unit_roundoff(_F64))
+
+
+def merge_error(states: int, dtype: torch.dtype, magnitude: float) -> float:
+    """Step 7: the relative error that merging ``states`` partial states (out_i, lse_i) in the accumulation type adds
+    to every weight, the LSEs bounded by ``magnitude`` in absolute value; 0 for a single state."""
+    if states <= 1:
+        return 0.0
+    ua = accumulation_roundoff(dtype)
+    return math.expm1(2 * states * ua * magnitude) + gamma(2 * states + 6, ua)
+
+
+def lse_magnitude(scores: torch.Tensor) -> float:
+    """A bound on |lse| of every partial state of the rows of ``scores`` (float64, -inf where not admissible): the
+    largest admissible |score| plus log S (a block's LSE lies between its largest score and that plus log S)."""
+    admissible = scores > float("-inf")
+    if not bool(admissible.any()):
+        return 0.0
+    return float(scores[admissible].abs().max()) + math.log(max(scores.shape[-1], 1))
 
 
 def rowsum_error(s: int, dtype: torch.dtype) -> float:
@@ -186,23 +213,25 @@ def _score_magnitude(q, k, attn_mask, scale, enable_gqa):
 
 
 def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                   causal_alignment="top-left", dtype=None) -> SoftmaxBounds:
+                   causal_alignment="top-left", dtype=None, merged_states: int = 1) -> SoftmaxBounds:
     """The oracle plus the interval every correctly rounded weight lies in (see module docstring).
 
     ``dtype`` is the precision the kernel is held to (default: the query's).  ``value`` defaults to the
-    identity, whose output is the weight matrix.  Memory and time are O(L S) per slice (no (L, S, S) tensor).
+    identity, whose output is the weight matrix.  ``merged_states``: the partial states a kernel may merge per query
+    (step 7; 1: none).  Memory and time are O(L S) per slice (no (L, S, S) tensor).
     """
     dtype = dtype or query.dtype
     q, k = to_float64(query), to_float64(key)
     e, s = q.shape[-1], k.shape[-2]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     reference = reference_attention(q, k, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
-    eval_error = evaluation_error(s, dtype)
+    merging = merge_error(merged_states, dtype, lse_magnitude(reference.scores)) if merged_states > 1 else 0.0
+    eval_error = evaluation_error(s, dtype) + merging
     tiny = torch.finfo(dtype).tiny
 
     def interval():
         return _interval(reference, q, k, attn_mask, scale, enable_gqa, dtype, eval_error, tiny)
-    return SoftmaxBounds(reference, interval, eval_error, rowsum_error(s, dtype), dtype, tiny)
+    return SoftmaxBounds(reference, interval, eval_error, rowsum_error(s, dtype) + merging, dtype, tiny)
 
 
 def _interval(reference: Reference, q, k, attn_mask, scale, enable_gqa, dtype, eval_error, tiny):
@@ -320,3 +349,23 @@ def deciding_output_bound(actual: torch.Tensor, expected: torch.Tensor, bounds: 
     if bool((difference <= quick).all()):
         return quick
     return factor * sum(c * output_bound(bounds, v, **kwargs) for v, c in terms)
+
+
+def lse_bound(bounds: SoftmaxBounds, lse_dtype: torch.dtype) -> torch.Tensor:
+    """(..., l) bound on |a kernel's LSE - the float64 log-sum-exp of the admissible scores|, 0 for a query with no
+    admissible key (its LSE is exactly -inf). log-sum-exp is 1-Lipschitz in the max norm of the scores, so the score
+    errors (step 2) move it by at most their largest; the row sum's evaluation (step 4, with any merges of step 7)
+    moves it by at most -log(1 - eval_error); underflow of S terms against a largest term of 1 by S tiny; the LSE is
+    then stored in ``lse_dtype`` (a rounding relative to |lse|)."""
+    scores = bounds.reference.scores
+    admissible = bounds.admissible
+    exact = torch.logsumexp(scores, dim=-1)
+    has_key = admissible.any(-1)
+    delta = torch.where(admissible, bounds.score_error, torch.zeros_like(bounds.score_error)).amax(-1)
+    s = scores.shape[-1]
+    evaluation = -math.log1p(-min(bounds.eval_error, 0.5)) if bounds.eval_error < 0.5 else math.inf
+    stored = unit_roundoff(lse_dtype) if lse_dtype.is_floating_point else 0.0
+    u64 = unit_roundoff(_F64)
+    finite = torch.where(has_key, exact, torch.zeros_like(exact)).abs()
+    bound = (delta + evaluation + s * bounds.tiny + (stored + gamma(s + 4, u64)) * finite) * (1 + 2 * stored)
+    return torch.where(has_key, bound, torch.zeros_like(bound))

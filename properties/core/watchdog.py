@@ -32,7 +32,7 @@ import pytest
 from properties.core.options import DEFAULT_TIMEOUT
 
 __all__ = ["CallTimeout", "UserExit", "Record", "user_call", "raised", "cause", "describe_args",
-           "set_limit", "set_record", "set_test", "limit", "last_call", "saved", "restore"]
+           "set_limit", "set_record", "set_test", "current_test", "limit", "last_call", "saved", "restore"]
 
 
 class CallTimeout(BaseException):
@@ -180,6 +180,11 @@ def set_test(nodeid: str, clauses: str) -> None:
     _Watch.test = (clauses, nodeid)
     if _Watch.record is not None and _Watch.active is None:
         _Watch.record.write(False, ("", clauses, nodeid, ""))
+
+
+def current_test() -> tuple[str, str]:
+    """(clauses, nodeid) of the test now running ('' and '' outside one)."""
+    return _Watch.test
 
 
 def _on_alarm(signum, frame):

@@ -26,7 +26,7 @@ import pytest
 
 from properties.core.levels import LEVELS, SUITE_DIR
 from properties.core.options import (ALIGNMENTS, DEFAULT_TIMEOUT, DTYPE_NAMES, FINFO_MIN_ROWS,
-                                     FULLY_MASKED_CONVENTIONS, KERNEL_APIS, MIN_TIMEOUT)
+                                     FULLY_MASKED_CONVENTIONS, KERNEL_APIS, LSE_BASES, MIN_TIMEOUT, SHARD_LAYOUTS)
 
 __all__ = ["OPTIONS", "DEFAULTS", "SUITE_PLUGIN", "targets_suite", "options_given"]
 
@@ -66,8 +66,9 @@ OPTIONS = (
              "is fixed, 2 if it cannot run")),
     (_SPEC, ("--kernel-api",), dict(
         choices=KERNEL_APIS, default="sdpa",
-        help="calling convention of --kernel: sdpa (default, the SDPA signature) or flash-attn 2.x's flash, "
-             "flash-varlen, flash-kvcache; a flash API without --kernel checks the zoo's kernels")),
+        help="calling convention of --kernel: sdpa (default, the SDPA signature), flash-attn 2.x's flash, "
+             "flash-varlen, flash-kvcache, or merge (FlashInfer's merge_state(v_a, s_a, v_b, s_b) or "
+             "merge_states(v, s)); a flash or merge API without --kernel checks the zoo's kernels")),
     (_SPEC, ("--window-right-below-lk",), dict(
         action="store_true",
         help="flash clauses: draw windows with 0 <= right < Lk only (where flash-attn 2's CUDA kernel follows its "
@@ -95,6 +96,28 @@ OPTIONS = (
         action="store_true",
         help="declare that a sequence's output is bitwise the same whatever else is in its batch and wherever it "
              "sits (KERNEL-BATCH-INVARIANT, MODEL-BATCH-INVARIANT; skipped without it)")),
+    # ---- Partial states and attention split across ranks (properties/distributed/, properties/kernel/test_lse.py,
+    # test_merge.py; docs/distributed.md).
+    (_SPEC, ("--world-size",), dict(
+        default=None, metavar="W",
+        help="verify --kernel as a context-parallel kernel on W ranks (kernel(q, k, v, is_causal=, scale=, "
+             "enable_gqa=, group=) on each rank's shard): the distributed clauses only; gloo on the CPU, NCCL on W "
+             "GPUs; under torchrun the suite joins its group. Without --kernel: the zoo's ring, zigzag, ulysses and "
+             "allgather_kv")),
+    (_SPEC, ("--shard",), dict(
+        choices=SHARD_LAYOUTS, default="contiguous",
+        help="how the ranks hold the sequence (--world-size): contiguous (default; rank r holds rows r*L/W ... "
+             "(r+1)*L/W - 1) or zigzag (2W chunks, rank r holds chunks r and 2W-1-r)")),
+    (_SPEC, ("--master-port",), dict(
+        default=None, metavar="PORT",
+        help="TCP port of the ranks' rendezvous on 127.0.0.1 (--world-size); default: one the system picks free")),
+    (_SPEC, ("--returns-lse",), dict(
+        action="store_true",
+        help="the SDPA kernel returns (output, lse), lse (..., L) the log-sum-exp of each query's scores: the LSE "
+             "clauses check it, the others read the output")),
+    (_SPEC, ("--lse-base",), dict(
+        choices=LSE_BASES, default="e",
+        help="the base of the log-sum-exp a kernel returns or a merge kernel takes: e (default) or 2 (FlashInfer)")),
     # The watchdog (properties/plugin/watchdog.py).
     (_SPEC, ("--call-timeout", "--kernel-timeout"), dict(
         dest="call_timeout", default=None, metavar="SECONDS",

@@ -12,7 +12,8 @@ __all__ = ["CONTRACTS", "skip_undeclared"]
 
 # clause -> the option that declares it
 CONTRACTS = {"KERNEL-DETERMINISTIC": "--deterministic", "MODEL-DETERMINISTIC": "--deterministic",
-             "KERNEL-BATCH-INVARIANT": "--batch-invariant", "MODEL-BATCH-INVARIANT": "--batch-invariant"}
+             "KERNEL-BATCH-INVARIANT": "--batch-invariant", "MODEL-BATCH-INVARIANT": "--batch-invariant",
+             "CP-DETERMINISTIC": "--deterministic", "CP-BATCH-INVARIANT": "--batch-invariant"}
 
 
 def skip_undeclared(config, items, clause_ids) -> None:

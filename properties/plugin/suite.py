@@ -27,6 +27,7 @@ from properties.core.dtypes import device_unavailable, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
 from properties.kernel.flash_guard import kernel_params
 from properties.plugin import report, session
+from properties.plugin import distributed  # --world-size: the ranks, the context-parallel kernels
 from properties.plugin import watchdog as plugin_watchdog  # --call-timeout: the supervisor of code that exits, crashes, hangs
 from zoo.nn.kernel import KERNELS, resolve_kernel
 from zoo.runtime.plugins import PluginError
@@ -62,7 +63,7 @@ def _device_param(name: str, *, asked: bool):
 
 # The plug-ins this module registers (their hooks and fixtures), by the names pytest lists them under.
 _PLUGINS = {"properties.plugin.session": session, "properties.plugin.report": report,
-            "properties.plugin.reference": reference}
+            "properties.plugin.reference": reference, "properties.plugin.distributed": distributed}
 
 
 def configure(config) -> None:
@@ -95,6 +96,8 @@ _KERNEL_ONLY = ("--causal-alignment", "--fully-masked", "--finfo-min-rows", "--w
 def _kernel_clauses_run(config) -> bool:
     """Whether the kernel level is selected (``_levels_selected``), read from the options alone: before --zoo is
     parsed, which may be refused."""
+    if config.getoption("--world-size", None) is not None:   # the distributed level alone
+        return False
     kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
     whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
     return bool(kernel or whole or not config.getoption("--model", None))
@@ -105,6 +108,10 @@ def _refuse_kernel_options_without_kernels(config) -> None:
     if _kernel_clauses_run(config):
         return
     given = [name for name in _KERNEL_ONLY if config.getoption(name, DEFAULTS[name]) not in (DEFAULTS[name], False)]
+    if given and config.getoption("--world-size", None) is not None:
+        raise pytest.UsageError(f"{', '.join(given)}: {'a kernel option' if len(given) == 1 else 'kernel options'} of "
+                                f"the SDPA clauses, which --world-size does not run (a context-parallel kernel is "
+                                f"checked by the distributed clauses); leave {'it' if len(given) == 1 else 'them'} out")
     if given:
         raise pytest.UsageError(f"{', '.join(given)}: {'a kernel option' if len(given) == 1 else 'kernel options'}, "
                                 f"but no kernel clause runs (--model alone checks the model clauses); add --kernel "
@@ -127,7 +134,8 @@ def _configure(config):
                                           [getattr(torch, name) for name in config.getoption("--dtype") or ()], api)
     except limits.LimitsError as exc:
         raise pytest.UsageError(str(exc)) from None
-    for spec in (config.getoption("--kernel") or list(KERNELS)) if api == "sdpa" else []:
+    sdpa_kernels = api == "sdpa" and config.getoption("--world-size", None) is None
+    for spec in (config.getoption("--kernel") or list(KERNELS)) if sdpa_kernels else []:
         try:
             with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
                 kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared))
@@ -158,6 +166,7 @@ def _configure(config):
                                         f"--kernel-equal-head-sizes)") from None
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
+    distributed.configure(config)  # --world-size: the ranks start once, here, after the watchdog's fork
 
 
 def pytest_generate_tests(metafunc):
@@ -192,7 +201,7 @@ def pytest_runtest_call(item):
     run and declined are counted (properties/kernel/coverage.py)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
-    if level_of(item) != "kernel" or kernel is None:
+    if level_of(item) not in ("kernel", "distributed") or kernel is None:
         return (yield)
     device = params.get("device", "cpu")
     limits.set_active((lambda: kernel.limits(device)) if isinstance(kernel, GuardedKernel) else None, device)
@@ -243,10 +252,12 @@ def _levels_selected(config) -> set[str]:
     """--kernel alone checks kernels; --model alone checks the model (plus kernels if --kernel is also
     given); --zoo or --zoo-config checks the assembled model at every level; no plug-in option checks the zoo
     at every level."""
+    if config.getoption("--world-size", None) is not None:
+        return {"distributed"}
     kernel, model = config.getoption("--kernel", None), config.getoption("--model", None)
     kernel = kernel or config.getoption("--kernel-api", "sdpa") != "sdpa"   # a flash API is a kernel option
     if zoo_run(config) is not None or not (kernel or model):
-        return {"kernel", "module", "model"}
+        return {"kernel", "module", "model", "distributed"}
     return ({"kernel"} if kernel else set()) | ({"model"} if model else set())
 
 
