@@ -116,10 +116,13 @@ def ran(l: int, s: int, e: int, dtype, ev: int | None = None, causal: bool = Fal
         _current[0].specialisations.add(specialisation(dtype, e, e if ev is None else ev, causal, l, s))
 
 
-def declined(reason: str) -> None:
-    """The kernel declined the running example (the guard calls this, then rejects the example)."""
+def declined(reason: str, by: str | None = None) -> None:
+    """A kernel declined the running example (the guard calls this, then rejects the example): the kernel under test,
+    or ``by``, another kernel the clause calls (a reference kernel), whose name the reason then carries."""
     if _current[0] is not None and _example["decline"] is None:
-        _example["decline"] = reason
+        other = by is not None and by != _current[0].kernel
+        _example["decline"] = f"{by if by.startswith('reference ') else 'kernel ' + by} declined: {reason}" if other \
+            else reason
 
 
 # How a clause compared two calls (properties/kernel/repeats.py).

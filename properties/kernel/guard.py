@@ -184,7 +184,7 @@ class GuardedKernel:
         """Record the decline and reject the example (outside one: raise KernelDeclined)."""
         from hypothesis import reject
         from hypothesis.control import currently_in_test_context
-        coverage.declined(reason)
+        coverage.declined(reason, by=self.name)
         if not currently_in_test_context():
             raise KernelDeclined(f"kernel {self.name} declined {describe_call(query, key, value, kwargs)}: {reason}")
         reject()
