@@ -1,7 +1,7 @@
 """Declines honoured at every level, run as a user runs the suite (a kernel file of their own, ``pytest --pyargs
 properties``): a kernel that declines float32 inside the zoo's attention leaves the module clauses judged on the
-dtypes it takes, never failed on its documented decline; one that declines everything has them skipped with its
-words; a kernel that declines everything after its start-up call verifies nothing (exit 5); a reference kernel's
+dtypes it takes, never failed on its documented decline; one that declines everything has the module and model
+clauses skipped with its words; a kernel that declines everything after its start-up call verifies nothing (exit 5); a reference kernel's
 declines are named as the reference's, not the kernel's under test.
 """
 from __future__ import annotations
@@ -73,6 +73,13 @@ def test_module_clauses_the_kernel_declines_entirely_are_skipped_with_its_words(
                   "-k", "multihead and not HEAD_COUNT")
     assert " failed" not in run.stdout.splitlines()[-1], run.stdout[-3000:]
     skips = [line for line in run.stdout.splitlines() if "declined every example of this clause" in line]
+    assert skips and all("everything_declined: nothing is supported" in line for line in skips), run.stdout[-3000:]
+
+
+def test_model_clauses_the_kernel_declines_are_skipped_with_its_words(kernels):
+    run = _pytest(kernels.parent, "--zoo", f"attention.kernel={kernels}:everything_declined", "-m", "model")
+    assert " failed" not in run.stdout.splitlines()[-1], run.stdout[-3000:]
+    skips = [line for line in run.stdout.splitlines() if "the model under test" in line]
     assert skips and all("everything_declined: nothing is supported" in line for line in skips), run.stdout[-3000:]
 
 

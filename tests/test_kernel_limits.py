@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from properties.catalog.sessions import run_pytest
-from properties.kernel.limits import Limits, LimitsError, decline_reason, declared_limits
+from properties.core.declines import decline_reason
+from properties.kernel.limits import Limits, LimitsError, declared_limits
 from properties.kernel.cases import Case
 from properties.kernel.guard import GuardedKernel, KernelContractError, KernelDeclined
 from properties.kernel.test_gradients import GradCase

@@ -106,7 +106,7 @@ def _load(spec: str, layout: str):
 
 
 def _error_status(rank: int, exc: BaseException) -> Status:
-    from properties.kernel.limits import decline_reason
+    from properties.core.declines import decline_reason
     if isinstance(exc, CallTimeout):
         return Status(rank, ok=False, error=str(exc), kind="timeout")
     cause = exc.__cause__ if isinstance(exc, watchdog.UserExit) and exc.__cause__ is not None else exc

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from properties.kernel import coverage
-from properties.kernel.limits import decline_reason
+from properties.core.declines import decline_reason
 from properties.core import evidence
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel.guard import KernelContractError, check_output, describe_call

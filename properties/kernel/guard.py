@@ -17,7 +17,8 @@ import torch
 from properties.kernel import coverage
 from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within, fmt
-from properties.kernel.limits import Limits, LimitsError, decline_reason, learn_limits, nearest_size
+from properties.core.declines import decline_reason
+from properties.kernel.limits import Limits, LimitsError, learn_limits, nearest_size
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values

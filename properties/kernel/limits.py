@@ -23,33 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from properties.core.declines import decline_reason
 from properties.core.options import LIMIT_OPTIONS
 
-__all__ = ["DECLINE_WORDS", "OPTIONAL_KEYWORDS", "decline_reason", "Limits", "LimitsError", "Probe", "learn_limits",
+__all__ = ["Limits", "LimitsError", "Probe", "learn_limits",
            "set_active", "active", "active_device", "HEAD_SIZES_DRAWN", "declared_limits"]
-
-# How flash-attn, Triton wrappers and PyTorch word an unsupported problem (lower case, matched in the message).
-DECLINE_WORDS = ("not support", "n't support", "unsupported", "only support", "no available kernel",
-                 "not implemented")
-# Python's own messages that contain those words and report a bug, not a decline.
-NOT_A_DECLINE = ("unsupported operand type", "unsupported format", "not supported between instances")
-# Keywords of optional SDPA features: a signature without one declines that feature (TypeError, unexpected keyword).
-OPTIONAL_KEYWORDS = ("enable_gqa", "scale", "dropout_p")
-
-
-def decline_reason(exc: BaseException, optional_keywords=OPTIONAL_KEYWORDS) -> str | None:
-    """'Type: message' if ``exc`` declines the problem (see the module docstring), else None (a failure)."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    if isinstance(exc, NotImplementedError):
-        return text
-    if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{kw}'" in str(exc) for kw in optional_keywords):
-        return text
-    if isinstance(exc, (TypeError, ValueError, RuntimeError)):
-        message = str(exc).lower()
-        if any(word in message for word in DECLINE_WORDS) and not any(bug in message for bug in NOT_A_DECLINE):
-            return text
-    return None
-
 
 # Head sizes the kernel strategies draw (core/strategies.py): the small ones and those of real models.
 HEAD_SIZES_DRAWN = (*range(1, 17), 32, 64, 80, 96, 128, 192, 256)

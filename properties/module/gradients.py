@@ -38,7 +38,6 @@ from torch.utils._pytree import tree_map
 from properties.core.watchdog import raised, user_call
 from properties.core.assertions import fmt
 from properties.kernel.flash import flash_allowed
-from properties.module.declines import reject_if_declined
 from properties.core.tolerance import unit_roundoff
 
 __all__ = ["RUNS", "C", "MonteCarloArithmetic", "multihead", "feed_forward", "layer_norm", "rms_norm",
@@ -214,8 +213,7 @@ def module_gradients(module, inputs: dict, upstream: torch.Tensor, call) -> tupl
         p.grad = None
     try:
         out = call(module, **leaves)
-    except Exception as exc:  # a user's module may fail in any way: a finding, not a crash (or a decline)
-        reject_if_declined(exc)
+    except Exception as exc:  # a user's module may fail in any way: a finding, not a crash
         raise AssertionError(f"the forward pass raised {raised(exc)}") from exc
     if not out.requires_grad:
         return {}, f"{type(module).__qualname__}'s output does not require grad: the module does not support autograd"

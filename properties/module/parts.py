@@ -37,7 +37,6 @@ from properties.core import evidence
 from properties.core.strategies import derived_generator, require_dtype
 from properties.core.watchdog import describe_args, raised, user_call
 from properties.core.zoo_config import ZooRun, with_layer_sizes, compose, zoo_run
-from properties.module.declines import reject_if_declined
 from zoo.config.options import PARTS
 
 __all__ = ["Part", "LayerSubject", "EXAMPLES", "module_settings", "part_params", "layer_params", "layer_subject",
@@ -254,8 +253,7 @@ def call_module(module: nn.Module, *args, expect: tuple[int, ...], like: torch.T
     try:
         with torch.no_grad(), user_call(getattr(owner, _PLUGIN, f"module {type(owner).__qualname__}"), text):
             out = module(*args, **kwargs)
-    except Exception as exc:  # a user's module may fail in any way: a finding, not a crash (or a decline)
-        reject_if_declined(exc)
+    except Exception as exc:  # a user's module may fail in any way: a finding, not a crash
         raise AssertionError(f"{text} raised {raised(exc)}") from exc
     if not torch.is_tensor(out):
         raise AssertionError(f"{text} returned {type(out).__name__}, not a tensor")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from properties.kernel import coverage, limits
-from properties.module import declines as module_declines
+from properties.core import declines
 from properties.core.watchdog import CallTimeout, last_call, user_call
 from properties.plugin import DEFAULTS, SUITE_PLUGIN, targets_suite
 from properties.plugin import contracts
@@ -199,13 +199,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Around each kernel-level test: the draws steer into the kernel's limits on its device, and the examples
-    run and declined are counted (properties/kernel/coverage.py); around each module-level one, the examples its part
-    declines (properties/module/declines.py)."""
+    run and declined are counted (properties/kernel/coverage.py); around each module- and model-level one, the examples its
+    subject declines (properties/core/declines.py)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     kernel = next((v for k, v in params.items() if k.endswith("kernel") and hasattr(v, "name")), None)
-    if level_of(item) == "module" and getattr(getattr(item, "obj", None), "hypothesis", None) is not None:
-        with module_declines.counting(f"the module under test ({item.callspec.id})" if hasattr(item, "callspec")
-                                      else "the module under test"):
+    if level_of(item) in ("module", "model"):
+        where = f" ({item.callspec.id})" if hasattr(item, "callspec") else ""
+        with declines.counting(item, f"the {level_of(item)} under test{where}"):
             return (yield)
     if level_of(item) not in ("kernel", "distributed") or kernel is None:
         return (yield)
