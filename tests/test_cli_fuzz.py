@@ -265,3 +265,35 @@ def test_example_based_fails_a_kernel_that_returns_a_tuple(tmp_path, capsys):
                                       "    return F.scaled_dot_product_attention(q, k, v, **kw), None\n")
     assert example_based.main(["--kernel", f"{tmp_path / 'pair.py'}:attention", "-x"]) == 1
     assert "returned tuple, not a tensor" in capsys.readouterr().out
+
+
+# The suite's options added with the distributed level and the differential model clauses: each bad value, or an
+# option that cannot apply, is refused before collection in one line (pytest's usage error, exit 4), and no rank is
+# started for it.
+SUITE_OPTIONS = {
+    "--world-size x": "--world-size 'x': expected a whole number of ranks",
+    "--world-size 0": "--world-size '0': expected a whole number of ranks",
+    "--world-size 1.5": "expected a whole number of ranks",
+    "--world-size 100000": "--world-size 100000: this machine holds at most",
+    "--shard nosuch": "argument --shard: invalid choice: 'nosuch'",
+    "--shard zigzag": "--shard: the distributed level's option, but no --world-size W is given",
+    "--master-port 99999 --world-size 2": "--master-port '99999': expected a TCP port number",
+    "--world-size 2 --kernel-api flash": "--kernel-api does not apply to them",
+    "--world-size 2 --kernel NOSUCH_FILE.py:fn": "--kernel NOSUCH_FILE.py:fn",
+    "--reference upstream": "--reference 'upstream': needs the model it is compared with",
+    "--reference-map nosuch": "--reference-map",
+}
+
+
+def _suite_refusal(words: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "properties", "-q", "-p", "no:cacheprovider",
+                           *words.replace("NOSUCH_FILE", str(tmp_path / "nosuch")).split()],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("words", list(SUITE_OPTIONS))
+def test_a_bad_suite_option_is_refused_in_one_line(tmp_path, words):
+    proc = _suite_refusal(words, tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert proc.returncode == 4 and lines and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert SUITE_OPTIONS[words].replace("NOSUCH_FILE", str(tmp_path / "nosuch")) in proc.stderr, proc.stderr[-2000:]

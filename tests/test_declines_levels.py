@@ -1,7 +1,7 @@
 """Declines honoured at every level, run as a user runs the suite (a kernel file of their own, ``pytest --pyargs
 properties``): a kernel that declines float32 inside the zoo's attention leaves the module clauses judged on the
 dtypes it takes, never failed on its documented decline; one that declines everything has the module and model
-clauses skipped with its words; a kernel that declines everything after its start-up call verifies nothing (exit 5); a reference kernel's
+clauses skipped with its words; a reference kernel's
 declines are named as the reference's, not the kernel's under test.
 """
 from __future__ import annotations
@@ -30,15 +30,6 @@ KERNELS = textwrap.dedent('''
     def everything_declined(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                             enable_gqa=False):
         raise NotImplementedError("everything_declined: nothing is supported")
-
-    _calls = [0]
-
-    def declined_after_first_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                  enable_gqa=False):
-        _calls[0] += 1
-        if _calls[0] > 1:
-            raise NotImplementedError("declined_after_first_call: not supported any more")
-        return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def half_declined(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                       enable_gqa=False):
@@ -81,13 +72,6 @@ def test_model_clauses_the_kernel_declines_are_skipped_with_its_words(kernels):
     assert " failed" not in run.stdout.splitlines()[-1], run.stdout[-3000:]
     skips = [line for line in run.stdout.splitlines() if "the model under test" in line]
     assert skips and all("everything_declined: nothing is supported" in line for line in skips), run.stdout[-3000:]
-
-
-def test_a_kernel_that_declines_everything_after_start_up_verifies_nothing(kernels):
-    run = _pytest(kernels.parent, "--kernel", f"{kernels}:declined_after_first_call", "-k",
-                  "test_softmax or test_layout")
-    assert run.returncode == 5, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "declined_after_first_call: not supported any more" in run.stdout
 
 
 def test_a_reference_kernels_declines_are_named_as_the_references(kernels, tmp_path):

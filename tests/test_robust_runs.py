@@ -41,8 +41,8 @@ def after_first(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 def test_a_kernel_that_declines_every_problem_after_its_first_call_is_not_a_pass(tmp_path):
     (tmp_path / "k.py").write_text(DECLINES)
-    proc, rows = _suite(tmp_path, "properties/kernel/test_kernel.py", "--kernel", f"{tmp_path / 'k.py'}:after_first",
-                        "--device", "cpu", "-k", "oracle")
+    proc, rows = _suite(tmp_path, "properties/kernel/test_kernel.py", "properties/kernel/test_layouts.py", "--kernel",
+                        f"{tmp_path / 'k.py'}:after_first", "--device", "cpu", "-k", "oracle or layout")
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ERROR: nothing verified")]
     assert proc.returncode == 5 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "declines after its first call" in lines[0] and rows and {r["status"] for r in rows} == {"skipped"}
