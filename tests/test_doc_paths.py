@@ -50,3 +50,27 @@ def test_the_path_reader_sees_paths_in_prose_code_and_globs(tmp_path):
     assert [name for _, name in named_paths(page)] == ["properties/kernel/guard.py", "properties/kernel/test_*.py",
                                                        "zoo/nn/"]
     assert _exists("properties/kernel/test_*.py") and not _exists("properties/core/repeats.py")
+
+
+# What a page states is what is: the history of a change (the issue that asked for it, how it was before) is the
+# CHANGELOG's. Issue numbers of other projects (pytorch/pytorch#123, transformers #25306) are sources, not history.
+HISTORY = re.compile(r"(?<![\w/#-])[Ii]ssue \d+|\(issue \d+|before this change|\bused to (?:see|be|skip|pass|fail)\b"
+                     r"|load ≈|\bat load \d")
+
+
+def history_lines(path: Path) -> list[str]:
+    return [f"line {number}: {line.strip()[:100]}" for number, line in
+            enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if HISTORY.search(line)]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=[str(d.relative_to(ROOT)) for d in DOCUMENTS])
+def test_every_page_but_the_changelog_states_what_is(document):
+    told = history_lines(document)
+    assert not told, f"{document.relative_to(ROOT)} tells history (the CHANGELOG's): {told}"
+
+
+def test_the_history_reader_tells_a_source_from_history(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("pytorch/pytorch#141429; transformers issue #25306\nthe fix of issue 33\n(main before this change)\n"
+                    "measured at load ≈ 8\n", encoding="utf-8")
+    assert [line.split(":")[0] for line in history_lines(page)] == ["line 2", "line 3", "line 4"]
