@@ -109,6 +109,8 @@ def _targets(entry: Entry) -> list[Path]:
     # Only the folders of the entry's level are collected: a kernel option alone runs only the kernel level, and a
     # --zoo or --model entry of the module or model level neither collects the kernel tests nor probes the default
     # kernels' limits for them (most of a short run's start-up). The --catalog-level selection is unchanged.
+    if entry.level == "distributed":   # --world-size runs the distributed clauses alone
+        return [SUITE / "distributed"]
     if entry.extra:
         return [SUITE]
     return {"kernel": [SUITE / "kernel"], "module": [SUITE / "module", SUITE / "model"],
@@ -175,8 +177,8 @@ def shareable(entries: Iterable[Entry]) -> list[list[Entry]]:
     other entry is a group of its own."""
     groups: dict[tuple, list[Entry]] = {}
     for entry in entries:
-        together = entry.level == "kernel" and entry.option in ("--kernel", *(f"--kernel-api={api}" for api in
-                                                                               FLASH_APIS))
+        together = entry.level in ("kernel", "distributed") and entry.option in (
+            "--kernel", *(f"--kernel-api={api}" for api in FLASH_APIS))
         groups.setdefault((entry.option, entry.extra) if together else (id(entry),), []).append(entry)
     return list(groups.values())
 
