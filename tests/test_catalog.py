@@ -160,7 +160,8 @@ def test_the_documents_count_the_catalog(document):
     import re
     from pathlib import Path
     text = " ".join((Path(__file__).resolve().parents[1] / document).read_text(encoding="utf-8").split())
-    said = re.search(r"(\d+) deliberately broken implementations \((\d+) kernels, (\d+) modules, (\d+) models;", text)
+    said = re.search(r"(\d+) deliberately broken implementations \((\d+) kernels, (\d+) modules, (\d+) models, "
+                     r"(\d+) context-parallel kernels;", text)
     assert said, f"{document} no longer counts the catalog's broken implementations"
     levels = [e.level for e in CATALOG]
     assert tuple(map(int, said.groups())) == (len(CATALOG), *(levels.count(level) for level in LEVELS))
@@ -209,8 +210,10 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
     Broken.__module__ = module.__name__
     registry.bug("ATTN-ORACLE", mechanism="m")(attention)
     registry.bug("WINDOW-BOUNDS", api="flash", mechanism="m", instance="broken")(Broken)
+    registry.bug("CP-GRAD", level="distributed", extra=("--world-size", "2", "--shard", "zigzag"), mechanism="m",
+                 instance="ranks")(Broken)
     registry.module_bug("part_bug", "ffn=gelu ffn._target_={target}", "FFN-FORMULA", mechanism="m")(Broken)
-    module.attention, module.broken = attention, Broken
+    module.attention, module.broken, module.ranks = attention, Broken, Broken()
     with pytest.raises(ValueError, match="catalog_fake_bugs.broken is not an instance of"):
         registry.entries([module.__name__])
     module.broken = Broken()
@@ -218,7 +221,8 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
     assert [(e.name, e.level, e.option, e.argument, e.extra) for e in broken] == [
         ("attention", "kernel", "--kernel", "catalog_fake_bugs:attention", ()),
         ("flash_broken", "kernel", "--kernel-api=flash", "--kernel=catalog_fake_bugs:broken", ()),
-        ("part_bug", "module", "--zoo", "ffn=gelu ffn._target_=catalog_fake_bugs." + Broken.__qualname__, ())]
+        ("part_bug", "module", "--zoo", "ffn=gelu ffn._target_=catalog_fake_bugs." + Broken.__qualname__, ()),
+        ("ranks", "distributed", "--kernel", "catalog_fake_bugs:ranks", ("--world-size", "2", "--shard", "zigzag"))]
     assert correct == [] and broken[1].api == "flash" and broken[1].spec == "catalog_fake_bugs:broken"
     with pytest.raises(ValueError, match="not listed: \\['catalog_fake_bugs'\\]"):
         registry.entries([])
@@ -229,6 +233,8 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
         registry.bug("ATTN-ORACLE", mechanism="m")(Broken)
     with pytest.raises(ValueError, match="names the clauses"):
         registry.bug(mechanism="m")
+    with pytest.raises(ValueError, match="needs --world-size W"):   # a context-parallel kernel runs on ranks
+        registry.bug("CP-GRAD", level="distributed", mechanism="m")(attention)
 
 
 @pytest.mark.parametrize("entry", CATALOG, ids=[e.name for e in CATALOG])
