@@ -115,7 +115,8 @@ def _rank(rank: int, store: str, results) -> None:
     got = {}
     for name, (bug, twin, layout, problem) in CASES.items():
         twin_spec = twin if twin in ("ring", "ulysses", "allgather_kv") else f"{BUGS}:{twin}"
-        got[name] = {"bug": _run(f"{BUGS}:{bug}", layout, problem, rank), "twin": _run(twin_spec, layout, problem, rank)}
+        got[name] = {"bug": _run(f"{BUGS}:{bug}", layout, problem, rank),
+                     "twin": _run(twin_spec, layout, problem, rank)}
     results.put((rank, got))
     dist.destroy_process_group()
 
@@ -187,8 +188,8 @@ def test_the_ring_that_receives_into_its_inputs_writes_the_callers_shards(errors
     assert errors["ring_receives_into_callers_shards"]["bug"][0]["out"] < EXACT   # a healthy forward
 
 
-@pytest.mark.parametrize("name", ["balanced_schedule_when_not_causal, causal", "ulysses_kv_heads_tiled, one key/value head",
-                                  "partial_states_in_16_bits, float32"])
+@pytest.mark.parametrize("name", ["balanced_schedule_when_not_causal, causal",
+                                  "ulysses_kv_heads_tiled, one key/value head", "partial_states_in_16_bits, float32"])
 def test_each_bug_is_exact_where_its_class_is_absent(errors, name):
     """The half-block schedule is right under is_causal; one key/value head tiles as it groups; float32 states are
     what the ring keeps anyway."""

@@ -201,7 +201,7 @@ causal_mask_from_local_positions = _CausalMaskFromLocalPositions("contiguous")
 
 @bug("CP-GQA", "CP-GRAD", "CP-ORACLE", "CP-CAUSAL", level="distributed", extra=CONTIGUOUS,
      instance="rank_offset_off_by_one",
-     mechanism="a shard's first position taken as r·(L/W − 1): the last query of a shard sees the next shard's first key")
+     mechanism="a shard's first position taken as r·(L/W − 1): a shard's last query sees the next shard's first key")
 class _RankOffsetOffByOne(RingAttention):
     """Rank r's rows are placed at r·(L/W − 1) … (the index of a shard's last row taken for its length): every rank
     after the first is shifted down by r, so at each shard boundary the last query of the earlier shard admits the
@@ -283,7 +283,7 @@ balanced_schedule_when_not_causal = _BalancedScheduleWhenNotCausal("zigzag")
 # ------------------------------------------------------------------------------------------------- Ulysses
 @bug("CP-ORACLE", "CP-GQA", "CP-GRAD", "CP-CAUSAL", "CP-SCALE", "CP-SHAPE", level="distributed", extra=CONTIGUOUS,
      instance="ulysses_heads_and_rows_swapped",
-     mechanism="the all-to-all scatters the rows and gathers the heads: DeepSpeed's (b, s, h, d) indices on (b, h, s, d)")
+     mechanism="the all-to-all scatters the rows, gathers the heads: DeepSpeed's (b, s, h, d) indices on (b, h, s, d)")
 class _UlyssesHeadsAndRowsSwapped(UlyssesAttention):
     """The exchange keeps DeepSpeed-Ulysses' indices for its (b, s, h, d) layout (scatter 2, gather 1) on SDPA's
     (b, h, s, d): it scatters the rows and gathers the heads, and its inverse undoes that, so the output has its

@@ -63,8 +63,8 @@ class Entry:
         if self.option in _FLASH_OPTIONS and not self.argument.startswith("--kernel="):
             raise ValueError(f"Entry {self.name}: {self.option} takes the argument '--kernel=SPEC'")
         if (self.level == "distributed") != ("--world-size" in self.extra):
-            raise ValueError(f"Entry {self.name}: a {self.level} entry {'needs' if self.level == 'distributed' else 'takes no'} "
-                             f"--world-size W in its extra words")
+            need = "needs" if self.level == "distributed" else "takes no"
+            raise ValueError(f"Entry {self.name}: a {self.level} entry {need} --world-size W in its extra words")
         if self.level == "distributed" and self.option != "--kernel":
             raise ValueError(f"Entry {self.name}: a distributed entry is a context-parallel kernel (--kernel SPEC)")
 

@@ -2,7 +2,9 @@
 new pytest session with ``--report-json``, and reading the report.
 
 Kernel entries plugged in the same way (the same option and extra words) can also share one session
-(``run_together``): ``pytest properties/kernel --kernel A --kernel B ...`` with a plan
+(``run_together``): ``pytest properties/kernel --kernel A --kernel B ...``, or for context-parallel kernels
+``pytest properties/distributed --kernel A --kernel B ... --world-size W [--shard LAYOUT]`` (the ranks started once,
+every kernel loaded on them), with a plan
 (``properties.catalog.select``) that runs each kernel only on its own clauses and stops each at its first failure,
 the report split by kernel. An entry such a session does not catch is run again alone, so that a shared session
 never reports a miss, a usage error or a time-out that the entry's own session would not.
@@ -172,9 +174,9 @@ def run_all(entries: Iterable[Entry], *, jobs: int = 2, progress=None, **options
 
 
 def shareable(entries: Iterable[Entry]) -> list[list[Entry]]:
-    """The entries that can share a session, grouped (in their order): kernel entries with the same option, no
-    argument of their own for the option (``--kernel-api flash``, the zoo's kernels) and the same extra words. Every
-    other entry is a group of its own."""
+    """The entries that can share a session, grouped (in their order): kernel (or context-parallel kernel) entries
+    with the same option and the same extra words (for a context-parallel kernel, its --world-size and --shard).
+    Every other entry is a group of its own."""
     groups: dict[tuple, list[Entry]] = {}
     for entry in entries:
         together = entry.level in ("kernel", "distributed") and entry.option in (
