@@ -3,6 +3,10 @@
     python -m bench.suite                  # pytest properties/ (alone and -n auto) into bench/results.json "suite"
     python -m bench.suite --test-command   # the README's test command (`pytest`, what CI runs): "test_command"
     python -m bench.suite --plugin-cost    # what the installed plug-in costs an unrelated pytest run: "plugin_cost"
+    python -m bench.suite --recipes        # README's recipes, run as a user runs them: "recipes"
+
+`--test-command` and `--recipes` also write the durations README states beside ``<!-- measured: KEY -->`` from the
+figures of the same run (with the default ``--out``).
 
 The durations README.md and docs/ state are checked against what these record (tests/test_readme_durations.py).
 """
@@ -138,6 +142,74 @@ def bench_mutation(every: int = 1) -> dict:
             "wall_seconds": time.perf_counter() - start}
 
 
+RECIPE_KERNEL = "examples/my_kernel.py"
+
+
+def bench_recipes() -> dict:
+    """README's recipes as a user runs them, from a directory of their own beside the clone: the kernel recipe
+    (``pytest --pyargs properties --kernel my.py:attention`` on a copy of examples/my_kernel.py), the model recipe
+    (``pytest --pyargs properties --model my_model.py:make`` on README's my_model.py; needs transformers) and the
+    zoo recipe's ``task=verify``. Wall and CPU seconds and pytest's summary line of each."""
+    import re
+    import shutil
+    readme = (ROOT / "README.md").read_text()
+    my_model = re.search(r"<!-- recipe: my_model.py -->\n```python\n(.*?)```", readme, re.S).group(1)
+    runs = {"kernel": [sys.executable, "-m", "pytest", "--pyargs", "properties", "-q", "-p", "no:cacheprovider",
+                       "--kernel", "my.py:attention"],
+            "model": [sys.executable, "-m", "pytest", "--pyargs", "properties", "-q", "-p", "no:cacheprovider",
+                      "--model", "my_model.py:make"],
+            "zoo_verify": [sys.executable, "-m", "zoo", "model=decoder_only", "pos=rotary", "ffn=swiglu",
+                           "norm=rmsnorm", "kv_heads=2", "task=verify"]}
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(ROOT / RECIPE_KERNEL, Path(tmp) / "my.py")
+        (Path(tmp) / "my_model.py").write_text(my_model)
+        for name, command in runs.items():
+            if name == "model" and importlib.util.find_spec("transformers") is None:
+                result[name] = {"seconds": None, "summary": "transformers is not installed (pip install -e '.[hf]')"}
+                continue
+            cpu_start, start = children_cpu_seconds(), time.perf_counter()
+            done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=1800, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.strip()]
+            summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), "")
+            result[name] = {"command": " ".join(command[2:] if command[1] == "-m" else command),
+                            "seconds": time.perf_counter() - start, "cpu_seconds": children_cpu_seconds() - cpu_start,
+                            "returncode": done.returncode, "summary": summary or done.stderr.strip()[-200:]}
+            print(f"recipe {name}: {fmt_seconds(result[name]['seconds'])} wall, "
+                  f"{fmt_seconds(result[name]['cpu_seconds'])} CPU ({result[name]['summary']})", flush=True)
+    return result
+
+
+def stated(seconds: float) -> str:
+    """A duration as README states it: whole seconds under two minutes, whole minutes above."""
+    return f"{round(seconds)} s" if seconds < 120 else f"{round(seconds / 60)} min"
+
+
+def write_readme_durations(results: dict, path: Path = ROOT / "README.md") -> list[str]:
+    """Rewrite each bold duration of README that names a record of ``results`` (``**N min** <!-- measured: KEY
+    -->``, KEY a dotted path) from that record, atomically; the changes, as ``KEY: old -> new``."""
+    import re
+    from zoo.io.atomic import write_text
+    pattern = re.compile(r"\*\*(\d+(?:\.\d+)? (?:s|min|h))\*\*( <!-- measured: ([\w.\-]+) -->)")
+    changes = []
+
+    def rewrite(match):
+        node = results
+        for part in match.group(3).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, (int, float)) or node <= 0:
+            return match.group(0)
+        new = stated(float(node))
+        if new != match.group(1):
+            changes.append(f"{match.group(3)}: {match.group(1)} -> {new}")
+        return f"**{new}**{match.group(2)}"
+    text = path.read_text()
+    updated = pattern.sub(rewrite, text)
+    if updated != text:
+        write_text(path, updated)
+    return changes
+
+
 def main(argv=None) -> int:
     import argparse
     import datetime
@@ -152,6 +224,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plugin-cost", action="store_true",
                         help="measure what the suite's plug-in costs an unrelated one-test pytest run (CPU time, with "
                              "and without it); recorded under \"plugin_cost\"")
+    parser.add_argument("--recipes", action="store_true",
+                        help="measure README's recipes as a user runs them (kernel, model, the zoo's task=verify); "
+                             "recorded under \"recipes\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if args.test_command:
@@ -169,6 +244,9 @@ def main(argv=None) -> int:
         measured["measured_on"] = datetime.date.today().isoformat()
         if hasattr(os, "getloadavg"):
             measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    elif args.recipes:
+        key, measured = "recipes", bench_recipes()
+        measured["measured_on"] = datetime.date.today().isoformat()
     else:
         key, measured = "suite", bench_suite()
     if args.out:
@@ -182,10 +260,13 @@ def main(argv=None) -> int:
             results["targets"] = evaluate_targets(results)
         write_json_atomic(args.out, results)
         print(f"merged into {args.out} under {key!r}")
+        if Path(args.out).resolve() == (ROOT / "bench" / "results.json").resolve():
+            for change in write_readme_durations(results):
+                print(f"README.md: {change}")
     if key == "plugin_cost":   # every run passed (check=True)
         return 0
     return 0 if all(run.get("returncode") in (0, None) for run in
-                    ([measured] if key == "test_command" else measured.values())) else 1
+                    ([measured] if key == "test_command" else measured.values()) if isinstance(run, dict)) else 1
 
 
 if __name__ == "__main__":

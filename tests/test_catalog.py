@@ -8,7 +8,9 @@ and runs only their pinned ``@example`` cases (``--hypothesis-profile pinned``):
 Hypothesis draws, because the default profile runs those cases first (a known bug class is never a coin flip).
 Broken kernels plugged in the same way share a session, up to ``SESSION_SIZE`` of them, each on its own clauses and
 stopped at its own first failure (``run_together``; one not caught there is run again alone). A correct entry runs
-every test of its level, unrestricted, at the default profile with a fresh seed. The Hugging Face and torch.nn
+every test of its level, unrestricted, at the default profile with a fresh seed; the context-parallel kernels of the
+distributed level (``--world-size 2``, the ranks started once per session) share a session per layout, broken and
+correct apart, each kernel on its own clauses as above. The Hugging Face and torch.nn
 examples, also correct implementations, are run by tests/test_examples.py. ``python -m
 properties.catalog.mutation_report`` runs every entry on its whole level and reports the first failing clause and the
 time to it.
@@ -57,27 +59,35 @@ PINNED = dict(stop_first=True, seed=SEED, extra=("--hypothesis-profile", "pinned
 
 def _sessions() -> dict[str, list[Entry]]:
     """Session name -> its entries: the broken entries that can share a session, in slices of at most SESSION_SIZE,
-    and every correct entry alone."""
+    the correct context-parallel kernels that can share one (a session per layout: starting the ranks and probing
+    each kernel is most of a distributed session), and every other correct entry alone."""
     sessions = {}
-    for group in shareable(CATALOG):
+    distributed = [e for e in CORRECT_HERE if e.level == "distributed"]
+    for group in [*shareable(CATALOG), *shareable(distributed)]:
         slices = math.ceil(len(group) / SESSION_SIZE)
         for i in range(slices):
             part = group[i * len(group) // slices:(i + 1) * len(group) // slices]
             sessions[part[0].name if len(part) == 1 else f"{part[0].name}+{len(part) - 1}"] = part
-    return {**sessions, **{e.name: [e] for e in CORRECT_HERE}}
+    return {**sessions, **{e.name: [e] for e in CORRECT_HERE if e.level != "distributed"}}
 
 
 SESSIONS = _sessions()
 SESSION_OF = {e.name: name for name, entries in SESSIONS.items() for e in entries}
 
 
-def _run_session(name: str) -> list[Run]:
-    entries = SESSIONS[name]
+def _run_entries(entries: list[Entry]) -> list[Run]:
+    """The runs of ``entries``: a session's, or the part of it a selection (-k) chose."""
     if entries[0].expected:
         return run_together(entries, **PINNED)
+    if entries[0].level == "distributed":   # every clause, the default profile, a fresh seed: as a correct entry alone
+        return run_together(entries)
     if entries[0].name in DECLINING_TWINS:
         return [run_entry(entries[0], extra=("--hypothesis-profile", "quick"))]
     return [run_entry(entries[0])]
+
+
+def _run_session(name: str) -> list[Run]:
+    return _run_entries(SESSIONS[name])
 
 
 class _Shared:
@@ -138,9 +148,7 @@ def runs(request, tmp_path_factory):
 
 
 def _run_chosen(name: str, entries: list[Entry]) -> list[Run]:
-    if len(entries) == len(SESSIONS[name]):
-        return _run_session(name)
-    return run_together(entries, **PINNED)
+    return _run_entries(entries)
 
 
 def _explain(run: Run) -> str:
@@ -152,8 +160,8 @@ def test_the_documents_count_the_catalog(document):
     import re
     from pathlib import Path
     text = " ".join((Path(__file__).resolve().parents[1] / document).read_text(encoding="utf-8").split())
-    said = re.search(r"(\d+) deliberately broken implementations \((\d+) kernels, (\d+) modules, (\d+) models"
-                     r"(?:, (\d+) distributed)?;", text)
+    said = re.search(r"(\d+) deliberately broken implementations \((\d+) kernels, (\d+) modules, (\d+) models, "
+                     r"(\d+) context-parallel kernels;", text)
     assert said, f"{document} no longer counts the catalog's broken implementations"
     levels = [e.level for e in CATALOG]
     assert tuple(int(n or 0) for n in said.groups()) == (len(CATALOG), *(levels.count(level) for level in LEVELS))
@@ -168,7 +176,7 @@ def test_catalog_is_well_formed():
     assert all(name in here and twin in here for name, twin in DECLINING_TWINS.items()), DECLINING_TWINS
     assert sorted(SESSION_OF) == sorted(e.name for e in CATALOG + CORRECT_HERE)
     assert len(CATALOG) >= 30
-    assert {"kernel", "module", "model"} <= {e.level for e in CATALOG} <= set(LEVELS)
+    assert {e.level for e in CATALOG} == set(LEVELS)
     for entry in CATALOG:
         assert entry.expected, f"{entry.name}: no expected clause"
         unknown = [c for c in entry.expected if c not in clauses]
@@ -202,8 +210,10 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
     Broken.__module__ = module.__name__
     registry.bug("ATTN-ORACLE", mechanism="m")(attention)
     registry.bug("WINDOW-BOUNDS", api="flash", mechanism="m", instance="broken")(Broken)
+    registry.bug("CP-GRAD", level="distributed", extra=("--world-size", "2", "--shard", "zigzag"), mechanism="m",
+                 instance="ranks")(Broken)
     registry.module_bug("part_bug", "ffn=gelu ffn._target_={target}", "FFN-FORMULA", mechanism="m")(Broken)
-    module.attention, module.broken = attention, Broken
+    module.attention, module.broken, module.ranks = attention, Broken, Broken()
     with pytest.raises(ValueError, match="catalog_fake_bugs.broken is not an instance of"):
         registry.entries([module.__name__])
     module.broken = Broken()
@@ -211,7 +221,8 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
     assert [(e.name, e.level, e.option, e.argument, e.extra) for e in broken] == [
         ("attention", "kernel", "--kernel", "catalog_fake_bugs:attention", ()),
         ("flash_broken", "kernel", "--kernel-api=flash", "--kernel=catalog_fake_bugs:broken", ()),
-        ("part_bug", "module", "--zoo", "ffn=gelu ffn._target_=catalog_fake_bugs." + Broken.__qualname__, ())]
+        ("part_bug", "module", "--zoo", "ffn=gelu ffn._target_=catalog_fake_bugs." + Broken.__qualname__, ()),
+        ("ranks", "distributed", "--kernel", "catalog_fake_bugs:ranks", ("--world-size", "2", "--shard", "zigzag"))]
     assert correct == [] and broken[1].api == "flash" and broken[1].spec == "catalog_fake_bugs:broken"
     with pytest.raises(ValueError, match="not listed: \\['catalog_fake_bugs'\\]"):
         registry.entries([])
@@ -222,6 +233,8 @@ def test_registry_computes_the_plug_in_and_refuses_what_it_cannot_find(monkeypat
         registry.bug("ATTN-ORACLE", mechanism="m")(Broken)
     with pytest.raises(ValueError, match="names the clauses"):
         registry.bug(mechanism="m")
+    with pytest.raises(ValueError, match="needs --world-size W"):   # a context-parallel kernel runs on ranks
+        registry.bug("CP-GRAD", level="distributed", mechanism="m")(attention)
 
 
 @pytest.mark.parametrize("entry", CATALOG, ids=[e.name for e in CATALOG])
@@ -238,7 +251,10 @@ def test_correct_implementation_passes(runs, entry):
     run = runs(entry.name)
     failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
     assert run.returncode == 0 and not failures, f"false alarm on {entry.name}: {failures}\n{_explain(run)}"
-    assert sum(t["status"] == "passed" for t in run.tests) >= 10, f"too few tests ran:\n{_explain(run)}"
+    # The distributed level has 12 clause tests; CP-SHARD-EDGES, CP-DETERMINISTIC and CP-BATCH-INVARIANT skip for a
+    # kernel that declines unequal shards and declares neither contract.
+    least = 9 if entry.level == "distributed" else 10
+    assert sum(t["status"] == "passed" for t in run.tests) >= least, f"too few tests ran:\n{_explain(run)}"
 
 
 # ------------------------------------------------------------------ the baseline and the report command

@@ -124,3 +124,16 @@ def test_benchmark_tables_are_the_report_of_the_recorded_runs():
     assert main and main in page, "docs/benchmarks.md: run python -m bench.report bench/results.json again"
     assert training and "\n".join(training) in page
     assert markdown(results, "seeds").strip() in TRAINING.read_text()
+
+
+def test_the_measuring_run_writes_the_durations_it_measured(tmp_path):
+    from bench.suite import write_readme_durations
+    page = tmp_path / "README.md"
+    page.write_text("They take **13 min** <!-- measured: test_command.seconds --> on a 2-core CPU.\n"
+                    "The kernel recipe: **40 s** <!-- measured: recipes.kernel.seconds -->; **9 s** unmeasured.\n")
+    changes = write_readme_durations({"test_command": {"seconds": 455.0}, "recipes": {"kernel": {"seconds": None}}},
+                                     page)
+    assert changes == ["test_command.seconds: 13 min -> 8 min"]
+    assert page.read_text().splitlines() == [
+        "They take **8 min** <!-- measured: test_command.seconds --> on a 2-core CPU.",
+        "The kernel recipe: **40 s** <!-- measured: recipes.kernel.seconds -->; **9 s** unmeasured."]

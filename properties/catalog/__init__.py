@@ -1,8 +1,9 @@
 """The bug catalog: deliberately broken implementations, one realistic bug each, and the correct ones.
 
-``CATALOG`` lists every broken implementation at three levels — kernels (SDPA signature, plugged in with
+``CATALOG`` lists every broken implementation at four levels — kernels (SDPA signature, plugged in with
 ``--kernel``, or FlashAttention's API with ``--kernel-api``), modules (zoo parts replaced through ``_target_`` with
-``--zoo``) and models (factories for ``--model``) — with its mechanism and the spec clauses (``properties/SPEC.md``)
+``--zoo``), models (factories for ``--model``) and context-parallel kernels (``--kernel`` with ``--world-size`` and
+``--shard``: the distributed level) — with its mechanism and the spec clauses (``properties/SPEC.md``)
 whose statements it violates. ``CORRECT`` lists implementations that must pass with zero failures. Each entry is
 declared where its implementation is defined, by a decorator of ``properties.catalog.registry`` (``@bug``,
 ``@module_bug``, ``@correct``); the modules that declare entries are listed once, in ``MODULES``, and imported
@@ -25,7 +26,7 @@ __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "MODULES", "by_name"]
 MODULES = tuple(f"{__name__}.{name}" for name in (
     "correct", "tiled", "kernels", "contract_bugs", "backward", "tile_bugs", "state_bugs", "flash_bugs",
     "flash_varlen_bugs", "flash_kvcache_bugs", "integrity_bugs", "modules", "models", "decode_bugs", "differential",
-    "scale_bugs", "moe_bugs", "config_bugs", "pair_bugs"))
+    "scale_bugs", "moe_bugs", "config_bugs", "pair_bugs", "distributed_bugs"))
 
 CATALOG: list[Entry]
 CORRECT: list[Entry]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from properties.catalog import CATALOG, CORRECT, Entry
+from properties.catalog import CATALOG, CORRECT, LEVELS, Entry
 from zoo.io.atomic import write_text
 from properties.catalog import example_based
 from properties.plugin.session import PROFILE_NAMES
@@ -67,7 +67,7 @@ def totals(rows: list[dict]) -> dict:
     kernels = [r for r in broken if r["level"] == "kernel"]
     correct_kernels = [r for r in correct if r["example_based"] is not None]
     per_level = {level: f"{sum(r['status'] == 'caught' for r in broken if r['level'] == level)}/"
-                        f"{sum(r['level'] == level for r in broken)}" for level in ("kernel", "module", "model")}
+                        f"{sum(r['level'] == level for r in broken)}" for level in LEVELS}
     return {
         "caught": sum(r["status"] == "caught" for r in broken), "caught_other": sum(r["status"] == "caught (other clause)"
                                                                                    for r in broken),
@@ -107,7 +107,7 @@ def table(rows: list[dict]) -> str:
 def summary(t: dict) -> str:
     return "\n".join([
         f"Caught: {t['caught']}/{t['broken']} broken implementations by an expected clause "
-        f"(kernel {t['per_level']['kernel']}, module {t['per_level']['module']}, model {t['per_level']['model']})"
+        f"({', '.join(f'{level} {caught}' for level, caught in t['per_level'].items())})"
         + (f"; {t['caught_other']} more by another clause only" if t["caught_other"] else ""),
         f"False alarms: {t['false_alarms']}/{t['correct']} correct implementations",
         f"Kernels, side by side: property suite {t['kernels_property_based']}/{t['kernels']}, "
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
               f"({runs[0].unavailable})", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    examples = {e.name: example_based.run(_kernel_callable(e), e.name) for e in entries if e.option == "--kernel"}
+    examples = {e.name: example_based.run(_kernel_callable(e), e.name) for e in entries
+                if e.option == "--kernel" and e.level == "kernel"}   # one process, the SDPA signature
     rows = rows_for(runs, examples)
     t = totals(rows)
     print(table(rows))

@@ -40,7 +40,9 @@ T = TypeVar("T")
 class Entry:
     """One implementation under test, plugged in as a user would: ``pytest properties/ OPTION ARGUMENT``.
 
-    level: kernel | module | model — which clauses concern it (the suite's kernel, module or model tests).
+    level: kernel | module | model | distributed — which clauses concern it (the suite's kernel, module, model or
+    distributed tests; a distributed entry is a context-parallel kernel, ``--kernel SPEC`` with ``--world-size W``
+    and any ``--shard`` among its extra words).
     expected: clause IDs whose statements the bug violates (empty for a correct implementation).
     """
     name: str
@@ -60,6 +62,11 @@ class Entry:
             raise ValueError(f"Entry {self.name}: option {self.option!r}")
         if self.option in _FLASH_OPTIONS and not self.argument.startswith("--kernel="):
             raise ValueError(f"Entry {self.name}: {self.option} takes the argument '--kernel=SPEC'")
+        if (self.level == "distributed") != ("--world-size" in self.extra):
+            need = "needs" if self.level == "distributed" else "takes no"
+            raise ValueError(f"Entry {self.name}: a {self.level} entry {need} --world-size W in its extra words")
+        if self.level == "distributed" and self.option != "--kernel":
+            raise ValueError(f"Entry {self.name}: a distributed entry is a context-parallel kernel (--kernel SPEC)")
 
     @property
     def needs_source_tree(self) -> bool:
@@ -118,6 +125,10 @@ def _where(obj, instance: str | None) -> tuple[str, str, type | None]:
 def _plug_in(level: str, api: str, spec: str) -> tuple[str, str]:
     if level == "model":
         return "--model", spec
+    if level == "distributed":   # a context-parallel kernel: --kernel SPEC, its --world-size (and --shard) in extra
+        if api != "sdpa":
+            raise ValueError(f"api {api!r}: a context-parallel kernel has the SDPA signature plus group=")
+        return "--kernel", spec
     if api == "sdpa":
         return "--kernel", spec
     if api not in FLASH_APIS:
@@ -130,7 +141,8 @@ def bug(*expected: str, mechanism: str, level: str = "kernel", api: str = "sdpa"
     """Declare the decorated kernel (or, with ``level="model"``, model factory) broken: one of the clauses
     ``expected`` must catch it. A kernel of FlashAttention's API ``api`` is plugged in with ``--kernel-api=API``
     and its entry's name says flash (``-k flash`` selects them all); ``extra`` are further command-line words
-    (``--deterministic``, ``--reference SPEC``)."""
+    (``--deterministic``, ``--reference SPEC``; for ``level="distributed"``, a context-parallel kernel plugged in with
+    ``--kernel``, its ``--world-size W`` and ``--shard LAYOUT``)."""
     if not expected:
         raise ValueError("a broken implementation names the clauses that must catch it")
 

@@ -2,7 +2,9 @@
 new pytest session with ``--report-json``, and reading the report.
 
 Kernel entries plugged in the same way (the same option and extra words) can also share one session
-(``run_together``): ``pytest properties/kernel --kernel A --kernel B ...`` with a plan
+(``run_together``): ``pytest properties/kernel --kernel A --kernel B ...``, or for context-parallel kernels
+``pytest properties/distributed --kernel A --kernel B ... --world-size W [--shard LAYOUT]`` (the ranks started once,
+every kernel loaded on them), with a plan
 (``properties.catalog.select``) that runs each kernel only on its own clauses and stops each at its first failure,
 the report split by kernel. An entry such a session does not catch is run again alone, so that a shared session
 never reports a miss, a usage error or a time-out that the entry's own session would not.
@@ -109,6 +111,8 @@ def _targets(entry: Entry) -> list[Path]:
     # Only the folders of the entry's level are collected: a kernel option alone runs only the kernel level, and a
     # --zoo or --model entry of the module or model level neither collects the kernel tests nor probes the default
     # kernels' limits for them (most of a short run's start-up). The --catalog-level selection is unchanged.
+    if entry.level == "distributed":   # --world-size runs the distributed clauses alone
+        return [SUITE / "distributed"]
     if entry.extra:
         return [SUITE]
     return {"kernel": [SUITE / "kernel"], "module": [SUITE / "module", SUITE / "model"],
@@ -170,13 +174,13 @@ def run_all(entries: Iterable[Entry], *, jobs: int = 2, progress=None, **options
 
 
 def shareable(entries: Iterable[Entry]) -> list[list[Entry]]:
-    """The entries that can share a session, grouped (in their order): kernel entries with the same option, no
-    argument of their own for the option (``--kernel-api flash``, the zoo's kernels) and the same extra words. Every
-    other entry is a group of its own."""
+    """The entries that can share a session, grouped (in their order): kernel (or context-parallel kernel) entries
+    with the same option and the same extra words (for a context-parallel kernel, its --world-size and --shard).
+    Every other entry is a group of its own."""
     groups: dict[tuple, list[Entry]] = {}
     for entry in entries:
-        together = entry.level == "kernel" and entry.option in ("--kernel", *(f"--kernel-api={api}" for api in
-                                                                               FLASH_APIS))
+        together = entry.level in ("kernel", "distributed") and entry.option in (
+            "--kernel", *(f"--kernel-api={api}" for api in FLASH_APIS))
         groups.setdefault((entry.option, entry.extra) if together else (id(entry),), []).append(entry)
     return list(groups.values())
 

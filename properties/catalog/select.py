@@ -4,9 +4,10 @@
     pytest properties/ -p properties.catalog.select --catalog-clause MASK-BOOL --kernel mypkg.mod:attn
     pytest properties/kernel -p properties.catalog.select --catalog-plan plan.json --kernel a:f --kernel b:g
 
-Levels are the suite's folders (properties/core/levels.py): ``kernel``, ``model``, and ``module``, which here
-keeps the model clauses too, since they are what a ``--zoo`` override of a part also changes. A plan runs many
-kernels in one session, each on its own clauses: a JSON object ``{"kernels": {NAME: [CLAUSE, ...]}, "stop_first":
+Levels are the suite's folders (properties/core/levels.py): ``kernel``, ``model``, ``distributed``, and ``module``,
+which here keeps the model clauses too, since they are what a ``--zoo`` override of a part also changes. A plan runs many
+kernels in one session, each on its own clauses (SDPA kernels, or the context-parallel kernels of a ``--world-size``
+run): a JSON object ``{"kernels": {NAME: [CLAUSE, ...]}, "stop_first":
 BOOL, "nodeids": PATH}`` keeps a test of kernel NAME (``--kernel NAME``) only if it is bound to one of NAME's clauses
 (all of them where the list is empty); with ``stop_first``, a kernel's tests after its first failure are skipped
 (``-x`` for each kernel); ``nodeids`` is where the plan writes ``{nodeid: NAME}`` for the tests it keeps. Deselects
@@ -29,7 +30,7 @@ _FAILED = pytest.StashKey[set]()
 def pytest_addoption(parser):
     group = parser.getgroup("catalog", "select a level or clauses of the spec suite (properties.catalog.select)")
     group.addoption("--catalog-level", choices=LEVELS, default=None,
-                    help="run only the kernel, module (module and model) or model clauses")
+                    help="run only the kernel, module (module and model), model or distributed clauses")
     group.addoption("--catalog-clause", action="append", default=None, metavar="ID",
                     help="run only tests bound to this clause (repeatable)")
     group.addoption("--catalog-plan", default=None, metavar="PATH",

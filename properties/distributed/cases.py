@@ -3,8 +3,10 @@
 A ``CPCase`` is one attention problem over the whole sequence (q (b, h, L, e), k and v (b, k, L, ·), the upstream
 gradient), drawn by Hypothesis and generated in float64 from a seed, then rounded to the tested dtype. Lengths are
 multiples of the layout's unit (W contiguous, 2W zigzag) unless a clause asks for the others (CP-SHARD-EDGES); heads
-are W or 2W (what Ulysses can split) first, then any; ``spread`` multiplies the queries, so that the scores reach the
-tens where a partial state's LSE held in 16 bits loses its weights' precision.
+are W, 2W or 3W (what Ulysses can split; 3W with 3 key/value heads, which W = 2 or 4 does not divide) first, then
+any; ``spread`` multiplies the queries, so that the scores reach the tens where a partial state's LSE held in 16 bits
+loses its weights' precision. The pinned problems (``HALF_PIN`` ...) are the rows of these classes every run poses
+first.
 
 The comparisons: the gathered output and gradients against the float64 oracle of the whole problem
 (properties/core/oracle.py, properties/kernel/gradients.py) within the single-device rounding model plus the merge's
@@ -26,7 +28,8 @@ from properties.distributed.layouts import rows_of
 from properties.kernel.gradients import gradient_oracle
 
 __all__ = ["CPCase", "Pin", "as_case", "cp_cases", "merged_states", "Expected", "expected", "check_output",
-           "check_gradients", "rank_of_worst", "HALF_PIN", "GROUPED_PIN"]
+           "check_gradients", "rank_of_worst", "HALF_PIN", "FLOAT16_PIN", "GROUPED_PIN", "UNEVEN_GROUPS_PIN",
+           "FLOAT_PIN"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,18 @@ def as_case(case, kernel) -> CPCase:
                   dtype=case.dtype, causal=case.causal, scale=case.scale, spread=case.spread, seed=0)
 
 
-# Pinned in the oracle and gradient clauses: scores in the tens in bfloat16, causal (the merge's precision: a
-# partial state held in 16 bits), and grouped heads, causal, in float32.
+# Pinned in the clauses (the rows every run poses first, whatever Hypothesis draws):
+# - scores in the tens in half precision, causal: the merge's precision (a partial state held in 16 bits), in each
+#   16-bit dtype (HALF_PIN in bfloat16, FLOAT16_PIN);
+# - grouped heads, causal, in float32, with one key/value head (GROUPED_PIN: H_kv < W, what a kernel that shards heads
+#   must repeat) and with several that W does not divide (UNEVEN_GROUPS_PIN: H_kv = 3; how they are repeated shows);
+#   scores of order one, so that every key of a row weighs (a key admitted or dropped, an empty block weighed);
+# - a plain float32 problem of one unit, not causal (FLOAT_PIN): every block seen whole.
 HALF_PIN = Pin(heads_per_rank=1, kv_heads=0, multiple=2, e=16, ev=8, dtype=torch.bfloat16, causal=True, spread=16.0)
+FLOAT16_PIN = replace(HALF_PIN, dtype=torch.float16)
 GROUPED_PIN = Pin(heads_per_rank=2, kv_heads=1, multiple=2, e=8, ev=4, dtype=torch.float32, causal=True, spread=1.0)
+UNEVEN_GROUPS_PIN = replace(GROUPED_PIN, heads_per_rank=3, kv_heads=3)
+FLOAT_PIN = Pin(heads_per_rank=1, kv_heads=0, multiple=1, e=4, ev=4, dtype=torch.float32, causal=False, spread=1.0)
 
 
 def _dtypes(kernel) -> list[torch.dtype]:
@@ -114,7 +125,9 @@ def cp_cases(draw, kernel, *, causal=None, gqa=None, scale=None, divisible=True,
         length = unit * draw(st.sampled_from((*range(1, max_multiple + 1), 16)))
     else:
         length = draw(st.integers(1, unit * max_multiple).filter(lambda n: n % unit))
-    heads = draw(st.sampled_from(sorted({world, 2 * world}) + [h for h in (1, 2, 3) if h not in (world, 2 * world)]))
+    # W, 2W and 3W heads split among the ranks (3W with 3 key/value heads: grouped heads W does not divide); 1-3 do not
+    per_rank = sorted({world, 2 * world, 3 * world})
+    heads = draw(st.sampled_from(per_rank + [h for h in (1, 2, 3) if h not in per_rank]))
     can_group = "gqa" not in kernel.declined
     grouped = (draw(st.booleans()) and can_group) if gqa is None else gqa
     divisors = [d for d in range(1, heads) if heads % d == 0]

@@ -12,10 +12,9 @@ from hypothesis import example, given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
 from properties.core.strategies import derived_generator
-from properties.distributed.cases import (GROUPED_PIN, HALF_PIN, Pin, as_case, check_output, cp_cases, expected)
+from properties.distributed.cases import (FLOAT_PIN, GROUPED_PIN, HALF_PIN, UNEVEN_GROUPS_PIN, Pin, as_case,
+                                          check_output, cp_cases, expected)
 from properties.distributed.layouts import rows_of
-
-FLOAT_PIN = Pin(heads_per_rank=1, kv_heads=0, multiple=1, e=4, ev=4, dtype=torch.float32, causal=False, spread=1.0)
 
 
 @clause("CP-SHAPE")
@@ -87,6 +86,7 @@ def test_scale_replaces_the_default_on_every_rank(cp_kernel, data):
 
 @clause("CP-GQA")
 @example(case=GROUPED_PIN)
+@example(case=UNEVEN_GROUPS_PIN)
 @given(case=st.data())
 def test_grouped_heads_read_their_key_value_head_on_every_rank(cp_kernel, case):
     cp_kernel.require("gqa")

@@ -5,11 +5,13 @@ from __future__ import annotations
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.distributed.cases import GROUPED_PIN, HALF_PIN, Pin, as_case, check_gradients, check_output, cp_cases, expected
+from properties.distributed.cases import (FLOAT16_PIN, GROUPED_PIN, HALF_PIN, Pin, as_case, check_gradients,
+                                          check_output, cp_cases, expected)
 
 
 @clause("CP-GRAD")
 @example(case=HALF_PIN)
+@example(case=FLOAT16_PIN)
 @example(case=GROUPED_PIN)
 @given(case=st.data())
 def test_gradients_agree_with_the_oracle_of_the_whole_sequence(cp_kernel, case):

@@ -3,18 +3,19 @@ the calls before, and (where declared) repeats itself bitwise and ignores its ba
 from __future__ import annotations
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
-from properties.distributed.cases import check_output, cp_cases, expected
+from properties.distributed.cases import FLOAT_PIN, Pin, as_case, check_output, cp_cases, expected
 
 
 @clause("CP-INPUTS-UNCHANGED")
-@given(data=st.data())
-def test_no_rank_writes_into_its_shards(cp_kernel, data):
+@example(case=FLOAT_PIN)
+@given(case=st.data())
+def test_no_rank_writes_into_its_shards(cp_kernel, case):
     cp_kernel.require()
-    case = data.draw(cp_cases(cp_kernel), label="case")
+    case = case.draw(cp_cases(cp_kernel), label="case") if not isinstance(case, Pin) else as_case(case, cp_kernel)
     q, k, v, do = case.tensors()
     grad = "backward" not in cp_kernel.declined
     result = cp_kernel(q, k, v, grad_out=do if grad else None, **case.kwargs())

@@ -124,9 +124,9 @@ class SpawnedWorld:
                 try:
                     kind, _, pid, detail = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
+                    how = self._how_it_ended(rank)   # before kill() forgets the processes
                     self.kill()
-                    raise WorldError(f"rank {rank} ended while it joined the group "
-                                     f"({self._how_it_ended(rank)})") from None
+                    raise WorldError(f"rank {rank} ended while it joined the group ({how})") from None
                 if kind == "failed":
                     self.kill()
                     raise WorldError(f"rank {rank} could not join the group: {detail}")

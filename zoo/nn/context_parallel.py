@@ -137,18 +137,29 @@ class RingAttention(ContextParallelAttention):
     def merge(self, out, lse, block_out, block_lse):
         return merge(out, lse, block_out, block_lse)
 
+    def block_of(self, q, k, v, scale, causal: bool, rank: int, source: int, world: int):
+        """The partial state of rank ``rank``'s queries over the keys and values rank ``source`` holds: one block,
+        masked by the global positions of both under ``causal``."""
+        if not causal:
+            return self.block(q, k, v, scale, None, None)
+        rows = q.shape[-2]
+        return self.block(q, k, v, scale, self.positions(rank, world, rows, q.device),
+                          self.positions(source, world, rows, q.device))
+
+    def forward_hop(self, k, v, group):
+        """Pass the keys and values on to the next rank; receive the previous rank's."""
+        return tuple(ring_shift([k, v], group))
+
     def forward_pass(self, q, k, v, scale, causal, group):
         """(output, LSE) of the local queries over every rank's keys, in the accumulation dtype."""
-        world, rank, rows = group_size(group), group_rank(group), q.shape[-2]
-        q_positions = self.positions(rank, world, rows, q.device) if causal else None
+        world, rank = group_size(group), group_rank(group)
         out = lse = None
         for step in range(world):
             source = (rank - step) % world   # whose keys and values this rank holds at this step
-            k_positions = self.positions(source, world, rows, q.device) if causal else None
-            block_out, block_lse = self.block(q, k, v, scale, q_positions, k_positions)
+            block_out, block_lse = self.block_of(q, k, v, scale, causal, rank, source, world)
             out, lse = (block_out, block_lse) if out is None else self.merge(out, lse, block_out, block_lse)
             if step < world - 1:
-                k, v = ring_shift([k, v], group)
+                k, v = self.forward_hop(k, v, group)
         return out, lse
 
     def backward_positions(self, rank: int, world: int, rows: int, device) -> torch.Tensor:
