@@ -63,7 +63,7 @@ def test_a_failing_clause_gives_status_1_and_its_counterexample(tmp_path):
     assert "- Attention weights of each layer type: not drawn: NotImplementedError" in markdown
     assert "](positional.png)" in markdown and (out / "positional.png").is_file()
     assert "<testsuite" in (out / "junit.xml").read_text()
-    assert "Case(" in failed["SCALE-DEFAULT"]["counterexample"]
+    assert "case=Problem(" in failed["SCALE-DEFAULT"]["counterexample"]
     assert "SCALE-DEFAULT" in result.stdout and "failed" in result.stdout
 
 
