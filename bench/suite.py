@@ -233,22 +233,19 @@ def main(argv=None) -> int:
         key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
         print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
               f"({measured['summary']})", flush=True)
-        measured["measured_on"] = datetime.date.today().isoformat()
-        if hasattr(os, "getloadavg"):
-            measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     elif args.plugin_cost:
         key, measured = "plugin_cost", bench_plugin_cost()
         print(f"an unrelated one-test pytest run: {measured['with_plugin']['cpu_seconds_median']:.2f} s CPU with the "
               f"plug-in, {measured['without_plugin']['cpu_seconds_median']:.2f} s without (medians of "
               f"{measured['runs']}; difference {measured['difference_cpu_seconds']:+.2f} s)", flush=True)
+    elif args.recipes:
+        key, measured = "recipes", bench_recipes()
+    else:
+        key, measured = "suite", bench_suite()
+    if key != "suite":   # when and under what load (the suite's record carries its machine elsewhere)
         measured["measured_on"] = datetime.date.today().isoformat()
         if hasattr(os, "getloadavg"):
             measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    elif args.recipes:
-        key, measured = "recipes", bench_recipes()
-        measured["measured_on"] = datetime.date.today().isoformat()
-    else:
-        key, measured = "suite", bench_suite()
     if args.out:
         results = {}
         if os.path.exists(args.out):

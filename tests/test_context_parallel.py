@@ -13,8 +13,8 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from spawned_ranks import run_ranks
 from zoo.nn.partial import block_attention, merge, merge_state, merge_states
 
 TIMEOUT = 120   # seconds for the whole W = 2 run (spawn, import torch, every kernel forward and backward)
@@ -121,23 +121,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
 
 def test_context_parallel_kernels_agree_with_attention_on_the_whole_sequence():
-    world, ctx = 2, mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    ranks = [ctx.Process(target=_rank, args=(r, world, port, results), daemon=True) for r in range(world)]
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(TIMEOUT)
-        hung = [r for r, p in enumerate(ranks) if p.is_alive()]
-        assert not hung, f"ranks {hung} did not finish within {TIMEOUT} s"
-        assert all(p.exitcode == 0 for p in ranks), [p.exitcode for p in ranks]
-        got = dict(results.get() for _ in range(world))
-    finally:
-        for p in ranks:
-            p.kill()
-            p.join()
+    got = run_ranks(_rank, 2, (2, _free_port()), TIMEOUT)
     bad = {f"rank {r}: {case}": e for r, worst in got.items() for case, e in worst.items() if not e < 1e-12}
     assert not bad, bad
     assert len(got[0]) == 18

@@ -14,7 +14,8 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from spawned_ranks import run_ranks
 
 WORLD = 2
 TIMEOUT = 120   # seconds for the whole run (spawn, import torch, every case on both ranks)
@@ -124,23 +125,8 @@ def _rank(rank: int, store: str, results) -> None:
 @pytest.fixture(scope="module")
 def errors(tmp_path_factory):
     """name -> {"bug" | "twin": ({quantity: the largest error over both ranks}, whether a rank wrote its shards)}."""
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     store = tmp_path_factory.mktemp("distributed-bugs") / "store"
-    ranks = [ctx.Process(target=_rank, args=(r, str(store), results), daemon=True) for r in range(WORLD)]
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(TIMEOUT)
-        hung = [r for r, p in enumerate(ranks) if p.is_alive()]
-        assert not hung, f"ranks {hung} did not finish within {TIMEOUT} s"
-        assert all(p.exitcode == 0 for p in ranks), [p.exitcode for p in ranks]
-        got = dict(results.get() for _ in range(WORLD))
-    finally:
-        for p in ranks:
-            p.kill()
-            p.join()
+    got = run_ranks(_rank, WORLD, (str(store),), TIMEOUT)
     merged = {}
     for name in CASES:
         merged[name] = {}

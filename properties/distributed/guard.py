@@ -25,7 +25,7 @@ import torch
 from properties.core import watchdog
 from properties.distributed.layouts import rows_of, shard, unshard
 from properties.kernel import coverage
-from properties.kernel.guard import KernelContractError, KernelDeclined, describe_call
+from properties.kernel.guard import KernelContractError, KernelDeclined, NamedKernel, describe_call
 
 __all__ = ["RanksLost", "GroupContract", "CallResult", "ContextParallelKernel", "FEATURES"]
 
@@ -55,7 +55,7 @@ def _where() -> str:
 
 
 @dataclass(eq=False, repr=False)
-class ContextParallelKernel:
+class ContextParallelKernel(NamedKernel):
     """The kernel ``name`` (as --kernel names it) on the ranks of ``world`` (SpawnedWorld or TorchrunWorld)."""
 
     name: str
@@ -65,16 +65,6 @@ class ContextParallelKernel:
     declined: dict = field(default_factory=dict)   # feature -> the kernel's words
     unusable: str = ""                             # it declines the plainest problem: every clause skipped
     hung: str = ""
-
-    def __repr__(self) -> str:
-        return self.name
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(self.name)
-
-    @property
-    def plugin(self) -> str:
-        return f"kernel {self.name}"
 
     def describe(self, q, k, v, kwargs, world: int) -> str:
         return describe_call(q, k, v, {**kwargs, "group": f"<{world} ranks, {self.layout} shards>"})

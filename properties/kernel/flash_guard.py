@@ -25,7 +25,7 @@ from properties.kernel import coverage
 from properties.core.declines import decline_reason
 from properties.core import evidence
 from properties.core.watchdog import cause, describe_args, raised, user_call
-from properties.kernel.guard import KernelContractError, check_output, describe_call
+from properties.kernel.guard import KernelContractError, NamedKernel, check_output, describe_call
 
 __all__ = ["Unsupported", "FlashKernel", "skip_unsupported", "flash_weights", "FEATURES"]
 
@@ -54,24 +54,13 @@ def _is_unsupported(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True, repr=False)
-class FlashKernel:
+class FlashKernel(NamedKernel):
     """A kernel with FlashAttention's API ``api``, checked on every call; ``repr`` is its name."""
 
     name: str
     fn: Callable
     api: str
     _unsupported: dict = field(default_factory=dict, compare=False)   # device -> {feature: reason}
-
-    def __repr__(self) -> str:
-        return self.name
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(self.name)
-
-    @property
-    def plugin(self) -> str:
-        """How the watchdog names it (properties/core/watchdog.py)."""
-        return f"kernel {self.name}"
 
     def raw(self, *args, **kwargs):
         """Call the kernel unguarded except for the translation of unsupported features."""

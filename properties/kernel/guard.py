@@ -26,7 +26,7 @@ from properties.core.tolerance import (SoftmaxBounds, deciding_output_bound, eva
                                        rounding_error, softmax_bounds, unit_roundoff)
 from properties.core.watchdog import cause, raised, user_call
 
-__all__ = ["KernelContractError", "KernelDeclined", "GuardedKernel", "identity_width", "fully_masked_mean",
+__all__ = ["KernelContractError", "KernelDeclined", "NamedKernel", "GuardedKernel", "identity_width", "fully_masked_mean",
            "describe_call", "check_output", "check_against_oracle", "check_dropout_rate"]
 
 
@@ -71,8 +71,25 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
     return out
 
 
+class NamedKernel:
+    """A kernel under guard, shown by its name: ``repr`` (and Hypothesis' printer) read ``kernel=math`` in a falsifying
+    example, and the watchdog names it ``kernel NAME``. Its subclasses are dataclasses with ``repr=False`` and a
+    ``name`` field."""
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer prefers this to __repr__
+        printer.text(self.name)
+
+    @property
+    def plugin(self) -> str:
+        """How the watchdog names it (properties/core/watchdog.py)."""
+        return f"kernel {self.name}"
+
+
 @dataclass(frozen=True, repr=False)
-class GuardedKernel:
+class GuardedKernel(NamedKernel):
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
     (properties/kernel/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
@@ -81,12 +98,6 @@ class GuardedKernel:
     fn: Callable
     declared: Limits = field(default_factory=Limits, compare=False)
     _limits: dict = field(default_factory=dict, compare=False)   # device -> Limits
-
-    def __repr__(self) -> str:
-        return self.name
-
-    def _repr_pretty_(self, printer, cycle) -> None:  # Hypothesis' printer prefers this to __repr__
-        printer.text(self.name)
 
     # ------------------------------------------------------------------------------------------ limits
     def limits(self, device) -> Limits:
@@ -189,11 +200,6 @@ class GuardedKernel:
         if not currently_in_test_context():
             raise KernelDeclined(f"kernel {self.name} declined {describe_call(query, key, value, kwargs)}: {reason}")
         reject()
-
-    @property
-    def plugin(self) -> str:
-        """How the watchdog names it (properties/core/watchdog.py)."""
-        return f"kernel {self.name}"
 
     def weights(self, query, key, **kwargs) -> torch.Tensor:
         """The kernel's attention weights: its output for V = I_S (attention is linear in V); for a kernel that
