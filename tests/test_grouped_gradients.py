@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from properties.core.strategies import select_dtypes
+from properties.core.dtypes import select_dtypes
 from properties.kernel.test_gradients import GradCase, check_group_sums
 
 F32 = torch.float32

@@ -5,7 +5,7 @@ tensors come from a ``torch.Generator`` seeded with that integer, always on the 
 rounded to the case's dtype and moved to the device, so a counterexample is a short, readable line such
 as ``Case(lead=(), l=1, s=2, e=1, ev=1, dtype=torch.float32, seed=0)`` (properties/kernel/cases.py) and replays
 identically on every device.  The dtypes drawn are the ones selected on the command line (``--dtype``);
-``properties.plugin`` sets them with :func:`select_dtypes` before any test module is imported.
+``properties.plugin`` sets them with :func:`properties.core.dtypes.select_dtypes` before any test module is imported.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ import pytest
 import torch
 from hypothesis import assume, example, given, strategies as st
 
-from properties.core.dtypes import dtype_supported, select_dtypes, selected_dtypes
+from properties.core.dtypes import dtype_supported, selected_dtypes
 from zoo.config.options import DTYPES
 
-__all__ = ["DTYPES", "derived_generator", "seeded_rng", "dtype_supported", "require_dtype", "select_dtypes",
-           "selected_dtypes", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
+__all__ = ["DTYPES", "derived_generator", "seeded_rng", "require_dtype", "PinnedData", "could_draw", "seeds", "gaussian", "on", "identity_values",
            "random_bool_mask", "scale_partial_sums", "rescale_keys", "huge_values", "REALISTIC_SCORE", "score_limit",
            "pinned_property", "required"]
 

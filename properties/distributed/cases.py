@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from properties.core.assertions import assert_within
 from properties.core.oracle import to_float64
-from properties.core.strategies import derived_generator, seeds, selected_dtypes
+from properties.core.strategies import derived_generator, seeds
+from properties.core.dtypes import selected_dtypes
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.distributed.layouts import rows_of
 from properties.kernel.gradients import gradient_oracle

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from properties.core.strategies import derived_generator, gaussian, on, require_dtype, seeds, selected_dtypes
+from properties.core.strategies import derived_generator, gaussian, on, require_dtype, seeds
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.tiles import TILE_SHARE, drawn_head_size, kernel_limits, tile_shape
 
 __all__ = ["dtypes", "Case", "cases"]

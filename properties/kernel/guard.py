@@ -108,7 +108,7 @@ class GuardedKernel(NamedKernel):
         """Probe the kernel's limits on ``device`` (once); raises LimitsError if they contradict the declared ones."""
         device = str(device)
         if device not in self._limits:
-            from properties.core.strategies import selected_dtypes
+            from properties.core.dtypes import selected_dtypes
             self._limits[device] = learn_limits(self._probe_fn, device, self.declared, selected_dtypes())
         return self._limits[device]
 

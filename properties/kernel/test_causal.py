@@ -14,7 +14,8 @@ from properties.core.tolerance import output_bound, softmax_bounds
 from properties.core.strategies import require_dtype
 from properties.kernel.guard import NON_FINITE_CONVENTIONS, check_against_oracle
 from properties.core.oracle import causal_allowed, to_float64
-from properties.core.strategies import huge_values, on, rescale_keys, selected_dtypes
+from properties.core.strategies import huge_values, on, rescale_keys
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.problem_space import MAGNITUDE, SHAPES, Extra, Problem, Space
 from properties.kernel.schedule import scheduled
 

@@ -18,7 +18,8 @@ from properties.kernel.coverage import BITWISE, WITHIN_BOUND
 from properties.kernel.repeats import bitwise_equal
 from properties.core.oracle import to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth, stacked_copies
-from properties.core.strategies import seeded_rng, selected_dtypes
+from properties.core.strategies import seeded_rng
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.guard import check_dropout_rate
 from properties.core.strategies import on
 from properties.kernel.problem_space import SHAPES, Extra, Problem, Space

@@ -18,7 +18,8 @@ from properties.kernel.magnitudes import Scores
 from properties.kernel.flash_guard import flash_weights, skip_unsupported
 from properties.core.oracle import to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
-from properties.core.strategies import seeded_rng, selected_dtypes
+from properties.core.strategies import seeded_rng
+from properties.core.dtypes import selected_dtypes
 from properties.core.tolerance import evaluation_error, rounding_error, rowsum_error
 from properties.kernel.guard import check_dropout_rate
 

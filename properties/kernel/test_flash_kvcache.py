@@ -16,7 +16,7 @@ from properties.kernel.flash import FlashCase
 from properties.kernel.flash_cases import CacheCase, cache_cases
 from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.strategies import selected_dtypes
+from properties.core.dtypes import selected_dtypes
 
 F32 = selected_dtypes()[0]
 

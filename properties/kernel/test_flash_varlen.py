@@ -13,7 +13,8 @@ from properties.kernel.flash import FlashCase, flash_gradients, to_heads_first
 from properties.kernel.flash_cases import VarlenCase, varlen_cases
 from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.strategies import derived_generator, selected_dtypes
+from properties.core.strategies import derived_generator
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.guard import backward_gradients
 
 F32 = selected_dtypes()[0]

@@ -10,7 +10,8 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
-from properties.core.strategies import require_dtype, selected_dtypes
+from properties.core.strategies import require_dtype
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.problem_space import MASK_EXTRAS, SHAPES, Extra, Problem, Space
 from properties.kernel.schedule import scheduled
 from properties.kernel.tiles import kernel_limits

@@ -17,7 +17,8 @@ from properties.core.assertions import assert_identical, assert_within
 from properties.kernel.flash import FlashCase, flash_bounds, flash_cases
 from properties.kernel.flash_guard import skip_unsupported
 from properties.core.oracle import to_float64
-from properties.core.strategies import require_dtype, selected_dtypes
+from properties.core.strategies import require_dtype
+from properties.core.dtypes import selected_dtypes
 from properties.core.tolerance import output_bound, softmax_bounds
 from properties.kernel.guard import backward_gradients, check_against_oracle
 from properties.kernel.integrity import FEW, assert_no_alias, assert_unchanged, bitwise_equal, snapshot

@@ -10,7 +10,8 @@ from hypothesis import example
 from properties import clause
 from properties.core.assertions import assert_within
 from properties.core.oracle import to_float64
-from properties.core.strategies import on, require_dtype, selected_dtypes
+from properties.core.strategies import on, require_dtype
+from properties.core.dtypes import selected_dtypes
 from properties.core.tolerance import deciding_output_bound
 from properties.kernel.guard import check_against_oracle
 from properties.kernel.integrity import assert_unchanged, snapshot

@@ -14,8 +14,8 @@ from properties.core.assertions import assert_all, assert_within
 from properties.kernel.repeats import assert_unchanged
 from properties.kernel.guard import check_against_oracle, fully_masked_mean
 from properties.core.oracle import to_float64
-from properties.core.strategies import (huge_values, require_dtype, scale_partial_sums, score_limit, selected_dtypes,
-                                        on, random_bool_mask, rescale_keys)
+from properties.core.strategies import huge_values, require_dtype, scale_partial_sums, score_limit, on, random_bool_mask, rescale_keys
+from properties.core.dtypes import selected_dtypes
 from properties.core.oracle import reference_scores
 from properties.kernel.problem_space import DENSITY, MAGNITUDE, MASK_EXTRAS, SHAPES, Extra, Problem, Space
 from properties.kernel.schedule import scheduled

@@ -11,8 +11,8 @@ from properties.core import evidence
 from properties.core.assertions import assert_all, assert_within
 from properties.kernel.guard import check_against_oracle
 from properties.core.oracle import to_float64
-from properties.core.strategies import (on, require_dtype, scale_partial_sums, score_limit,
-                                        selected_dtypes)
+from properties.core.strategies import on, require_dtype, scale_partial_sums, score_limit
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.problem_space import DENSITY, SHAPES, Extra, Problem, Space
 from properties.kernel.schedule import scheduled
 from properties.core.tolerance import deciding_output_bound, rowsum_error, softmax_bounds

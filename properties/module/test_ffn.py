@@ -19,7 +19,8 @@ from properties.model.checks import comparison_tolerance
 from properties.module.gradients import check_gradients, feed_forward
 from properties.module.oracle import ffn_layers, ffn_oracle
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
-from properties.core.strategies import pinned_property, seeds, selected_dtypes
+from properties.core.strategies import pinned_property, seeds
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.cases import dtypes
 
 FIRST = selected_dtypes()[0]

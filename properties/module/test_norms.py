@@ -23,7 +23,8 @@ from properties.module.oracle import layer_norm_oracle, layer_norm_stats, rms_no
 from properties.module.gradients import check_gradients, layer_norm, rms_norm
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
-from properties.core.strategies import PinnedData, pinned_property, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, pinned_property, seeds
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.cases import dtypes
 from properties.core.tolerance import gamma, unit_roundoff
 

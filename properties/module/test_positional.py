@@ -19,7 +19,8 @@ from properties.core.strategies import require_dtype
 from properties.module.oracle import rotary_pair_error, sinusoid_error, sinusoid_table
 from properties.module.parts import OneLine, call_module, inputs, module_settings, part_params
 from properties.core.oracle import to_float64
-from properties.core.strategies import PinnedData, pinned_property, seeds, selected_dtypes
+from properties.core.strategies import PinnedData, pinned_property, seeds
+from properties.core.dtypes import selected_dtypes
 from properties.kernel.cases import dtypes
 from properties.core.tolerance import gamma, unit_roundoff
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from properties.core.strategies import selected_dtypes
+from properties.core.dtypes import selected_dtypes
 from properties.core.watchdog import limit
 from properties.distributed.guard import ContextParallelKernel, GroupContract, RanksLost
 from properties.distributed.world import SpawnedWorld, WorldError, start_torchrun_rank, under_torchrun
