@@ -21,7 +21,7 @@ from properties.core.options import DTYPE_NAMES, LIMIT_OPTIONS
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
 from properties.plugin import reference  # --reference / --reference-kernel: what the differential clauses compare with
-from properties.kernel.guard import GuardedKernel
+from properties.kernel.guard import GuardedKernel, lse_pair_problem
 from properties.core.spec import SpecError, load_clauses
 from properties.core.dtypes import device_unavailable, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
@@ -90,7 +90,9 @@ def _loading(spec: str) -> str:
 
 # Options that shape the kernel clauses only: given where no kernel clause runs, they would be accepted and ignored.
 _KERNEL_ONLY = ("--causal-alignment", "--fully-masked", "--finfo-min-rows", "--window-right-below-lk",
-                "--reference-kernel", *LIMIT_OPTIONS)
+                "--reference-kernel", "--returns-lse", "--lse-base", *LIMIT_OPTIONS)
+# The zoo's kernel that returns its LSE: what --returns-lse checks without --kernel.
+LSE_KERNEL = "zoo.nn.partial:attention_with_lse"
 
 
 def _kernel_clauses_run(config) -> bool:
@@ -118,6 +120,19 @@ def _refuse_kernel_options_without_kernels(config) -> None:
                                 f"SPEC to check a kernel, or leave {'it' if len(given) == 1 else 'them'} out")
 
 
+def _lse_options(config, api: str) -> bool:
+    """--returns-lse (an SDPA-signature kernel returns (output, lse)) and --lse-base: whether the kernels return their
+    LSE; a UsageError where an option would be accepted and ignored."""
+    returns_lse = bool(config.getoption("--returns-lse", False))
+    if returns_lse and api != "sdpa":
+        raise pytest.UsageError(f"--returns-lse declares that an SDPA-signature kernel returns (output, lse); "
+                                f"--kernel-api {api} has its own calling convention: leave one of them out")
+    if config.getoption("--lse-base", "e") != "e" and not returns_lse and api != "merge":
+        raise pytest.UsageError("--lse-base: the base of the LSE a kernel returns (--returns-lse) or a merge kernel "
+                                "takes (--kernel-api merge); neither is given")
+    return returns_lse
+
+
 def _configure(config):
     _refuse_kernel_options_without_kernels(config)
     session.configure(config)
@@ -134,11 +149,13 @@ def _configure(config):
                                           [getattr(torch, name) for name in config.getoption("--dtype") or ()], api)
     except limits.LimitsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    returns_lse = _lse_options(config, api)
     sdpa_kernels = api == "sdpa" and config.getoption("--world-size", None) is None
-    for spec in (config.getoption("--kernel") or list(KERNELS)) if sdpa_kernels else []:
+    default = [LSE_KERNEL] if returns_lse else list(KERNELS)
+    for spec in (config.getoption("--kernel") or default) if sdpa_kernels else []:
         try:
             with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
-                kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared))
+                kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared, returns_lse=returns_lse))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
@@ -164,6 +181,10 @@ def _configure(config):
                 raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
                                         f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
                                         f"--kernel-equal-head-sizes)") from None
+            problem = lse_pair_problem(kernel, device) if kernel.returns_lse else ""
+            if problem:
+                raise pytest.UsageError(f"--kernel {kernel.name} --returns-lse: {problem.split(' in kernel(')[0]} "
+                                        f"(on {device}, the plainest problem)")
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
     distributed.configure(config)  # --world-size: the ranks start once, here, after the watchdog's fork
@@ -246,6 +267,12 @@ def fully_masked(pytestconfig) -> str:
 @pytest.fixture(scope="session")
 def finfo_min_rows(pytestconfig) -> str:
     return pytestconfig.getoption("--finfo-min-rows")
+
+
+@pytest.fixture(scope="session")
+def lse_base(pytestconfig) -> str:
+    """--lse-base: "e" or "2", the base of the LSEs kernels return and merges take."""
+    return pytestconfig.getoption("--lse-base")
 
 
 def _levels_selected(config) -> set[str]:
