@@ -155,7 +155,7 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
 
 def lse_gradient_oracle(bounds: SoftmaxBounds, query, key, upstream, *, scale: float) -> Gradients:
     """Exact gradients of sum(lse ∘ upstream) with respect to query and key (float64 autograd of torch.logsumexp over
-    the admissible scores; 0 from a query without an admissible key), and their bounds: dS = g ∘ W formed from weights
+    the admissible scores less their maximum; 0 from a query without an admissible key), and their bounds: dS = g ∘ W formed from weights
     within [lower, upper] (one rounded product), then dQ = scale·dS K̄ and dK̄ = scale·dSᵀ Q as in ``gradient_oracle``
     (products of S and L terms, the scale, the rounding to the dtype), dK summed over each key/value head's group."""
     dtype = bounds.dtype
@@ -173,7 +173,10 @@ def lse_gradient_oracle(bounds: SoftmaxBounds, query, key, upstream, *, scale: f
     scores = (raw + (finite_scores - raw.detach())).masked_fill(~admissible, float("-inf"))
     scores = torch.where(no_key[..., None], torch.zeros_like(raw), scores)   # (their upstream is 0 here: no NaN)
     g = torch.where(no_key, torch.zeros_like(to_float64(upstream)), to_float64(upstream))
-    torch.logsumexp(scores, dim=-1).backward(g)
+    # shifted by the row's maximum (a constant: the same gradient), so that the oracle's own LSE is rounded at the size
+    # of log S, not at the size of the scores (an error of u·|λ| in every exp(s − λ) of its backward)
+    top = scores.detach().amax(-1, keepdim=True)
+    torch.logsumexp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)), dim=-1).backward(g)
     d_q, d_k = q.grad, k.grad
 
     t = lambda x: x.transpose(-1, -2)  # noqa: E731

@@ -26,6 +26,7 @@ from properties.core.spec import SpecError, load_clauses
 from properties.core.dtypes import device_unavailable, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
 from properties.kernel.flash_guard import kernel_params
+from properties.kernel.merge_guard import merge_params
 from properties.plugin import report, session
 from properties.plugin import distributed  # --world-size: the ranks, the context-parallel kernels
 from properties.plugin import watchdog as plugin_watchdog  # --call-timeout: the supervisor of code that exits, crashes, hangs
@@ -35,7 +36,7 @@ from zoo.runtime.plugins import PluginError
 __all__ = ["configure"]
 
 _KERNELS = pytest.StashKey[list]()
-_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.kernel.flash_guard.kernel_params)
+_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (flash_guard.kernel_params, merge_guard.merge_params)
 _DEVICES = pytest.StashKey[list]()
 
 
@@ -161,8 +162,10 @@ def _configure(config):
     config.stash[_KERNELS] = kernels
     try:
         specs = config.getoption("--kernel") or []
-        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", f"loading it (--kernel-api {api})"):
-            config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
+        named = " ".join(specs) or f"(the zoo's {api} kernels)"
+        with user_call(f"kernel {named}", f"loading it (--kernel-api {api})"):
+            config.stash[_FLASH] = {**kernel_params(config.getoption("--kernel"), api),
+                                    **merge_params(config.getoption("--kernel"), api)}
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
