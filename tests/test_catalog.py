@@ -237,7 +237,8 @@ def test_correct_implementation_passes(runs, entry):
     run = runs(entry.name)
     failures = [f"{t['nodeid']}: {t['message']}" for t in run.tests if t["status"] in ("failed", "error")]
     assert run.returncode == 0 and not failures, f"false alarm on {entry.name}: {failures}\n{_explain(run)}"
-    assert sum(t["status"] == "passed" for t in run.tests) >= 10, f"too few tests ran:\n{_explain(run)}"
+    least = 2 if entry.api == "merge" else 10   # (a merge kernel has two clauses: MERGE-ORACLE, MERGE-EMPTY)
+    assert sum(t["status"] == "passed" for t in run.tests) >= least, f"too few tests ran:\n{_explain(run)}"
 
 
 # ------------------------------------------------------------------ the baseline and the report command
