@@ -115,8 +115,8 @@ def check_lse_against_oracle(lse: torch.Tensor, bounds: SoftmaxBounds, *, base: 
     if fully_masked == "zeros" and bool(no_key.any()):
         assert_all(actual[no_key] == -math.inf, actual[no_key],
                    what=f"{what} of a query with no admissible key is -inf (log of an empty sum)",
-                   note=" (the weight a merge gives such a state must be exactly 0; vllm PR #49294: a finite LSE for an "
-                        "empty chunk made its undefined output count as attention)")
+                   note=" (the weight a merge gives such a state must be exactly 0; vllm PR #49294: a finite LSE "
+                        "for an empty chunk made its undefined output count as attention)")
     exact = torch.logsumexp(bounds.reference.scores, dim=-1)
     exact = torch.where(no_key, torch.zeros_like(exact), exact)
     actual = torch.where(no_key, torch.zeros_like(actual), actual)

@@ -133,5 +133,6 @@ def merge_params(specs, api: str) -> dict[str, list]:
     under ``merge`` (the zoo's without --kernel), else one entry skipped with the reason. Raises PluginError."""
     if api != "merge":
         return {FIXTURE: [pytest.param(None, id="merge", marks=pytest.mark.skip(
-            reason="the merge clauses run with --kernel-api merge (a kernel with FlashInfer's merge_state signature)"))]}
+            reason="the merge clauses run with --kernel-api merge (a kernel with FlashInfer's merge_state "
+                   "signature)"))]}
     return {FIXTURE: [pytest.param(resolve_merge_kernel(spec), id=spec) for spec in specs or [ZOO_MERGE]]}

@@ -36,7 +36,7 @@ from zoo.runtime.plugins import PluginError
 __all__ = ["configure"]
 
 _KERNELS = pytest.StashKey[list]()
-_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (flash_guard.kernel_params, merge_guard.merge_params)
+_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (flash_guard's kernel_params, merge_guard's)
 _DEVICES = pytest.StashKey[list]()
 
 
@@ -186,8 +186,9 @@ def _configure(config):
                                         f"--kernel-equal-head-sizes)") from None
             problem = lse_pair_problem(kernel, device) if kernel.returns_lse else ""
             if problem:
-                raise pytest.UsageError(f"--kernel {kernel.name} --returns-lse: {problem.split(' in kernel(')[0]} "
-                                        f"(on {device}, the plainest problem)")
+                said = problem.split(" in kernel(")[0].rstrip(",")   # (the call is the plainest problem)
+                raise pytest.UsageError(f"--kernel {kernel.name} --returns-lse: {said} (on {device}, the plainest "
+                                        f"problem)")
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
     distributed.configure(config)  # --world-size: the ranks start once, here, after the watchdog's fork
