@@ -156,8 +156,9 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
 def lse_gradient_oracle(bounds: SoftmaxBounds, query, key, upstream, *, scale: float) -> Gradients:
     """Exact gradients of sum(lse ∘ upstream) with respect to query and key (float64 autograd of torch.logsumexp over
     the admissible scores less their maximum; 0 from a query without an admissible key), and their bounds: dS = g ∘ W
-    formed from weights within [lower, upper] (one rounded product), then dQ = scale·dS K̄ and dK̄ = scale·dSᵀ Q as in ``gradient_oracle``
-    (products of S and L terms, the scale, the rounding to the dtype), dK summed over each key/value head's group."""
+    formed from weights within [lower, upper] (one rounded product), then dQ = scale·dS K̄ and dK̄ = scale·dSᵀ Q as in
+    ``gradient_oracle`` (products of S and L terms, the scale, the rounding to the dtype), dK summed over each key/value
+    head's group."""
     dtype = bounds.dtype
     w, upper = bounds.weights, bounds.upper
     dev = torch.maximum(upper - w, w - bounds.lower)
