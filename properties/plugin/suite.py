@@ -96,12 +96,19 @@ _KERNEL_ONLY = ("--causal-alignment", "--fully-masked", "--finfo-min-rows", "--w
 LSE_KERNEL = "zoo.nn.partial:attention_with_lse"
 
 
+def _kernels_named(config) -> bool:
+    """Whether the run names the kernels under test: --kernel, a kernel API other than SDPA's (the zoo's kernels of
+    that API), or --returns-lse (the zoo's kernel that returns its LSE)."""
+    return bool(config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+                or config.getoption("--returns-lse", False))
+
+
 def _kernel_clauses_run(config) -> bool:
     """Whether the kernel level is selected (``_levels_selected``), read from the options alone: before --zoo is
     parsed, which may be refused."""
     if config.getoption("--world-size", None) is not None:   # the distributed level alone
         return False
-    kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+    kernel = _kernels_named(config)
     whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
     return bool(kernel or whole or not config.getoption("--model", None))
 
@@ -285,8 +292,7 @@ def _levels_selected(config) -> set[str]:
     at every level."""
     if config.getoption("--world-size", None) is not None:
         return {"distributed"}
-    kernel, model = config.getoption("--kernel", None), config.getoption("--model", None)
-    kernel = kernel or config.getoption("--kernel-api", "sdpa") != "sdpa"   # a flash API is a kernel option
+    kernel, model = _kernels_named(config), config.getoption("--model", None)
     if zoo_run(config) is not None or not (kernel or model):
         return {"kernel", "module", "model", "distributed"}
     return ({"kernel"} if kernel else set()) | ({"model"} if model else set())
