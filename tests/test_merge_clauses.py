@@ -154,3 +154,16 @@ def test_without_the_options_the_clauses_skip_with_the_reason(tmp_path):
     assert set(reasons) == {"LSE-ORACLE", "LSE-GRAD", "MERGE-ORACLE", "MERGE-EMPTY"}, proc.output[-2000:]
     assert {r["status"] for r in rows} == {"skipped"}
     assert "--returns-lse" in reasons["LSE-ORACLE"] and "--kernel-api merge" in reasons["MERGE-ORACLE"], reasons
+
+
+def test_a_merge_that_breaks_the_contract_is_named():
+    from properties.kernel.merge_guard import MergeKernel
+    v, s = torch.zeros(3, 2, 4), torch.zeros(3, 2)
+    cases = {"a bare tensor": (lambda v_a, s_a, v_b, s_b: v_a, "returned Tensor, not the pair (v, s)"),
+             "a 16-bit LSE": (lambda v_a, s_a, v_b, s_b: (v_a, s_a.half()), "merged s dtype torch.float16 is not"),
+             "a wrong shape": (lambda v_a, s_a, v_b, s_b: (v_a[:1], s_a), "output shape (1, 2, 4) != expected"),
+             "NaN": (lambda v_a, s_a, v_b, s_b: (v_a * math.nan, s_a), "is finite")}
+    for name, (fn, said) in cases.items():
+        with pytest.raises(AssertionError, match=None) as raised:
+            MergeKernel(name, fn).merge_state(v, s, v, s)
+        assert said in str(raised.value), (name, str(raised.value))

@@ -23,7 +23,7 @@ import torch
 from properties.core.assertions import assert_all
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel import coverage
-from properties.kernel.guard import KernelContractError, check_lse
+from properties.kernel.guard import KernelContractError, check_lse, check_output
 from properties.kernel.limits import decline_reason
 
 __all__ = ["MergeKernel", "resolve_merge_kernel", "merge_params", "FIXTURE", "ZOO_MERGE"]
@@ -80,18 +80,10 @@ class MergeKernel:
                 type(result).__name__
             raise KernelContractError(f"merge kernel {self.name} returned {got}, not the pair (v, s), in {call}")
         v, s = result
-        if tuple(v.shape) != tuple(v_like.shape):
-            raise KernelContractError(f"merged v shape {tuple(v.shape)} != expected {tuple(v_like.shape)} (N, H, D) "
-                                      f"in {call}")
-        if v.dtype != v_like.dtype:
-            raise KernelContractError(f"merged v dtype {v.dtype} != the states' {v_like.dtype} in {call}")
-        if v.device != v_like.device:
-            raise KernelContractError(f"merged v device {v.device} != the states' {v_like.device} in {call}")
+        allowed = torch.zeros(s_like.shape, dtype=torch.bool) if nan_rows is None else nan_rows.cpu()
+        check_output(self.name, v, v_like, v_like, call, allowed)   # v_like's shape, dtype and device; finite
         check_lse(self.name, s, s_like.shape, s_like.device, call, what="merged s")
-        allowed = torch.zeros(s.shape, dtype=torch.bool) if nan_rows is None else nan_rows.cpu()
-        v_cpu, s_cpu = v.detach().cpu(), s.detach().cpu()
-        assert_all(torch.isfinite(v_cpu) | allowed[..., None], v_cpu, what=f"merged v is finite (kernel {self.name})",
-                   note=f" in {call}")
+        s_cpu = s.detach().cpu()
         assert_all(~torch.isnan(s_cpu) & (s_cpu != torch.inf) | allowed, s_cpu,
                    what=f"merged s is a number below +inf (kernel {self.name})", note=f" in {call}")
         coverage.ran(v.shape[0], states, v.shape[-1], v.dtype)   # (rows, states, head size)
