@@ -167,3 +167,12 @@ def test_a_merge_that_breaks_the_contract_is_named():
         with pytest.raises(AssertionError, match=None) as raised:
             MergeKernel(name, fn).merge_state(v, s, v, s)
         assert said in str(raised.value), (name, str(raised.value))
+
+
+def test_the_catalog_plugs_merge_and_lse_entries_in_as_a_user_does():
+    entries = {e.name: e for e in MERGE_BUGS}
+    merge = entries["merge_in_base_two"]
+    assert (merge.option, merge.argument, merge.api) == (
+        "--kernel-api=merge", "--kernel=properties.catalog.merge_bugs:merge_in_base_two", "merge")
+    lse = entries["lse_in_base_two"]
+    assert lse.plug_in == ["--kernel", "properties.catalog.merge_bugs:lse_in_base_two", "--returns-lse"]
