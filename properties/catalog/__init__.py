@@ -26,7 +26,7 @@ __all__ = ["Entry", "CATALOG", "CORRECT", "LEVELS", "MODULES", "by_name"]
 MODULES = tuple(f"{__name__}.{name}" for name in (
     "correct", "tiled", "kernels", "contract_bugs", "backward", "tile_bugs", "state_bugs", "flash_bugs",
     "flash_varlen_bugs", "flash_kvcache_bugs", "integrity_bugs", "modules", "models", "decode_bugs", "differential",
-    "scale_bugs", "moe_bugs", "config_bugs", "pair_bugs", "distributed_bugs"))
+    "scale_bugs", "moe_bugs", "config_bugs", "pair_bugs", "merge_bugs", "distributed_bugs"))
 
 CATALOG: list[Entry]
 CORRECT: list[Entry]

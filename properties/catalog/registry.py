@@ -29,10 +29,13 @@ from typing import Callable, TypeVar
 
 from properties.core.levels import LEVELS
 
-__all__ = ["Entry", "bug", "module_bug", "correct", "declare", "entries", "FLASH_APIS"]
+__all__ = ["Entry", "bug", "module_bug", "correct", "declare", "entries", "FLASH_APIS", "KERNEL_APIS"]
 
 FLASH_APIS = ("flash", "flash-varlen", "flash-kvcache")
-_FLASH_OPTIONS = tuple(f"--kernel-api={api}" for api in FLASH_APIS)
+# The calling conventions besides SDPA's, each plugged in as --kernel-api=API --kernel=SPEC: FlashAttention's and the
+# merge of partial states (FlashInfer's merge_state).
+KERNEL_APIS = (*FLASH_APIS, "merge")
+_FLASH_OPTIONS = tuple(f"--kernel-api={api}" for api in KERNEL_APIS)
 T = TypeVar("T")
 
 
@@ -80,7 +83,7 @@ class Entry:
 
     @property
     def api(self) -> str:
-        """The kernel's calling convention: sdpa, or the FlashAttention API of a ``--kernel-api=API`` entry."""
+        """The kernel's calling convention: sdpa, or the API of a ``--kernel-api=API`` entry (flash..., merge)."""
         return self.option.partition("=")[2] if self.option in _FLASH_OPTIONS else "sdpa"
 
     @property
@@ -131,9 +134,14 @@ def _plug_in(level: str, api: str, spec: str) -> tuple[str, str]:
         return "--kernel", spec
     if api == "sdpa":
         return "--kernel", spec
-    if api not in FLASH_APIS:
-        raise ValueError(f"api {api!r} not in sdpa, {', '.join(FLASH_APIS)}")
+    if api not in KERNEL_APIS:
+        raise ValueError(f"api {api!r} not in sdpa, {', '.join(KERNEL_APIS)}")
     return f"--kernel-api={api}", f"--kernel={spec}"
+
+
+def _family(api: str) -> str:
+    """The word an entry's name carries for its API (``-k flash``, ``-k merge`` select them)."""
+    return "merge" if api == "merge" else "flash"
 
 
 def bug(*expected: str, mechanism: str, level: str = "kernel", api: str = "sdpa", instance: str | None = None,
@@ -148,7 +156,7 @@ def bug(*expected: str, mechanism: str, level: str = "kernel", api: str = "sdpa"
 
     def declare_it(obj: T) -> T:
         module, attribute, kind = _where(obj, instance)
-        name = attribute if api == "sdpa" or "flash" in attribute else f"flash_{attribute}"
+        name = attribute if api == "sdpa" or _family(api) in attribute else f"{_family(api)}_{attribute}"
         option, argument = _plug_in(level, api, f"{module}:{attribute}")
         _record(Entry(name, level, mechanism, tuple(expected), option, argument, tuple(extra)), module, attribute,
                 kind)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import properties
-from properties.catalog.registry import FLASH_APIS, Entry
+from properties.catalog.registry import KERNEL_APIS, Entry
 from properties.catalog.sessions import run_pytest
 
 __all__ = ["SUITE", "SOURCE_ROOT", "Run", "command", "run_entry", "run_all", "shareable", "run_together"]
@@ -180,7 +180,7 @@ def shareable(entries: Iterable[Entry]) -> list[list[Entry]]:
     groups: dict[tuple, list[Entry]] = {}
     for entry in entries:
         together = entry.level in ("kernel", "distributed") and entry.option in (
-            "--kernel", *(f"--kernel-api={api}" for api in FLASH_APIS))
+            "--kernel", *(f"--kernel-api={api}" for api in KERNEL_APIS))
         groups.setdefault((entry.option, entry.extra) if together else (id(entry),), []).append(entry)
     return list(groups.values())
 

@@ -37,7 +37,10 @@ Steps numbered as in SPEC.md, "Tolerance model" (module-level oracles cite them)
    and re-rounded at most n times (|lse| <= M: the largest admissible |score| of the row plus log S), the exponent's
    argument is off by at most 2 n u_a M, exp adds 4u_a, and the products, the sums of n terms and the division
    gamma(2n + 6): every weight gains the relative error ``merge_error(n, dtype, M)`` on top of step 4.  Over one
-   block (n = 1) nothing is added; the term grows with n only through these counts.
+   block (n = 1) nothing is added; the term grows with n only through these counts.  A left fold of n states by a
+   two-state merge (n - 1 merges in sequence, each rescaling its two states: the two LSEs re-rounded and subtracted,
+   4 u_a M on the difference of the exponents; two exps, the sum, the product, the sum of products, the division,
+   gamma(12)) compounds its merges' errors: ``fold_error``.
 
 The oracle itself runs in float64, so the same model with u = 2^-53 is added on top: for float64 inputs
 the oracle is no more exact than the kernel, and both errors count.  The bounds are worst cases: never
@@ -52,7 +55,7 @@ from properties.core.oracle import Reference, expand_kv_heads, reference_attenti
 
 __all__ = ["unit_roundoff", "gamma", "accumulation_roundoff", "rounding_error", "evaluation_error", "rowsum_error", "SoftmaxBounds", "softmax_bounds",
            "output_bound", "quick_output_bound", "deciding_output_bound", "STORED_WEIGHT_ROUNDINGS",
-           "STORED_OUTPUT_ROUNDINGS", "merge_error", "lse_magnitude", "lse_bound"]
+           "STORED_OUTPUT_ROUNDINGS", "merge_error", "fold_error", "lse_magnitude", "lse_bound"]
 
 _F64 = torch.float64
 
@@ -101,6 +104,16 @@ def merge_error(states: int, dtype: torch.dtype, magnitude: float) -> float:
         return 0.0
     ua = accumulation_roundoff(dtype)
     return math.expm1(2 * states * ua * magnitude) + gamma(2 * states + 6, ua)
+
+
+def fold_error(states: int, dtype: torch.dtype, magnitude: float) -> float:
+    """Step 7 for a left fold of ``states`` partial states by a two-state merge (FlashInfer's ``merge_state`` applied
+    n - 1 times): each merge adds expm1(4 u_a M) + gamma(12) to the weights of its two states, compounded over the
+    n - 1 merges a state of the first block goes through; 0 for a single state."""
+    if states <= 1:
+        return 0.0
+    ua = accumulation_roundoff(dtype)
+    return (1 + math.expm1(4 * ua * magnitude) + gamma(12, ua)) ** (states - 1) - 1
 
 
 def lse_magnitude(scores: torch.Tensor) -> float:
@@ -213,19 +226,22 @@ def _score_magnitude(q, k, attn_mask, scale, enable_gqa):
 
 
 def softmax_bounds(query, key, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                   causal_alignment="top-left", dtype=None, merged_states: int = 1) -> SoftmaxBounds:
+                   causal_alignment="top-left", dtype=None, merged_states: int = 1,
+                   folded: bool = False) -> SoftmaxBounds:
     """The oracle plus the interval every correctly rounded weight lies in (see module docstring).
 
     ``dtype`` is the precision the kernel is held to (default: the query's).  ``value`` defaults to the
     identity, whose output is the weight matrix.  ``merged_states``: the partial states a kernel may merge per query
-    (step 7; 1: none).  Memory and time are O(L S) per slice (no (L, S, S) tensor).
+    (step 7; 1: none), all at once (``merge_error``) or, ``folded``, two at a time in sequence (``fold_error``).
+    Memory and time are O(L S) per slice (no (L, S, S) tensor).
     """
     dtype = dtype or query.dtype
     q, k = to_float64(query), to_float64(key)
     e, s = q.shape[-1], k.shape[-2]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     reference = reference_attention(q, k, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
-    merging = merge_error(merged_states, dtype, lse_magnitude(reference.scores)) if merged_states > 1 else 0.0
+    step7 = fold_error if folded else merge_error
+    merging = step7(merged_states, dtype, lse_magnitude(reference.scores)) if merged_states > 1 else 0.0
     eval_error = evaluation_error(s, dtype) + merging
     tiny = torch.finfo(dtype).tiny
 
@@ -292,12 +308,13 @@ def _interval(reference: Reference, q, k, attn_mask, scale, enable_gqa, dtype, e
 
 
 def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
-                 weight_factor: float = 1.0) -> torch.Tensor:
+                 weight_factor: float = 1.0, stored_outputs: int = STORED_OUTPUT_ROUNDINGS) -> torch.Tensor:
     """Elementwise bound on |kernel output - oracle output| (step 5 of the module docstring).
 
     ``weight_factor`` scales every weight (dropout's 1/(1-p)); ``extra_roundings`` counts further
-    roundings per weight (dropout's rescale).  ``value`` None is the identity V = I (the output is the weights):
-    the same bound without the (L, S) x (S, S) products.
+    roundings per weight (dropout's rescale); ``stored_outputs`` the roundings of the output to the dtype itself (a
+    fold of merges returns each intermediate output in the dtype).  ``value`` None is the identity V = I (the output
+    is the weights): the same bound without the (L, S) x (S, S) products.
     """
     w = bounds.weights
     s = w.shape[-1]
@@ -305,20 +322,20 @@ def output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
     deviation = torch.maximum(bounds.upper - w, w - bounds.lower)
     has_key = bounds.admissible.any(dim=-1, keepdim=True)
     if value is None:
-        bound = weight_factor * (deviation + rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype) * bounds.upper
+        bound = weight_factor * (deviation + rounding_error(s + extra_roundings + 1, stored_outputs, bounds.dtype) * bounds.upper
                                  + gamma(s + 1, u64) * w)
         return bound + torch.where(has_key, bounds.tiny, 0.0)
     v = to_float64(value).abs()
     if v.dim() >= 3 and w.dim() >= 3 and v.shape[-3] != w.shape[-3]:
         v = expand_kv_heads(v, w.shape[-3])
     bound = weight_factor * (deviation @ v
-                             + rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype) * (bounds.upper @ v)
+                             + rounding_error(s + extra_roundings + 1, stored_outputs, bounds.dtype) * (bounds.upper @ v)
                              + gamma(s + 1, u64) * (w @ v))
     return bound + torch.where(has_key, bounds.tiny, 0.0)
 
 
 def quick_output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0,
-                       weight_factor: float = 1.0) -> torch.Tensor:
+                       weight_factor: float = 1.0, stored_outputs: int = STORED_OUTPUT_ROUNDINGS) -> torch.Tensor:
     """A bound never above ``output_bound``, from the oracle alone (no intervals): 0.9·(r + γ64(S + 1) + e − 2γ64(S + 3))
     ·Σ_j w_j |v_j|, with r the output's rounding of step 5 and e the evaluation error of step 4. ``output_bound``
     holds r·Σ upper·|v| + γ64(S + 1)·Σ w|v| + Σ |upper − w|·|v|, and the interval contains the exact weight inflated
@@ -328,7 +345,7 @@ def quick_output_bound(bounds: SoftmaxBounds, value, *, extra_roundings: int = 0
     w = bounds.weights
     s = w.shape[-1]
     u64 = unit_roundoff(_F64)
-    factor = 0.9 * weight_factor * max(0.0, rounding_error(s + extra_roundings + 1, STORED_OUTPUT_ROUNDINGS, bounds.dtype)
+    factor = 0.9 * weight_factor * max(0.0, rounding_error(s + extra_roundings + 1, stored_outputs, bounds.dtype)
                                        + gamma(s + 1, u64) + bounds.eval_error - 2 * gamma(s + 3, u64))
     if value is None:
         return factor * w

@@ -18,6 +18,10 @@ terms and its rounding to the dtype add γ(n + 2) times the sum of the absolute 
 ways a kernel may form it (from its rounded output O, or from W and dW), and the larger bound is used.
 Magnitudes are those of the exact quantities plus their own error bound, so the bound never relies on the
 kernel's numbers. It is a worst case: a correct kernel cannot exceed it (no flaky failures).
+
+The log-sum-exp λ = log Σ_j exp(S_j) a kernel returns beside its output (``lse_gradient_oracle``) has the weights as
+its gradient: for an upstream gradient g (one number per query), dS = g ∘ W, dQ = scale·dS K̄, dK̄ = scale·dSᵀ Q,
+and nothing reaches V.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.core.tolerance import SoftmaxBounds, gamma, output_bound, rounding_error, unit_roundoff
 
-__all__ = ["Gradients", "gradient_oracle", "group_sum"]
+__all__ = ["Gradients", "gradient_oracle", "lse_gradient_oracle", "group_sum"]
 
 _F64 = torch.float64
 
@@ -147,3 +151,46 @@ def gradient_oracle(bounds: SoftmaxBounds, query, key, value, grad_out, *, scale
         n = max(1, d_s.numel() // max(1, attn_mask.numel()))
         bound["attn_mask"] = _reduce_to(e_scores, shape) + _g(n + 1, dtype, stored=1) * _reduce_to(m_scores, shape)
     return Gradients(value_grads, bound)
+
+
+def lse_gradient_oracle(bounds: SoftmaxBounds, query, key, upstream, *, scale: float) -> Gradients:
+    """Exact gradients of sum(lse ∘ upstream) with respect to query and key (float64 autograd of torch.logsumexp over
+    the admissible scores less their maximum; 0 from a query without an admissible key), and their bounds: dS = g ∘ W
+    formed from weights within [lower, upper] (one rounded product), then dQ = scale·dS K̄ and dK̄ = scale·dSᵀ Q as in
+    ``gradient_oracle`` (products of S and L terms, the scale, the rounding to the dtype), dK summed over each key/value
+    head's group."""
+    dtype = bounds.dtype
+    w, upper = bounds.weights, bounds.upper
+    dev = torch.maximum(upper - w, w - bounds.lower)
+    no_key = bounds.reference.no_key_rows
+    q = to_float64(query).requires_grad_()
+    k = to_float64(key).requires_grad_()
+    heads, kv_heads = q.shape[-3] if q.dim() >= 3 else None, k.shape[-3] if k.dim() >= 3 else None
+    wide = expand_kv_heads(k, heads) if heads is not None and kv_heads != heads else k
+    admissible = bounds.admissible
+    finite_scores = torch.where(admissible, bounds.reference.scores, torch.zeros_like(w))
+    raw = (q * scale) @ wide.transpose(-1, -2)
+    # the scores as a function of q and k: the float mask (what the reference adds beyond σ q·k) held constant
+    scores = (raw + (finite_scores - raw.detach())).masked_fill(~admissible, float("-inf"))
+    scores = torch.where(no_key[..., None], torch.zeros_like(raw), scores)   # (their upstream is 0 here: no NaN)
+    g = torch.where(no_key, torch.zeros_like(to_float64(upstream)), to_float64(upstream))
+    # shifted by the row's maximum (a constant: the same gradient), so that the oracle's own LSE is rounded at the size
+    # of log S, not at the size of the scores (an error of u·|λ| in every exp(s − λ) of its backward)
+    top = scores.detach().amax(-1, keepdim=True)
+    torch.logsumexp(scores - torch.where(torch.isfinite(top), top, torch.zeros_like(top)), dim=-1).backward(g)
+    d_q, d_k = q.grad, k.grad
+
+    t = lambda x: x.transpose(-1, -2)  # noqa: E731
+    x_q, x_k = to_float64(query).abs(), to_float64(wide).abs()
+    g_abs = to_float64(upstream).abs().masked_fill(no_key, 0.0)[..., None]
+    e_ds = g_abs * (dev + _g(1, dtype) * upper)
+    m_ds = g_abs * (w + dev) * (1 + _g(1, dtype))
+    l, s = q.shape[-2], wide.shape[-2]
+    tiny = torch.finfo(dtype).tiny
+    sigma = abs(scale)
+    e_dq = sigma * (e_ds @ x_k + _g(s + 3, dtype, stored=2) * (m_ds @ x_k)) + s * tiny
+    e_dk = sigma * (t(e_ds) @ x_q + _g(l + 3, dtype, stored=2) * (t(m_ds) @ x_q)) + l * tiny
+    if heads is not None and kv_heads != heads:
+        magnitude = sigma * (t(m_ds) @ x_q) + e_dk
+        e_dk = group_sum(e_dk, kv_heads) + _g(heads // kv_heads, dtype) * group_sum(magnitude, kv_heads)
+    return Gradients({"query": d_q.detach(), "key": d_k.detach()}, {"query": e_dq, "key": e_dk})

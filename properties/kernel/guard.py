@@ -2,13 +2,16 @@
 
 Every property calls the user's kernel through :class:`GuardedKernel`, which turns anything that breaks
 the calling contract (an exception, an output of the wrong shape, dtype or device, NaN or Inf where none
-is allowed) into an ``AssertionError``.  Pytest then reports it as a failure of the clause the property is
+is allowed) into an ``AssertionError``.  A kernel declared with ``--returns-lse`` returns (output, lse): every clause
+reads the output, the LSE clauses (properties/kernel/test_lse.py) the LSE too (``GuardedKernel.with_lse``,
+``check_lse``, ``check_lse_against_oracle``).  Pytest then reports it as a failure of the clause the property is
 bound to, Hypothesis shrinks it like any other failure, and the rest of the suite keeps running.  A kernel may
 decline a problem instead (properties/kernel/limits.py): the example is then rejected and recorded
 (properties/kernel/coverage.py), and the draws that follow stay inside what the kernel accepts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,12 +25,13 @@ from properties.kernel.limits import Limits, LimitsError, learn_limits, nearest_
 from properties.core.oracle import expand_kv_heads, to_float64
 from properties.kernel.statistics import FALSE_ALARM, hoeffding_halfwidth
 from properties.core.strategies import identity_values
-from properties.core.tolerance import (SoftmaxBounds, deciding_output_bound, evaluation_error, gamma, output_bound,
-                                       rounding_error, softmax_bounds, unit_roundoff)
+from properties.core.tolerance import (SoftmaxBounds, deciding_output_bound, evaluation_error, gamma, lse_bound,
+                                       output_bound, rounding_error, softmax_bounds, unit_roundoff)
 from properties.core.watchdog import cause, raised, user_call
 
-__all__ = ["KernelContractError", "KernelDeclined", "NamedKernel", "GuardedKernel", "identity_width", "fully_masked_mean",
-           "describe_call", "check_output", "check_against_oracle", "check_dropout_rate"]
+__all__ = ["KernelContractError", "KernelDeclined", "NamedKernel", "GuardedKernel", "identity_width",
+           "fully_masked_mean", "describe_call", "check_output", "check_against_oracle", "check_dropout_rate",
+           "LSE_DTYPES", "check_lse", "natural_lse", "check_lse_against_oracle", "lse_pair_problem"]
 
 
 class KernelContractError(AssertionError):
@@ -71,6 +75,67 @@ def check_output(name: str, out, query, value, call: str, nan_rows: torch.Tensor
     return out
 
 
+# The dtypes an LSE may have: float32 (FlashAttention, PyTorch's fused backends, FlashInfer and vLLM keep it there) or
+# float64. An LSE λ stored in 16 bits is off by up to |λ|·2^-8 (bfloat16), and every weight a merge rescales with it
+# by as much, relative: 10 % at λ = 50 (SPEC.md, "Attention split across ranks").
+LSE_DTYPES = (torch.float32, torch.float64)
+
+
+def check_lse(name: str, lse, lead: tuple, device, call: str, what: str = "lse") -> torch.Tensor:
+    """The contract of an LSE: a tensor of shape ``lead`` (the query's shape without its last dim), float32 or
+    float64, on ``device``. Its values are the oracle's business (``check_lse_against_oracle``)."""
+    __tracebackhide__ = True
+    if not isinstance(lse, torch.Tensor):
+        raise KernelContractError(f"kernel {name} returned {type(lse).__name__} as its {what}, not a tensor, in {call}")
+    if tuple(lse.shape) != tuple(lead):
+        raise KernelContractError(f"{what} shape {tuple(lse.shape)} != expected {tuple(lead)} (the query's shape "
+                                  f"without its last dim: one log-sum-exp per query) in {call}")
+    if lse.dtype not in LSE_DTYPES:
+        raise KernelContractError(f"{what} dtype {lse.dtype} is not float32 or float64 (an LSE stored in 16 bits moves "
+                                  f"every weight a merge rescales with it by up to |lse|·2^-8) in {call}")
+    if lse.device != torch.device(device):
+        raise KernelContractError(f"{what} device {lse.device} != {device} in {call}")
+    return lse
+
+
+def natural_lse(lse: torch.Tensor, base: str) -> torch.Tensor:
+    """An LSE in base ``base`` ("e" or "2", --lse-base) as a natural one, float64 on the CPU (one more float64
+    rounding for base 2, which ``check_lse_against_oracle`` counts)."""
+    lse64 = to_float64(lse)
+    return lse64 * math.log(2.0) if base == "2" else lse64
+
+
+def check_lse_against_oracle(lse: torch.Tensor, bounds: SoftmaxBounds, *, base: str = "e", fully_masked: str = "zeros",
+                             what: str = "lse") -> None:
+    """LSE-ORACLE's comparison: a query with an admissible key has a finite LSE within ``lse_bound`` of the float64
+    log-sum-exp of its admissible scores (converted from ``base``); one without has −inf exactly (under
+    --fully-masked zeros; under nan, mean or any, as its output, its LSE is not checked)."""
+    __tracebackhide__ = True
+    actual = natural_lse(lse, base)
+    no_key = torch.broadcast_to(bounds.reference.no_key_rows.cpu(), actual.shape)
+    if fully_masked == "zeros" and bool(no_key.any()):
+        assert_all(actual[no_key] == -math.inf, actual[no_key],
+                   what=f"{what} of a query with no admissible key is -inf (log of an empty sum)",
+                   note=" (the weight a merge gives such a state must be exactly 0; vllm PR #49294: a finite LSE "
+                        "for an empty chunk made its undefined output count as attention)")
+    exact = torch.logsumexp(bounds.reference.scores, dim=-1)
+    exact = torch.where(no_key, torch.zeros_like(exact), exact)
+    actual = torch.where(no_key, torch.zeros_like(actual), actual)
+    bound = lse_bound(bounds, lse.dtype) + 2 * unit_roundoff(torch.float64) * exact.abs()   # (base 2: × log 2)
+    where = " (converted from base 2: × log 2)" if base == "2" else ""
+    assert_within(actual, exact, bound, what=what, reference="float64 log-sum-exp of the admissible scores",
+                  note=where)
+
+
+def _pair(name: str, out, call: str):
+    """(output, lse) of a kernel declared with --returns-lse; anything else breaks its declared contract."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
+        return out[0], out[1]
+    got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__)
+    raise KernelContractError(f"kernel {name} returned {got}, not the pair (output, lse) that --returns-lse declares, "
+                              f"in {call}")
+
+
 class NamedKernel:
     """A kernel under guard, shown by its name: ``repr`` (and Hypothesis' printer) read ``kernel=math`` in a falsifying
     example, and the watchdog names it ``kernel NAME``. Its subclasses are dataclasses with ``repr=False`` and a
@@ -92,12 +157,14 @@ class NamedKernel:
 class GuardedKernel(NamedKernel):
     """A kernel with the SDPA contract, checked on every call.  ``repr`` is its name, so Hypothesis'
     falsifying example reads ``kernel=math``.  ``declared``: the limits the run declares
-    (properties/kernel/limits.py); what the kernel accepts on each device is learned at start-up (``learn``)."""
+    (properties/kernel/limits.py); what the kernel accepts on each device is learned at start-up (``learn``).
+    ``returns_lse`` (--returns-lse): the kernel returns (output, lse); calls give the output, ``with_lse`` both."""
 
     name: str
     fn: Callable
     declared: Limits = field(default_factory=Limits, compare=False)
     _limits: dict = field(default_factory=dict, compare=False)   # device -> Limits
+    returns_lse: bool = False
 
     # ------------------------------------------------------------------------------------------ limits
     def limits(self, device) -> Limits:
@@ -118,10 +185,23 @@ class GuardedKernel(NamedKernel):
         ``nan_rows`` (bool, query shape without E) marks queries allowed to come out NaN.  A declined problem is
         rejected (or, for dropout or inputs that require grad, the clause skipped): ``_declined``."""
         __tracebackhide__ = True
+        return self._call(query, key, value, nan_rows, kwargs)[0]
+
+    def with_lse(self, query, key, value, *, nan_rows: torch.Tensor | None = None, **kwargs):
+        """(output, lse) of a kernel declared with --returns-lse, both checked (``check_output``, ``check_lse``)."""
+        __tracebackhide__ = True
+        out, lse = self._call(query, key, value, nan_rows, kwargs)
+        if lse is None:
+            raise ValueError(f"kernel {self.name} is not declared to return its LSE (--returns-lse)")
+        return out, check_lse(self.name, lse, query.shape[:-1], query.device, describe_call(query, key, value, kwargs))
+
+    def _call(self, query, key, value, nan_rows, kwargs):
+        __tracebackhide__ = True
         call = describe_call(query, key, value, kwargs)
         outside = self.declared.violation(query, key, value, kwargs) if self.declared else ""
         if outside:
             self._reject(f"outside the declared limits: {outside}", query, key, value, kwargs)
+        lse = None
         try:
             try:
                 with user_call(self.plugin, call):
@@ -131,15 +211,21 @@ class GuardedKernel(NamedKernel):
                 if reason is None:
                     raise KernelContractError(f"kernel {self.name} raised {raised(exc)}\n  in {call}") from cause(exc)
                 self._declined(reason, query, key, value, kwargs)   # ... unless it declines the problem
+            if self.returns_lse:
+                out, lse = _pair(self.name, out, call)
+            elif isinstance(out, (tuple, list)):
+                raise KernelContractError(f"kernel {self.name} returned a {type(out).__name__} of {len(out)}, not a "
+                                          f"tensor, in {call} (a kernel that returns (output, lse) is declared with "
+                                          f"--returns-lse)")
             out = check_output(self.name, out, query, value, call, nan_rows)
         except AssertionError:   # --repro-dir: the reproducer makes this call and checks the same contract
             evidence.record_call(self.name, (query, key, value), kwargs, shape=(*query.shape[:-1], value.shape[-1]),
-                                 nan_rows=nan_rows)
+                                 nan_rows=nan_rows, first_of_tuple=self.returns_lse)
             raise
         evidence.observe_kernel_call(self.name, query, key, value, kwargs)
         coverage.ran(query.shape[-2], key.shape[-2], query.shape[-1], query.dtype, value.shape[-1],
                      bool(kwargs.get("is_causal")))
-        return out
+        return out, lse
 
     def _watched_fn(self, query, key, value, **kwargs):
         """The kernel, called under the watchdog."""
@@ -357,3 +443,26 @@ def backward_gradients(kernel, out, upstream, leaves: dict) -> dict:
         assert tuple(leaf.grad.shape) == tuple(leaf.shape), f"d{name} has shape {tuple(leaf.grad.shape)}"
         grads[name] = leaf.grad
     return grads
+
+
+def lse_pair_problem(kernel: GuardedKernel, device) -> str:
+    """Why ``kernel``, declared with --returns-lse, cannot be held to it ('' when it can): called on the plainest
+    problem inside its limits on ``device``, it must return (output, lse) with lse of the query's shape without its
+    last dim. A raise or a decline is left to the clauses, which report it in their own words."""
+    from properties.kernel.cases import Case
+    from properties.core.dtypes import selected_dtypes
+    limits = kernel.limits(device)
+    plain = limits.fit(Case(lead=(1, 2), l=3, s=3, e=8, ev=8, dtype=limits.dtypes_among(selected_dtypes())[0],
+                            seed=0))
+    query, key, value = plain.qkv(device)
+    kwargs = {"is_causal": True} if limits.causal_only else {}
+    try:
+        out = kernel._probe_fn(query, key, value, **kwargs)
+    except Exception:   # the clauses report it, or learn the decline
+        return ""
+    try:
+        _, lse = _pair(kernel.name, out, describe_call(query, key, value, kwargs))
+        check_lse(kernel.name, lse, query.shape[:-1], query.device, describe_call(query, key, value, kwargs))
+    except KernelContractError as exc:
+        return str(exc)
+    return ""

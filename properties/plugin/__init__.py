@@ -114,7 +114,7 @@ OPTIONS = (
     (_SPEC, ("--returns-lse",), dict(
         action="store_true",
         help="the SDPA kernel returns (output, lse), lse (..., L) the log-sum-exp of each query's scores: the LSE "
-             "clauses check it, the others read the output")),
+             "clauses check it, the others read the output; without --kernel, zoo.nn.partial:attention_with_lse")),
     (_SPEC, ("--lse-base",), dict(
         choices=LSE_BASES, default="e",
         help="the base of the log-sum-exp a kernel returns or a merge kernel takes: e (default) or 2 (FlashInfer)")),

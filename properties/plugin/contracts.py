@@ -1,8 +1,9 @@
 """Declared contracts: clauses a kernel or model is held to only when the run asks for them (SPEC.md, "Declared
 contracts"). ``--deterministic``: repeated calls on the same inputs, forward and backward, are bitwise equal
 (KERNEL-DETERMINISTIC, MODEL-DETERMINISTIC). ``--batch-invariant``: a sequence's result is bitwise the same whatever
-else is in its batch (KERNEL-BATCH-INVARIANT, MODEL-BATCH-INVARIANT). Without the option their tests are skipped
-with the reason, so a default run neither pays for them nor fails a kernel that never promised them.
+else is in its batch (KERNEL-BATCH-INVARIANT, MODEL-BATCH-INVARIANT). ``--returns-lse``: the kernel returns
+(output, lse), and the LSE is the log-sum-exp of each query's scores (LSE-ORACLE, LSE-GRAD). Without the option their
+tests are skipped with the reason, so a default run neither pays for them nor fails a kernel that never promised them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ __all__ = ["CONTRACTS", "skip_undeclared"]
 # clause -> the option that declares it
 CONTRACTS = {"KERNEL-DETERMINISTIC": "--deterministic", "MODEL-DETERMINISTIC": "--deterministic",
              "KERNEL-BATCH-INVARIANT": "--batch-invariant", "MODEL-BATCH-INVARIANT": "--batch-invariant",
-             "CP-DETERMINISTIC": "--deterministic", "CP-BATCH-INVARIANT": "--batch-invariant"}
+             "CP-DETERMINISTIC": "--deterministic", "CP-BATCH-INVARIANT": "--batch-invariant",
+             "LSE-ORACLE": "--returns-lse", "LSE-GRAD": "--returns-lse"}
 
 
 def skip_undeclared(config, items, clause_ids) -> None:

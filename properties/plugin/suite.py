@@ -22,11 +22,12 @@ from properties.core.options import DTYPE_NAMES, LIMIT_OPTIONS
 from properties.core.zoo_config import zoo_run
 from properties.model import subjects  # --model / --zoo: which models the model clauses run on
 from properties.plugin import reference  # --reference / --reference-kernel: what the differential clauses compare with
-from properties.kernel.guard import GuardedKernel
+from properties.kernel.guard import GuardedKernel, lse_pair_problem
 from properties.core.spec import SpecError, load_clauses
 from properties.core.dtypes import device_unavailable, select_dtypes
 from properties.kernel.flash import set_window_right_below_lk
 from properties.kernel.flash_guard import kernel_params
+from properties.kernel.merge_guard import merge_params
 from properties.plugin import report, session
 from properties.plugin import distributed  # --world-size: the ranks, the context-parallel kernels
 from properties.plugin import watchdog as plugin_watchdog  # --call-timeout: the supervisor of code that exits, crashes, hangs
@@ -36,7 +37,7 @@ from zoo.runtime.plugins import PluginError
 __all__ = ["configure"]
 
 _KERNELS = pytest.StashKey[list]()
-_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (properties.kernel.flash_guard.kernel_params)
+_FLASH = pytest.StashKey[dict]()   # --kernel-api: fixture -> params (flash_guard's kernel_params, merge_guard's)
 _DEVICES = pytest.StashKey[list]()
 
 
@@ -91,7 +92,16 @@ def _loading(spec: str) -> str:
 
 # Options that shape the kernel clauses only: given where no kernel clause runs, they would be accepted and ignored.
 _KERNEL_ONLY = ("--causal-alignment", "--fully-masked", "--finfo-min-rows", "--window-right-below-lk",
-                "--reference-kernel", *LIMIT_OPTIONS)
+                "--reference-kernel", "--returns-lse", "--lse-base", *LIMIT_OPTIONS)
+# The zoo's kernel that returns its LSE: what --returns-lse checks without --kernel.
+LSE_KERNEL = "zoo.nn.partial:attention_with_lse"
+
+
+def _kernels_named(config) -> bool:
+    """Whether the run names the kernels under test: --kernel, a kernel API other than SDPA's (the zoo's kernels of
+    that API), or --returns-lse (the zoo's kernel that returns its LSE)."""
+    return bool(config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+                or config.getoption("--returns-lse", False))
 
 
 def _kernel_clauses_run(config) -> bool:
@@ -99,7 +109,7 @@ def _kernel_clauses_run(config) -> bool:
     parsed, which may be refused."""
     if config.getoption("--world-size", None) is not None:   # the distributed level alone
         return False
-    kernel = config.getoption("--kernel", None) or config.getoption("--kernel-api", "sdpa") != "sdpa"
+    kernel = _kernels_named(config)
     whole = config.getoption("zoo", None) or config.getoption("zoo_config", None)   # every level
     return bool(kernel or whole or not config.getoption("--model", None))
 
@@ -119,6 +129,19 @@ def _refuse_kernel_options_without_kernels(config) -> None:
                                 f"SPEC to check a kernel, or leave {'it' if len(given) == 1 else 'them'} out")
 
 
+def _lse_options(config, api: str) -> bool:
+    """--returns-lse (an SDPA-signature kernel returns (output, lse)) and --lse-base: whether the kernels return their
+    LSE; a UsageError where an option would be accepted and ignored."""
+    returns_lse = bool(config.getoption("--returns-lse", False))
+    if returns_lse and api != "sdpa":
+        raise pytest.UsageError(f"--returns-lse declares that an SDPA-signature kernel returns (output, lse); "
+                                f"--kernel-api {api} has its own calling convention: leave one of them out")
+    if config.getoption("--lse-base", "e") != "e" and not returns_lse and api != "merge":
+        raise pytest.UsageError("--lse-base: the base of the LSE a kernel returns (--returns-lse) or a merge kernel "
+                                "takes (--kernel-api merge); neither is given")
+    return returns_lse
+
+
 def _configure(config):
     _refuse_kernel_options_without_kernels(config)
     session.configure(config)
@@ -135,18 +158,22 @@ def _configure(config):
                                           [getattr(torch, name) for name in config.getoption("--dtype") or ()], api)
     except limits.LimitsError as exc:
         raise pytest.UsageError(str(exc)) from None
+    returns_lse = _lse_options(config, api)
     sdpa_kernels = api == "sdpa" and config.getoption("--world-size", None) is None
-    for spec in (config.getoption("--kernel") or list(KERNELS)) if sdpa_kernels else []:
+    default = [LSE_KERNEL] if returns_lse else list(KERNELS)
+    for spec in (config.getoption("--kernel") or default) if sdpa_kernels else []:
         try:
             with user_call(f"kernel {spec}", _loading(spec)):   # the watchdog: import-time exits and hangs
-                kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared))
+                kernels.append(GuardedKernel(spec, resolve_kernel(spec), declared, returns_lse=returns_lse))
         except PluginError as exc:
             raise pytest.UsageError(f"--kernel: {exc}") from None
     config.stash[_KERNELS] = kernels
     try:
         specs = config.getoption("--kernel") or []
-        with user_call(f"kernel {' '.join(specs) or '(the zoo flash kernels)'}", f"loading it (--kernel-api {api})"):
-            config.stash[_FLASH] = kernel_params(config.getoption("--kernel"), api)
+        named = " ".join(specs) or f"(the zoo's {api} kernels)"
+        with user_call(f"kernel {named}", f"loading it (--kernel-api {api})"):
+            config.stash[_FLASH] = {**kernel_params(config.getoption("--kernel"), api),
+                                    **merge_params(config.getoption("--kernel"), api)}
     except PluginError as exc:
         raise pytest.UsageError(f"--kernel (--kernel-api {api}): {exc}") from None
     set_window_right_below_lk(config.getoption("--window-right-below-lk"))
@@ -165,6 +192,11 @@ def _configure(config):
                 raise pytest.UsageError(f"--kernel {kernel.name} {exc} (on {device}; declare its limits with "
                                         f"--dtype, --kernel-head-size, --kernel-no-mask, --kernel-equal-lengths, "
                                         f"--kernel-equal-head-sizes)") from None
+            problem = lse_pair_problem(kernel, device) if kernel.returns_lse else ""
+            if problem:
+                said = problem.split(" in kernel(")[0].rstrip(",")   # (the call is the plainest problem)
+                raise pytest.UsageError(f"--kernel {kernel.name} --returns-lse: {said} (on {device}, the plainest "
+                                        f"problem)")
     subjects.configure(config)  # loads --model / --zoo now: an unusable model is a UsageError
     reference.configure(config)  # after the model under test, which a reference factory may copy
     distributed.configure(config)  # --world-size: the ranks start once, here, after the watchdog's fork
@@ -254,14 +286,19 @@ def finfo_min_rows(pytestconfig) -> str:
     return pytestconfig.getoption("--finfo-min-rows")
 
 
+@pytest.fixture(scope="session")
+def lse_base(pytestconfig) -> str:
+    """--lse-base: "e" or "2", the base of the LSEs kernels return and merges take."""
+    return pytestconfig.getoption("--lse-base")
+
+
 def _levels_selected(config) -> set[str]:
     """--kernel alone checks kernels; --model alone checks the model (plus kernels if --kernel is also
     given); --zoo or --zoo-config checks the assembled model at every level; no plug-in option checks the zoo
     at every level."""
     if config.getoption("--world-size", None) is not None:
         return {"distributed"}
-    kernel, model = config.getoption("--kernel", None), config.getoption("--model", None)
-    kernel = kernel or config.getoption("--kernel-api", "sdpa") != "sdpa"   # a flash API is a kernel option
+    kernel, model = _kernels_named(config), config.getoption("--model", None)
     if zoo_run(config) is not None or not (kernel or model):
         return {"kernel", "module", "model", "distributed"}
     return ({"kernel"} if kernel else set()) | ({"model"} if model else set())

@@ -16,6 +16,10 @@ Shapes (axis letters as in zoo/nn/kernel.py): q (b, h, l, e), k (b, k, s, e), v 
 i reads key/value head i // g); a state's output (..., l, v) and its LSE (..., l). ``merge_state`` and
 ``merge_states`` have FlashInfer's signatures (``flashinfer.cascade``): v (seq, heads, dim), s (seq, heads), and the
 many-state form v (seq, states, heads, dim), s (seq, states, heads).
+
+``attention_with_lse`` is the whole computation as a kernel with the SDPA signature that returns its LSE too, (out,
+lse): what ``pytest properties/ --kernel zoo.nn.partial:attention_with_lse --returns-lse`` verifies, and the state a
+caller merges with ``merge_state``.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ import math
 import torch
 from einops import einsum, reduce, repeat
 
-__all__ = ["accumulation_dtype", "expand_heads", "block_attention", "attention_delta", "block_attention_backward",
-           "merge", "merge_stacked", "merge_state", "merge_states"]
+__all__ = ["accumulation_dtype", "expand_heads", "block_attention", "attention_with_lse", "attention_delta",
+           "block_attention_backward", "merge", "merge_stacked", "merge_state", "merge_states"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,6 +60,20 @@ def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
 
+def _state_of_scores(scores: torch.Tensor, v: torch.Tensor):
+    """The state (out (..., l, v), lse (..., l)) of scores (..., l, s) in the accumulation dtype (−inf where a key is
+    not admissible) over values (..., s, v) of that dtype; a query with no admissible key gets (0, −∞). Differentiable
+    at every query (no inf − inf is formed): the row maximum is detached, on which neither depends."""
+    row_max = _finite_or_zero(scores.amax(-1, keepdim=True)).detach()
+    p = torch.exp(scores - row_max)
+    total = p.sum(-1, keepdim=True)
+    some = total > 0
+    safe_total = torch.where(some, total, torch.ones_like(total))
+    out = einsum(p, v, "... l s, ... s v -> ... l v") / safe_total
+    lse = torch.where(some, row_max + torch.log(safe_total), torch.full_like(total, -math.inf))
+    return out, lse.squeeze(-1)
+
+
 def block_attention(q, k, v, *, scale: float, q_positions=None, k_positions=None):
     """The partial state (out (b, h, l, v), lse (b, h, l)) of q over one block of keys, in the accumulation dtype.
 
@@ -68,14 +86,42 @@ def block_attention(q, k, v, *, scale: float, q_positions=None, k_positions=None
         out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=ct) + 0 * q.sum().to(ct)   # stays in the graph
         return out, torch.full(q.shape[:-1], -math.inf, dtype=ct, device=q.device)
     scores = _scores(q, expand_heads(k, heads), scale, q_positions, k_positions, ct)
-    row_max = _finite_or_zero(scores.amax(-1, keepdim=True)).detach()   # the softmax does not depend on it
-    p = torch.exp(scores - row_max)
-    total = p.sum(-1, keepdim=True)
-    some = total > 0
-    safe_total = torch.where(some, total, torch.ones_like(total))
-    out = einsum(p, expand_heads(v, heads).to(ct), "b h l s, b h s v -> b h l v") / safe_total
-    lse = torch.where(some, row_max + torch.log(safe_total), torch.full_like(total, -math.inf))
-    return out, lse.squeeze(-1)
+    return _state_of_scores(scores, expand_heads(v, heads).to(ct))
+
+
+def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+    """SDPA's contract (zoo/nn/kernel.py), returning (out, lse): out (..., l, v) in the query's dtype and lse (..., l),
+    the natural log-sum-exp of each query's scores σ q·k + mask over its admissible keys, in the accumulation dtype
+    (float32 for half-precision inputs); a query with no admissible key gets (0, −∞). Zero, one or two leading dims;
+    ``is_causal`` top-left aligned; differentiable in query, key, value and a float mask, lse included. Dropout is
+    declined (the LSE does not depend on it, but the state a merge reads would)."""
+    if dropout_p > 0.0:
+        raise NotImplementedError("attention_with_lse does not support dropout_p > 0")
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
+    l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
+    if key.shape[-1] != e or value.shape[-2] != s:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}")
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        if heads % kv_heads:
+            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+        key = repeat(key, "... k s e -> ... (k g) s e", g=heads // kv_heads)
+        value = repeat(value, "... k s v -> ... (k g) s v", g=heads // kv_heads)
+    ct = accumulation_dtype(query.dtype)
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+    scores = einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(ct)
+    elif attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -math.inf)
+    if is_causal:
+        future = torch.ones(l, s, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.masked_fill(future, -math.inf)
+    out, lse = _state_of_scores(scores, value.to(ct))
+    return out.to(query.dtype), lse
 
 
 def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
