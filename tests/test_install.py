@@ -27,6 +27,15 @@ def run(command: list[str], cwd, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=300)
 
 
+def test_every_package_of_the_tree_is_in_the_wheel():
+    """pyproject lists the packages the wheel carries: a package folder left out of the list is missing from every
+    install but the editable one (zoo/cli/ and zoo/runtime/ once were)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for top in ("zoo", "properties")
+             for init in (ROOT / top).rglob("__init__.py")}
+    assert not found - listed, f"packages pyproject.toml does not list: {sorted(found - listed)}"
+
+
 def test_pytest_plugin_entry_point_is_declared_and_loadable():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
     # The name must be the module's name: pytest then skips `pytest_plugins = ["properties.plugin"]` (conftest.py)
