@@ -31,8 +31,8 @@ import torch.distributed as dist
 from properties.core import watchdog
 from properties.core.watchdog import CallTimeout, raised, user_call
 
-__all__ = ["Config", "GroupContractError", "Status", "subgroup_sizes", "kernel_groups", "Rank", "serve",
-           "serve_torchrun", "STARTUP_TIMEOUT"]
+__all__ = ["Config", "GroupContractError", "Status", "subgroup_sizes", "kernel_groups", "collective_failure", "Rank",
+           "serve", "serve_torchrun", "STARTUP_TIMEOUT"]
 
 STARTUP_TIMEOUT = 120.0   # seconds for a rank to join the group and load the kernels
 
@@ -64,7 +64,8 @@ class Status:
     out: object = None              # forward: the output (a CPU tensor), or a description of what came back
     grads: dict = field(default_factory=dict)   # backward: query/key/value -> CPU tensor
     error: str = ""                 # 'Type: message' of what the kernel raised
-    kind: str = ""                  # raised | declined | timeout | group | no-grad | crashed
+    kind: str = ""                  # raised | declined | timeout | group | no-grad | stalled | peer-lost; stopped
+    #                                 (set by the driver: no answer, the rank killed while it waited for another)
     changed: tuple[str, ...] = ()   # inputs the call wrote into
 
 
@@ -105,6 +106,29 @@ def _load(spec: str, layout: str):
     return resolve_context_parallel(spec, layout)
 
 
+# How gloo (and NCCL, in a DistError) words a collective that another rank left this one waiting in.
+_TIMED_OUT = ("timed out", "timeout")
+_PEER_GONE = ("closed by peer", "reset by peer", "read error", "write error", "broken pipe")
+
+
+def collective_failure(exc: BaseException) -> tuple[str, str] | None:
+    """(kind, words) when ``exc`` is a collective of the group failing for want of another rank: ``stalled`` (it timed
+    out waiting for a rank that never joined) or ``peer-lost`` (a rank went away in the middle of it), the words
+    gloo's first sentence without its source path; None for any other error."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/" in text)):
+        return None
+    lowered = text.lower()
+    kind = ("stalled" if any(w in lowered for w in _TIMED_OUT) else
+            "peer-lost" if any(w in lowered for w in _PEER_GONE) else None)
+    if kind is None:
+        return None
+    words = text.strip().splitlines()[0] if text.strip() else ""
+    if words.startswith("["):   # gloo's '[/path/to/pair.cc:553] ' prefix
+        words = words.split("] ", 1)[-1]
+    return kind, f"{type(exc).__name__}: {words.split('. ', 1)[0]}"
+
+
 def _error_status(rank: int, exc: BaseException) -> Status:
     from properties.kernel.limits import decline_reason
     if isinstance(exc, CallTimeout):
@@ -112,6 +136,9 @@ def _error_status(rank: int, exc: BaseException) -> Status:
     cause = exc.__cause__ if isinstance(exc, watchdog.UserExit) and exc.__cause__ is not None else exc
     if isinstance(cause, GroupContractError):
         return Status(rank, ok=False, error=str(cause), kind="group")
+    waited = collective_failure(cause)
+    if waited is not None:
+        return Status(rank, ok=False, error=waited[1], kind=waited[0])
     reason = decline_reason(cause) if isinstance(cause, Exception) else None
     if reason is not None:
         return Status(rank, ok=False, error=reason, kind="declined")

@@ -13,7 +13,8 @@ import pytest
 
 from properties.core.strategies import selected_dtypes
 from properties.core.watchdog import limit
-from properties.distributed.guard import ContextParallelKernel, GroupContract, RanksLost
+from properties.distributed.guard import ContextParallelKernel, GroupContract
+from properties.kernel.guard import KernelDeclined
 from properties.distributed.world import SpawnedWorld, WorldError, start_torchrun_rank, under_torchrun
 
 __all__ = ["configure", "world_size", "max_ranks", "refuse_without_world_size", "kernel_params", "world_of",
@@ -149,11 +150,11 @@ def configure(config) -> None:
             kernel.probe(selected_dtypes())
         except GroupContract as exc:
             world.stop()
-            raise pytest.UsageError(str(exc).split(" [clause")[0]) from None
-        except RanksLost as exc:
+            raise pytest.UsageError(f"--{str(exc).split(' [clause')[0]}") from None
+        except KernelDeclined as exc:
             world.stop()
-            raise pytest.UsageError(f"--kernel {kernel.name}: its first call on {size} ranks failed: "
-                                    f"{str(exc).split(': ', 1)[-1]}") from None
+            raise pytest.UsageError(f"--kernel {kernel.name} --shard {layout}: {exc}: nothing to verify (is it "
+                                    f"written for the other --shard layout, or for another --dtype?)") from None
     config.stash[KERNEL_PARAMS] = [pytest.param(k, id=k.name) for k in kernels]
 
 
