@@ -77,3 +77,28 @@ def calls_init_process_group(q, k, v, *, group=None, **kwargs):
 def declines_every_problem(q, k, v, *, group=None, **kwargs):
     """Written for another layout: declines every problem, in its own words, on every rank."""
     raise NotImplementedError("this kernel does not support the zigzag layout (contiguous shards only)")
+
+
+def hangs_on_batches_on_rank_1(q, k, v, *, group=None, **kwargs):
+    """Rank 1 hangs on a batch of more than one sequence: the start-up probe (one sequence) passes, a clause meets it."""
+    if _rank(group) == 1 and q.shape[0] > 1:
+        time.sleep(3600)
+    return ring_attention(q, k, v, group=group, **kwargs)
+
+
+def raises_in_the_backward_on_rank_1(q, k, v, *, group=None, **kwargs):
+    """Rank 1's backward pass raises; its forward is right."""
+    out = ring_attention(q, k, v, group=group, **kwargs)
+    if _rank(group) == 1 and out.requires_grad:
+        return _RaiseInBackward.apply(out)
+    return out
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("rank 1's backward lost the saved key block")

@@ -159,6 +159,10 @@ class Rank:
                 with user_call(f"kernel {spec}", f"importing it on rank {config.rank}"):
                     self.kernels[spec] = _load(spec, config.layout)
             except BaseException as exc:  # noqa: BLE001  every failure of user code is reported, none ends the rank
+                from zoo.runtime.plugins import PluginError
+                if isinstance(watchdog.cause(exc), PluginError):   # it says which path and why, in one line
+                    self.load_errors[spec] = ("plugin", str(watchdog.cause(exc)))
+                    continue
                 status = _error_status(config.rank, exc)
                 self.load_errors[spec] = (status.kind, status.error)
 

@@ -132,8 +132,8 @@ class SpawnedWorld:
                 except (EOFError, OSError):
                     how = self._how_it_ended(rank)
                     self.kill()
-                    raise WorldError(f"rank {rank} ended while it joined the group and loaded the kernels "
-                                     f"({how})") from None
+                    raise WorldError(f"rank {rank} ended ({how}) while it joined the group or imported "
+                                     f"--kernel {' '.join(self.specs)}") from None
                 if kind == "failed":
                     self.kill()
                     raise WorldError(f"rank {rank} could not join the group: {detail}")

@@ -142,8 +142,8 @@ def configure(config) -> None:
     config.stash[_WORLD] = world
     for spec, (kind, error) in world.load_errors.items():
         world.stop()
-        raise pytest.UsageError(f"--kernel {spec}: {error}" if kind != "group" else f"--kernel {spec}: {error} "
-                                f"(while importing it)")
+        raise pytest.UsageError(f"--kernel: {error}" if kind == "plugin" else f"--kernel {spec}: {error}" if
+                                kind != "group" else f"--kernel {spec}: {error} (while importing it)")
     kernels = [ContextParallelKernel(spec, layout, world, size) for spec in specs]
     for kernel in kernels:
         try:
@@ -178,6 +178,12 @@ def pytest_runtestloop(session):
     if session.config.stash.get(_SERVED, False):
         return True
     return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.stash.get(_SERVED, False):
+        terminalreporter.write_line(f"torchrun rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: served rank 0's "
+                                    f"session (the results above are rank 0's)")
 
 
 def pytest_unconfigure(config):
