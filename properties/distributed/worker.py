@@ -158,6 +158,10 @@ class Rank:
             try:
                 with user_call(f"kernel {spec}", f"importing it on rank {config.rank}"):
                     self.kernels[spec] = _load(spec, config.layout)
+                declared = getattr(self.kernels[spec], "layouts", None)
+                if declared is not None and config.layout not in tuple(declared):
+                    self.load_errors[spec] = ("layout", f"it is written for {' or '.join(map(str, declared))} shards "
+                                                        f"(its `layouts`), not --shard {config.layout}")
             except BaseException as exc:  # noqa: BLE001  every failure of user code is reported, none ends the rank
                 from zoo.runtime.plugins import PluginError
                 if isinstance(watchdog.cause(exc), PluginError):   # it says which path and why, in one line
