@@ -3,6 +3,7 @@
     python -m bench.suite                  # pytest properties/ (alone and -n auto) into bench/results.json "suite"
     python -m bench.suite --test-command   # the README's test command (`pytest`, what CI runs): "test_command"
     python -m bench.suite --plugin-cost    # what the installed plug-in costs an unrelated pytest run: "plugin_cost"
+    python -m bench.suite --distributed    # pytest properties/ --world-size 2, three runs: "distributed"
 
 The durations README.md and docs/ state are checked against what these record (tests/test_readme_durations.py).
 """
@@ -69,6 +70,23 @@ def bench_suite() -> dict:
     print(f"suite  pytest properties/ -n auto: {fmt_seconds(result['xdist']['seconds'])} wall, "
           f"{fmt_seconds(result['xdist'].get('cpu_seconds'))} CPU  ({result['xdist']['summary']})", flush=True)
     return result
+
+
+def bench_distributed(runs: int = 3, world_size: int = 2) -> dict:
+    """The distributed level at its default profile on the zoo's context-parallel kernels (ring, ulysses,
+    allgather_kv on ``world_size`` gloo ranks, started once per run): ``runs`` runs, each one's wall and CPU time (the
+    ranks' included: they are children of the run), and their medians."""
+    samples = [run_pytest("--world-size", str(world_size), "-p", "no:cacheprovider") for _ in range(runs)]
+    for sample in samples:
+        print(f"distributed  {sample['command']}: {fmt_seconds(sample['seconds'])} wall, "
+              f"{fmt_seconds(sample['cpu_seconds'])} CPU  ({sample['summary']})", flush=True)
+    ran = [s for s in samples if s["tests_ran"] and s["seconds"] is not None]
+    return {"command": samples[0]["command"], "runs": runs,
+            "seconds": [round(s["seconds"], 2) for s in ran], "cpu_seconds": [round(s["cpu_seconds"], 2) for s in ran],
+            "seconds_median": statistics.median(s["seconds"] for s in ran) if ran else None,
+            "cpu_seconds_median": statistics.median(s["cpu_seconds"] for s in ran) if ran else None,
+            "returncode": next((s["returncode"] for s in samples if s["returncode"] != 0), 0),
+            "summary": samples[-1]["summary"], "tests_ran": len(ran) == runs}
 
 
 UNRELATED_TEST = "def test_one():\n    assert 1 + 1 == 2\n"
@@ -152,12 +170,20 @@ def main(argv=None) -> int:
     parser.add_argument("--plugin-cost", action="store_true",
                         help="measure what the suite's plug-in costs an unrelated one-test pytest run (CPU time, with "
                              "and without it); recorded under \"plugin_cost\"")
+    parser.add_argument("--distributed", action="store_true",
+                        help="measure the distributed level (pytest properties/ --world-size 2, the zoo's "
+                             "context-parallel kernels on 2 gloo ranks) three times; recorded under \"distributed\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if args.test_command:
         key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
         print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
               f"({measured['summary']})", flush=True)
+        measured["measured_on"] = datetime.date.today().isoformat()
+        if hasattr(os, "getloadavg"):
+            measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    elif args.distributed:
+        key, measured = "distributed", bench_distributed()
         measured["measured_on"] = datetime.date.today().isoformat()
         if hasattr(os, "getloadavg"):
             measured["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -177,7 +203,7 @@ def main(argv=None) -> int:
             with open(args.out) as f:
                 results = json.load(f)
         results[key] = measured
-        if key == "suite" and "targets" in results:  # the suite's target (<= 60 s) is judged on the new run
+        if key in ("suite", "distributed") and "targets" in results:  # their targets are judged on the new run
             from bench.targets import evaluate_targets
             results["targets"] = evaluate_targets(results)
         write_json_atomic(args.out, results)
@@ -185,7 +211,7 @@ def main(argv=None) -> int:
     if key == "plugin_cost":   # every run passed (check=True)
         return 0
     return 0 if all(run.get("returncode") in (0, None) for run in
-                    ([measured] if key == "test_command" else measured.values())) else 1
+                    ([measured] if key in ("test_command", "distributed") else measured.values())) else 1
 
 
 if __name__ == "__main__":
