@@ -280,7 +280,7 @@ class ContextParallelKernel:
             base = dtype
             break
         if base is None:
-            said = "; ".join(f"in {', '.join(names)}: {reason}" for reason, names in reasons.items())
+            said = "; ".join(f"in {', '.join(where)}: {reason}" for reason, where in reasons.items())
             raise KernelDeclined(f"it declines the plainest problem on {self.size} ranks, {self.layout} shards ({said})")
         tries = {"causal": (problem(base), {"is_causal": True}), "gqa": (problem(base, kv_heads=1),
                                                                           {"enable_gqa": True}),

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from properties.core import watchdog
 from properties.core.watchdog import CallTimeout, raised, user_call
 
-__all__ = ["Config", "GroupContractError", "Status", "subgroup_sizes", "kernel_groups", "collective_failure", "Rank",
-           "serve", "serve_torchrun", "STARTUP_TIMEOUT"]
+__all__ = ["Config", "GroupContractError", "Status", "subgroup_sizes", "kernel_groups", "Rank", "serve",
+           "serve_torchrun", "STARTUP_TIMEOUT"]
 
 STARTUP_TIMEOUT = 120.0   # seconds for a rank to join the group and load the kernels
 
@@ -111,10 +111,10 @@ _TIMED_OUT = ("timed out", "timeout")
 _PEER_GONE = ("closed by peer", "reset by peer", "read error", "write error", "broken pipe")
 
 
-def collective_failure(exc: BaseException) -> tuple[str, str] | None:
+def _collective_failure(exc: BaseException) -> tuple[str, str] | None:
     """(kind, words) when ``exc`` is a collective of the group failing for want of another rank: ``stalled`` (it timed
-    out waiting for a rank that never joined) or ``peer-lost`` (a rank went away in the middle of it), the words
-    gloo's first sentence without its source path; None for any other error."""
+    out waiting for a rank that never joined) or ``peer-lost`` (a rank went away in the middle of it), and the words:
+    the error's first sentence without gloo's source path; None for any other error."""
     text = str(exc)
     if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/" in text)):
         return None
@@ -136,7 +136,7 @@ def _error_status(rank: int, exc: BaseException) -> Status:
     cause = exc.__cause__ if isinstance(exc, watchdog.UserExit) and exc.__cause__ is not None else exc
     if isinstance(cause, GroupContractError):
         return Status(rank, ok=False, error=str(cause), kind="group")
-    waited = collective_failure(cause)
+    waited = _collective_failure(cause)
     if waited is not None:
         return Status(rank, ok=False, error=waited[1], kind=waited[0])
     reason = decline_reason(cause) if isinstance(cause, Exception) else None
