@@ -24,6 +24,8 @@ KERNELS = "tests/distributed_kernels.py"
 LIMIT = 10          # --call-timeout of these runs (seconds)
 NEVER = 600         # a run still going after this long has hung: killed, and the test fails
 USAGE_ERROR = 4     # pytest's status for a UsageError (one 'ERROR: ...' line, nothing collected)
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
+                                reason="the processes a run leaves are looked for in /proc (Linux)")
 
 
 def _processes_with(token: str) -> dict[int, str]:
