@@ -3,6 +3,7 @@
     python -m bench.suite                  # pytest properties/ (alone and -n auto) into bench/results.json "suite"
     python -m bench.suite --test-command   # the README's test command (`pytest`, what CI runs): "test_command"
     python -m bench.suite --plugin-cost    # what the installed plug-in costs an unrelated pytest run: "plugin_cost"
+    python -m bench.suite --distributed    # pytest properties/ --world-size 2, three runs: "distributed"
     python -m bench.suite --recipes        # README's recipes, run as a user runs them: "recipes"
 
 `--test-command` and `--recipes` also write the durations README states beside ``<!-- measured: KEY -->`` from the
@@ -73,6 +74,23 @@ def bench_suite() -> dict:
     print(f"suite  pytest properties/ -n auto: {fmt_seconds(result['xdist']['seconds'])} wall, "
           f"{fmt_seconds(result['xdist'].get('cpu_seconds'))} CPU  ({result['xdist']['summary']})", flush=True)
     return result
+
+
+def bench_distributed(runs: int = 3, world_size: int = 2) -> dict:
+    """The distributed level at its default profile on the zoo's context-parallel kernels (ring, ulysses,
+    allgather_kv on ``world_size`` gloo ranks, started once per run): ``runs`` runs, each one's wall and CPU time (the
+    ranks' included: they are children of the run), and their medians."""
+    samples = [run_pytest("--world-size", str(world_size), "-p", "no:cacheprovider") for _ in range(runs)]
+    for sample in samples:
+        print(f"distributed  {sample['command']}: {fmt_seconds(sample['seconds'])} wall, "
+              f"{fmt_seconds(sample['cpu_seconds'])} CPU  ({sample['summary']})", flush=True)
+    ran = [s for s in samples if s["tests_ran"] and s["seconds"] is not None]
+    return {"command": samples[0]["command"], "runs": runs,
+            "seconds": [round(s["seconds"], 2) for s in ran], "cpu_seconds": [round(s["cpu_seconds"], 2) for s in ran],
+            "seconds_median": statistics.median(s["seconds"] for s in ran) if ran else None,
+            "cpu_seconds_median": statistics.median(s["cpu_seconds"] for s in ran) if ran else None,
+            "returncode": next((s["returncode"] for s in samples if s["returncode"] != 0), 0),
+            "summary": samples[-1]["summary"], "tests_ran": len(ran) == runs}
 
 
 UNRELATED_TEST = "def test_one():\n    assert 1 + 1 == 2\n"
@@ -227,12 +245,17 @@ def main(argv=None) -> int:
     parser.add_argument("--recipes", action="store_true",
                         help="measure README's recipes as a user runs them (kernel, model, the zoo's task=verify); "
                              "recorded under \"recipes\"")
+    parser.add_argument("--distributed", action="store_true",
+                        help="measure the distributed level (pytest properties/ --world-size 2, the zoo's "
+                             "context-parallel kernels on 2 gloo ranks) three times; recorded under \"distributed\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
     if args.test_command:
         key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
         print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
               f"({measured['summary']})", flush=True)
+    elif args.distributed:
+        key, measured = "distributed", bench_distributed()
     elif args.plugin_cost:
         key, measured = "plugin_cost", bench_plugin_cost()
         print(f"an unrelated one-test pytest run: {measured['with_plugin']['cpu_seconds_median']:.2f} s CPU with the "
@@ -252,7 +275,7 @@ def main(argv=None) -> int:
             with open(args.out) as f:
                 results = json.load(f)
         results[key] = measured
-        if key == "suite" and "targets" in results:  # the suite's target (<= 60 s) is judged on the new run
+        if key in ("suite", "distributed") and "targets" in results:  # their targets are judged on the new run
             from bench.targets import evaluate_targets
             results["targets"] = evaluate_targets(results)
         write_json_atomic(args.out, results)
@@ -263,7 +286,8 @@ def main(argv=None) -> int:
     if key == "plugin_cost":   # every run passed (check=True)
         return 0
     return 0 if all(run.get("returncode") in (0, None) for run in
-                    ([measured] if key == "test_command" else measured.values()) if isinstance(run, dict)) else 1
+                    ([measured] if key in ("test_command", "distributed") else measured.values())
+                    if isinstance(run, dict)) else 1
 
 
 if __name__ == "__main__":

@@ -168,7 +168,8 @@ def expected(case: CPCase, q, k, v, do=None, *, world: int, layout: str) -> Expe
 
 
 def rank_of_worst(actual, exact, bound, world: int, layout: str) -> str:
-    """' (row l of the worst entry is held by rank r)' for a failure message ('' when every entry is within)."""
+    """' (row l, the worst, is held by rank r of W; rows outside the bound on ranks …; layout shards)' for a failure
+    message ('' when every entry is within)."""
     a, e, b = to_float64(actual), to_float64(exact), to_float64(bound)
     a, e = torch.broadcast_tensors(a, e)
     b = torch.broadcast_to(b, a.shape)
@@ -178,8 +179,14 @@ def rank_of_worst(actual, exact, bound, world: int, layout: str) -> str:
         return ""
     index = torch.unravel_index(excess.argmax(), excess.shape)
     row = int(index[-2])
-    owner = next(r for r, rows in enumerate(rows_of(a.shape[-2], world, layout)) if row in rows.tolist())
-    return f" (row {row} is held by rank {owner} of {world}, {layout} shards)"
+    rows = rows_of(a.shape[-2], world, layout)
+    owner = next(r for r, held in enumerate(rows) if row in held.tolist())
+    bad_rows = (excess > 0).flatten(end_dim=-3).any(dim=0).any(dim=-1) if a.dim() > 2 else (excess > 0).any(dim=-1)
+    ranks = [r for r, held in enumerate(rows) if len(held) and bool(bad_rows[held].any())]
+    where = "every rank's" if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} " \
+                                                          f"{', '.join(map(str, ranks))}'s"
+    return f" (row {row}, the worst, is held by rank {owner} of {world}; {where} rows are outside the bound; " \
+           f"{layout} shards)"
 
 
 def check_output(out, exp: Expected, *, world: int, layout: str, what: str = "out") -> None:
@@ -188,12 +195,23 @@ def check_output(out, exp: Expected, *, world: int, layout: str, what: str = "ou
     assert_within(out, exp.out, exp.out_bound, what=what, note=note)
 
 
-def check_gradients(grads: dict, exp: Expected, *, world: int, layout: str) -> None:
+def check_gradients(grads: dict, exp: Expected, *, world: int, layout: str, where: str = "") -> None:
+    """dQ, dK, dV each within its bound; a failure names every gradient outside (and those within), each with the
+    ranks that hold its rows outside."""
     __tracebackhide__ = True
+    failures, within = [], []
     for name in ("query", "key", "value"):
         exact, bound = exp.grads.value[name], exp.grads.bound[name]
         note = rank_of_worst(grads[name], exact, bound, world, layout)
-        assert_within(grads[name], exact, bound, what=f"d{name}", note=note)
+        try:
+            assert_within(grads[name], exact, bound, what=f"d{name}{where}", note=note)
+        except AssertionError as exc:
+            failures.append(str(exc))
+        else:
+            within.append(f"d{name}{where}")
+    if failures:
+        raise AssertionError("; ".join(failures) + (f" ({' and '.join(within)} within {'its' if len(within) == 1 else 'their'} "
+                                                    f"bound)" if within else ""))
 
 
 def with_dtype(case: CPCase, dtype: torch.dtype) -> CPCase:

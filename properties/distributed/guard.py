@@ -8,13 +8,17 @@ kernel (properties/distributed/world.py) and reassembles the output and dQ, dK, 
 Every answer is checked, rank by rank, against the contract: an output tensor of the shard's shape (b, h, L_r, ev), the
 query's dtype and device, finite; gradients of the shards' shapes. What breaks it becomes one line naming the rank,
 the call and the clause: ``KernelContractError`` (an AssertionError: the clause fails, Hypothesis shrinks it), or,
-for a rank that never answered or died, ``RanksLost`` (a BaseException, like the watchdog's CallTimeout: the test
-ends at once, unshrunk, and the kernel is not called again in this run: a hang costs the limit once). A decline (the
-rule of properties/kernel/limits.py, on every rank alike) rejects the example and is counted in the coverage.
+for a rank that hung, died, or left the others waiting in a collective it never joined, ``RanksLost`` (a
+BaseException, like the watchdog's CallTimeout: the test ends at once, unshrunk, and the kernel is not called again in
+this run: a hang costs the limit once). The rank at fault is named first, then the ranks that waited for it. A decline
+(the rule of properties/kernel/limits.py, on every rank alike) rejects the example and is counted in the coverage; a
+decline on some ranks only fails.
 
-What the kernel accepts is probed once at start-up on small problems (``probe``): the plainest problem, then causal,
-grouped heads, an explicit scale, each dtype selected, and the backward; a decline there skips the clauses that
-need the feature, with the kernel's words.
+What the kernel accepts is probed once at start-up on small problems (``probe``): the plainest problem (float32 first,
+then each dtype selected), then causal, grouped heads, an explicit scale, the other dtypes, and the backward; a
+decline there skips the clauses that need the feature, with the kernel's words. A kernel that declines the plainest
+problem in every dtype selected verifies nothing: ``probe`` raises KernelDeclined (the plug-in refuses the run in one
+line, naming --shard). A rank lost in the probe leaves the kernel ``hung``, and every clause fails with what happened.
 """
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ import torch
 
 from properties.core import watchdog
 from properties.distributed.layouts import rows_of, shard, unshard
+from properties.distributed.worker import Status
 from properties.kernel import coverage
 from properties.kernel.guard import KernelContractError, KernelDeclined, NamedKernel, describe_call
 
 __all__ = ["RanksLost", "GroupContract", "CallResult", "ContextParallelKernel", "FEATURES"]
 
 # What a context-parallel kernel may decline besides the plainest problem (float32, non-causal, h = k heads).
-FEATURES = ("causal", "gqa", "scale", "float64", "bfloat16", "float16", "backward")
+FEATURES = ("causal", "gqa", "scale", "float32", "float64", "bfloat16", "float16", "backward")
 
 
 class RanksLost(BaseException):
@@ -49,6 +54,17 @@ class CallResult:
     world: int
 
 
+def _answers(answered: dict, lost: dict, world: int) -> list[Status]:
+    """Every rank's status for one phase, in rank order: a rank that gave none was still in the call (it waited in a
+    collective for a rank that had failed) and was stopped with the others."""
+    return [answered[r] if r in answered else Status(r, ok=False, kind="stopped", error=lost.get(r, "gave no answer"))
+            for r in range(world)]
+
+
+# What a rank says that waited for another (properties/distributed/worker.py, and the driver's "stopped").
+_WAITED = ("stalled", "peer-lost", "stopped")
+
+
 def _where() -> str:
     clauses, nodeid = watchdog.current_test()
     return f" [clause {clauses}]" if clauses else ""
@@ -63,8 +79,8 @@ class ContextParallelKernel(NamedKernel):
     world: object
     size: int
     declined: dict = field(default_factory=dict)   # feature -> the kernel's words
-    unusable: str = ""                             # it declines the plainest problem: every clause skipped
     hung: str = ""
+    probing: bool = False
 
     def describe(self, q, k, v, kwargs, world: int) -> str:
         return describe_call(q, k, v, {**kwargs, "group": f"<{world} ranks, {self.layout} shards>"})
@@ -78,7 +94,7 @@ class ContextParallelKernel(NamedKernel):
         world = world or self.size
         text = self.describe(q, k, v, kwargs, world)
         if self.hung:
-            raise RanksLost(f"kernel {self.name} is not called again: {self.hung}")
+            raise RanksLost(f"kernel {self.name} is not called again{_where()}: {self.hung}")
         length, ev = q.shape[-2], v.shape[-1]
         rows = rows_of(length, world, self.layout)
         shards = {r: (shard(q, rows[r]), shard(k, rows[r]), shard(v, rows[r])) for r in range(world)}
@@ -86,7 +102,7 @@ class ContextParallelKernel(NamedKernel):
         grads_out = None if grad_out is None else {r: shard(grad_out, rows[r]) for r in range(world)}
         outcome = self.world.call(self.name, world, shards, kwargs, grad_out is not None, text, grads_out, shapes)
         self._check_lost(outcome, text)
-        statuses = [outcome.forward[r] for r in range(world)]
+        statuses = _answers(outcome.forward, outcome.lost, world)
         if all(not s.ok and s.kind == "declined" for s in statuses):
             if on_decline == "return":
                 coverage.declined(statuses[0].error)
@@ -98,7 +114,7 @@ class ContextParallelKernel(NamedKernel):
         changed = {s.rank: s.changed for s in statuses if s.changed}
         grads = {}
         if grad_out is not None:
-            backward = [outcome.backward[r] for r in range(world)]
+            backward = _answers(outcome.backward, outcome.lost, world)
             self._check_failures(backward, text, phase="the backward pass of ")
             for s in backward:
                 if s.changed:
@@ -120,18 +136,37 @@ class ContextParallelKernel(NamedKernel):
 
     # ---------------------------------------------------------------------------------------------- checks
     def _check_lost(self, outcome, text: str) -> None:
-        hung = {r: how for r, how in outcome.lost.items() if "did not answer" in how or "ended" in how}
-        timeouts = {r: s for r, s in {**outcome.forward, **(outcome.backward or {})}.items() if s.kind == "timeout"}
-        if not hung and not timeouts:
+        """A rank that hung (past --call-timeout, or no answer at all), died, or left the others waiting in a
+        collective it never joined: RanksLost, naming it first, then the ranks that waited for it."""
+        __tracebackhide__ = True
+        phase = "the backward pass of " if outcome.backward is not None else ""
+        answers = outcome.backward if outcome.backward is not None else outcome.forward
+        culprits = {r: how for r, how in outcome.lost.items() if "did not answer" in how or "ended" in how}
+        culprits.update({r: f"did not return within {watchdog.limit():g} s (--call-timeout)"
+                         for r, s in answers.items() if s.kind == "timeout" and r not in culprits})
+        stalled = {r: s for r, s in answers.items() if s.kind == "stalled"}
+        failed_alone = any(s.kind in ("raised", "group", "declined", "no-grad") for s in answers.values())
+        if not culprits and (not stalled or failed_alone):
             return
-        parts = [f"rank {r} {how}" for r, how in sorted(hung.items())]
-        parts += [f"rank {r} did not return within {watchdog.limit():g} s (--call-timeout)" for r in sorted(timeouts)
-                  if r not in hung]
-        others = {r: s for r, s in outcome.forward.items() if not s.ok and r not in timeouts}
-        parts += [f"rank {r}: {s.error}" for r, s in sorted(others.items())]
-        self.hung = f"{'; '.join(parts)} in {text}"
-        raise RanksLost(f"kernel {self.name}: {'; '.join(parts)} in {text}{_where()}; its ranks were killed and it is "
-                        f"not called again in this run")
+        waiting = ", ".join(map(str, sorted(stalled)))
+        if not culprits:   # the ranks that answered did so without joining the collective the others waited in
+            quiet = sorted(r for r, s in answers.items() if s.ok)
+            culprits = {r: f"returned without joining the collective rank{'s' if len(stalled) > 1 else ''} "
+                           f"{waiting} waited in" for r in quiet}
+        parts = [f"rank {r} {how}" for r, how in sorted(culprits.items())]
+        if not culprits:   # every rank waited for another: a deadlock
+            parts = [f"ranks {waiting} each waited in a collective for another (a deadlock)"]
+        for r, s in sorted(answers.items()):
+            if r in culprits or s.ok:
+                continue
+            parts.append(f"rank {r} timed out in a collective ({s.error})" if s.kind == "stalled" else
+                         f"rank {r} lost its peer in a collective ({s.error})" if s.kind == "peer-lost" else
+                         f"rank {r}: {s.error}")
+        parts += [f"rank {r} {how}" for r, how in sorted(outcome.lost.items()) if r not in culprits]
+        where = " (the start-up probe)" if self.probing else ""
+        self.hung = f"{'; '.join(parts)} in {phase}{text}{where}"
+        raise RanksLost(f"kernel {self.name}: {'; '.join(parts)} in {phase}{text}{_where()}; its ranks were "
+                        f"killed and it is not called again in this run")
 
     def _check_failures(self, statuses, text: str, phase: str) -> None:
         __tracebackhide__ = True
@@ -151,10 +186,20 @@ class ContextParallelKernel(NamedKernel):
                 import pytest
                 pytest.skip(f"kernel {self.name}: its backward declines ({reason}): the gradient clauses do not apply")
             self._reject(reason, text)
-        raised = [s for s in failed if s.kind != "declined"] or failed
-        first = raised[0]
-        more = "; ".join(f"rank {s.rank}: {s.error}" for s in failed if s is not first)
-        raise KernelContractError(f"kernel {self.name}: rank {first.rank} of {len(statuses)} raised {first.error} in "
+        first = next((s for s in failed if s.kind not in ("declined", *_WAITED)), None)
+        if first is None:   # some ranks declined, the others went on (and may have waited for them in a collective)
+            first = next(s for s in failed if s.kind == "declined")
+            others = [s.rank for s in statuses if s.kind != "declined"]
+            what = (f"declined ({first.error}) where rank{'s' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))} did not: a decline must come on every rank alike, before any "
+                    f"collective")
+        else:
+            what = f"raised {first.error}"
+        more = "; ".join(f"rank {s.rank} {s.error}" if s.kind == "stopped" else
+                         f"rank {s.rank} lost its peer in a collective ({s.error})" if s.kind == "peer-lost" else
+                         f"rank {s.rank} timed out in a collective ({s.error})" if s.kind == "stalled" else
+                         f"rank {s.rank}: {s.error}" for s in failed if s is not first)
+        raise KernelContractError(f"kernel {self.name}: rank {first.rank} of {len(statuses)} {what} in "
                                   f"{phase}{text}{_where()}{'; ' + more if more else ''}")
 
     def _reject(self, reason: str, text: str) -> None:
@@ -186,30 +231,52 @@ class ContextParallelKernel(NamedKernel):
 
     # ---------------------------------------------------------------------------------------------- probes
     def probe(self, dtypes) -> None:
-        """Learn what the kernel declines (module docstring); raises GroupContract, RanksLost as a call does."""
+        """Learn what the kernel declines (module docstring). Raises GroupContract as a call does, and KernelDeclined
+        when it declines the plainest problem in every dtype selected: nothing could be verified (the --shard or
+        --dtype given is not what it is written for). A rank that hangs or dies here leaves the kernel ``hung``:
+        each clause then fails at once with what happened."""
+        self.probing = True
+        try:
+            self._probe(dtypes)
+        except RanksLost:
+            pass
+        finally:
+            self.probing = False
+
+    def _probe(self, dtypes) -> None:
         heads = max(2, self.size)   # what a kernel that shards heads (Ulysses) can split
 
-        def problem(dtype=torch.float32, kv_heads=heads):
+        def problem(dtype, kv_heads=heads):
             g = torch.Generator().manual_seed(0)
             length = 4 * self.size
             q = torch.randn(1, heads, length, 4, generator=g).to(dtype)
             k, v = (torch.randn(1, kv_heads, length, 4, generator=g).to(dtype) for _ in range(2))
             return q, k, v
-        tries = {"causal": (problem(), {"is_causal": True}), "gqa": (problem(kv_heads=1), {"enable_gqa": True}),
-                 "scale": (problem(), {"scale": 0.5})}
-        for dtype in dtypes:
-            name = str(dtype).removeprefix("torch.")
-            if name in FEATURES:
-                tries[name] = (problem(dtype), {})
-        try:
-            self(*problem())
-        except KernelDeclined as exc:
-            self.unusable = str(exc).split(": ", 1)[-1]
-            return
-        except (KernelContractError, AssertionError) as exc:
-            if isinstance(exc, GroupContract):
-                raise
-            return   # the clauses will say what is wrong
+        order = sorted(dtypes, key=lambda d: d != torch.float32) or [torch.float32]   # float32 first
+        names = {d: str(d).removeprefix("torch.") for d in order}
+        base, reasons = None, {}
+        for dtype in order:   # the plainest problem
+            try:
+                self(*problem(dtype))
+            except KernelDeclined as exc:
+                reason = str(exc).split(": ", 1)[-1]
+                self.declined[names[dtype]] = reason
+                reasons.setdefault(reason, []).append(names[dtype])
+                continue
+            except (KernelContractError, AssertionError) as exc:
+                if isinstance(exc, GroupContract):
+                    raise
+                return   # the clauses will say what is wrong
+            base = dtype
+            break
+        if base is None:
+            said = "; ".join(f"in {', '.join(where)}: {reason}" for reason, where in reasons.items())
+            raise KernelDeclined(f"it declines the plainest problem on {self.size} ranks, {self.layout} shards ({said})")
+        tries = {"causal": (problem(base), {"is_causal": True}), "gqa": (problem(base, kv_heads=1),
+                                                                          {"enable_gqa": True}),
+                 "scale": (problem(base), {"scale": 0.5})}
+        for dtype in order[order.index(base) + 1:]:
+            tries[names[dtype]] = (problem(dtype), {})
         for feature, (tensors, kwargs) in tries.items():
             try:
                 self(*tensors, **kwargs)
@@ -219,7 +286,7 @@ class ContextParallelKernel(NamedKernel):
                 raise
             except AssertionError:
                 pass
-        q, k, v = problem()
+        q, k, v = problem(base)
         try:
             self(q, k, v, grad_out=torch.ones_like(q))
         except KernelDeclined as exc:
@@ -235,8 +302,6 @@ class ContextParallelKernel(NamedKernel):
     def require(self, *features: str) -> None:
         """Skip the calling test if the kernel declines one of ``features`` (its words)."""
         import pytest
-        if self.unusable:
-            pytest.skip(f"kernel {self.name} declines every problem ({self.unusable}): not covered")
         for feature in features:
             if feature in self.declined:
                 coverage.declined(self.declined[feature])

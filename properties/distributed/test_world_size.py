@@ -29,7 +29,7 @@ def test_fewer_ranks_agree_within_the_bound(cp_kernel, data):
         results[w] = cp_kernel(q, k, v, grad_out=do, world=w, **case.kwargs())
         expectations[w] = expected(case, q, k, v, do, world=w, layout=layout)
         check_output(results[w].out, expectations[w], world=w, layout=layout, what=f"out on {w} ranks")
-        check_gradients(results[w].grads, expectations[w], world=w, layout=layout)
+        check_gradients(results[w].grads, expectations[w], world=w, layout=layout, where=f" on {w} ranks")
     big, small = results[cp_kernel.size], results[world]
     both = expectations[cp_kernel.size].out_bound + expectations[world].out_bound
     assert_within(big.out, small.out, both, what=f"out on {cp_kernel.size} ranks", reference=f"out on {world}")

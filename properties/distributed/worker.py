@@ -64,7 +64,8 @@ class Status:
     out: object = None              # forward: the output (a CPU tensor), or a description of what came back
     grads: dict = field(default_factory=dict)   # backward: query/key/value -> CPU tensor
     error: str = ""                 # 'Type: message' of what the kernel raised
-    kind: str = ""                  # raised | declined | timeout | group | no-grad | crashed
+    kind: str = ""                  # raised | declined | timeout | group | no-grad | stalled | peer-lost; stopped
+    #                                 (set by the driver: no answer, the rank killed while it waited for another)
     changed: tuple[str, ...] = ()   # inputs the call wrote into
 
 
@@ -105,6 +106,29 @@ def _load(spec: str, layout: str):
     return resolve_context_parallel(spec, layout)
 
 
+# How gloo (and NCCL, in a DistError) words a collective that another rank left this one waiting in.
+_TIMED_OUT = ("timed out", "timeout")
+_PEER_GONE = ("closed by peer", "reset by peer", "read error", "write error", "broken pipe")
+
+
+def _collective_failure(exc: BaseException) -> tuple[str, str] | None:
+    """(kind, words) when ``exc`` is a collective of the group failing for want of another rank: ``stalled`` (it timed
+    out waiting for a rank that never joined) or ``peer-lost`` (a rank went away in the middle of it), and the words:
+    the error's first sentence without gloo's source path; None for any other error."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/" in text)):
+        return None
+    lowered = text.lower()
+    kind = ("stalled" if any(w in lowered for w in _TIMED_OUT) else
+            "peer-lost" if any(w in lowered for w in _PEER_GONE) else None)
+    if kind is None:
+        return None
+    words = text.strip().splitlines()[0] if text.strip() else ""
+    if words.startswith("["):   # gloo's '[/path/to/pair.cc:553] ' prefix
+        words = words.split("] ", 1)[-1]
+    return kind, f"{type(exc).__name__}: {words.split('. ', 1)[0]}"
+
+
 def _error_status(rank: int, exc: BaseException) -> Status:
     from properties.core.declines import decline_reason
     if isinstance(exc, CallTimeout):
@@ -112,6 +136,9 @@ def _error_status(rank: int, exc: BaseException) -> Status:
     cause = exc.__cause__ if isinstance(exc, watchdog.UserExit) and exc.__cause__ is not None else exc
     if isinstance(cause, GroupContractError):
         return Status(rank, ok=False, error=str(cause), kind="group")
+    waited = _collective_failure(cause)
+    if waited is not None:
+        return Status(rank, ok=False, error=waited[1], kind=waited[0])
     reason = decline_reason(cause) if isinstance(cause, Exception) else None
     if reason is not None:
         return Status(rank, ok=False, error=reason, kind="declined")
@@ -131,7 +158,15 @@ class Rank:
             try:
                 with user_call(f"kernel {spec}", f"importing it on rank {config.rank}"):
                     self.kernels[spec] = _load(spec, config.layout)
+                declared = getattr(self.kernels[spec], "layouts", None)
+                if declared is not None and config.layout not in tuple(declared):
+                    self.load_errors[spec] = ("layout", f"it is written for {' or '.join(map(str, declared))} shards "
+                                                        f"(its `layouts`), not --shard {config.layout}")
             except BaseException as exc:  # noqa: BLE001  every failure of user code is reported, none ends the rank
+                from zoo.runtime.plugins import PluginError
+                if isinstance(watchdog.cause(exc), PluginError):   # it says which path and why, in one line
+                    self.load_errors[spec] = ("plugin", str(watchdog.cause(exc)))
+                    continue
                 status = _error_status(config.rank, exc)
                 self.load_errors[spec] = (status.kind, status.error)
 

@@ -13,9 +13,14 @@ is rank 0 and draws; the others serve it (``serve_torchrun``). Ranks cannot be r
 every rank makes the kernels' groups again; a rank that stops answering leaves every later call failing at once.
 
 Deadlines: each phase of a call (forward, backward) may take --call-timeout on a rank, where the rank's own watchdog
-interrupts it (SIGALRM), and the kernels' groups time their collectives out after the same limit; the driver waits
-that long plus a grace (2 s + a quarter of the limit) before it takes a rank for hung, and once one rank has failed
-it waits only ``AFTER_FAILURE`` for the others.
+interrupts it (SIGALRM), and the kernels' groups time their collectives out a little before it (0.9 of the limit: a
+rank left waiting for a hung one reports the collective's timeout, ``stalled``, before the hung rank's watchdog fires,
+so that the answers tell them apart); the driver waits the limit plus a grace (2 s + a quarter of the limit) before
+it takes a rank for hung. A rank that answers ``stalled`` or ``peer-lost`` does not end the wait: it waited for
+another, which answers for itself (or is found hung or dead). Once one rank has failed otherwise it
+waits only ``AFTER_FAILURE`` for the others: a rank that raised or died leaves them waiting in a collective that never
+completes, and what they would say changes nothing; a rank that declined gives them longer (``AFTER_DECLINE``), since
+a decline is a failure only where another rank does not decline the same problem.
 """
 from __future__ import annotations
 
@@ -31,9 +36,10 @@ import torch.distributed as dist
 from properties.distributed.worker import (STARTUP_TIMEOUT, Config, Rank, Status, kernel_groups, serve,
                                            torchrun_step)
 
-__all__ = ["WorldError", "Outcome", "SpawnedWorld", "TorchrunWorld", "under_torchrun", "AFTER_FAILURE"]
+__all__ = ["WorldError", "Outcome", "SpawnedWorld", "TorchrunWorld", "under_torchrun", "AFTER_FAILURE", "AFTER_DECLINE"]
 
-AFTER_FAILURE = 1.0   # seconds the others get to answer once a rank has failed (they may wait in a collective for it)
+AFTER_FAILURE = 0.2   # seconds the others get to answer once a rank has raised or died (module docstring)
+AFTER_DECLINE = 1.0   # ... once a rank has declined
 _PRELOAD = ["torch", "torch.distributed", "properties.distributed.worker"]
 
 
@@ -124,9 +130,10 @@ class SpawnedWorld:
                 try:
                     kind, _, pid, detail = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    how = self._how_it_ended(rank)   # before kill() forgets the processes
+                    how = self._how_it_ended(rank)
                     self.kill()
-                    raise WorldError(f"rank {rank} ended while it joined the group ({how})") from None
+                    raise WorldError(f"rank {rank} ended ({how}) while it joined the group or imported "
+                                     f"--kernel {' '.join(self.specs)}") from None
                 if kind == "failed":
                     self.kill()
                     raise WorldError(f"rank {rank} could not join the group: {detail}")
@@ -178,9 +185,9 @@ class SpawnedWorld:
         from multiprocessing.connection import wait
         answers = {}
         pending = {self.conns[r]: r for r in ranks if r not in lost}
-        deadline, failed_at = _deadline(self.limit), None
+        deadline, failed_at, grace = _deadline(self.limit), None, AFTER_DECLINE
         while pending:
-            ends = [t for t in (deadline, failed_at and failed_at + AFTER_FAILURE) if t]
+            ends = [t for t in (deadline, failed_at and failed_at + grace) if t]
             timeout = None if not ends else max(0.0, min(ends) - time.monotonic())
             ready = wait(list(pending), timeout=timeout)
             if not ready:
@@ -191,11 +198,13 @@ class SpawnedWorld:
                     status = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     lost[rank] = f"ended ({self._how_it_ended(rank)})"
-                    failed_at = failed_at or time.monotonic()
+                    failed_at, grace = failed_at or time.monotonic(), AFTER_FAILURE
                     continue
                 answers[rank] = status
-                if not status.ok and failed_at is None:
-                    failed_at = time.monotonic()
+                if not status.ok and status.kind not in ("stalled", "peer-lost"):
+                    # (a rank that waited in vain for another says nothing of the others: wait on for them)
+                    failed_at = failed_at or time.monotonic()
+                    grace = AFTER_DECLINE if status.kind == "declined" and grace == AFTER_DECLINE else AFTER_FAILURE
         for rank in pending.values():
             lost[rank] = ("did not answer within %g s (--call-timeout)" % self.limit if failed_at is None
                           else "was still in the call when another rank failed")

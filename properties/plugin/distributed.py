@@ -13,7 +13,8 @@ import pytest
 
 from properties.core.dtypes import selected_dtypes
 from properties.core.watchdog import limit
-from properties.distributed.guard import ContextParallelKernel, GroupContract, RanksLost
+from properties.distributed.guard import ContextParallelKernel, GroupContract
+from properties.kernel.guard import KernelDeclined
 from properties.distributed.world import SpawnedWorld, WorldError, start_torchrun_rank, under_torchrun
 
 __all__ = ["configure", "world_size", "max_ranks", "refuse_without_world_size", "kernel_params", "world_of",
@@ -141,19 +142,19 @@ def configure(config) -> None:
     config.stash[_WORLD] = world
     for spec, (kind, error) in world.load_errors.items():
         world.stop()
-        raise pytest.UsageError(f"--kernel {spec}: {error}" if kind != "group" else f"--kernel {spec}: {error} "
-                                f"(while importing it)")
+        raise pytest.UsageError(f"--kernel: {error}" if kind == "plugin" else f"--kernel {spec}: {error}" if
+                                kind != "group" else f"--kernel {spec}: {error} (while importing it)")
     kernels = [ContextParallelKernel(spec, layout, world, size) for spec in specs]
     for kernel in kernels:
         try:
             kernel.probe(selected_dtypes())
         except GroupContract as exc:
             world.stop()
-            raise pytest.UsageError(str(exc).split(" [clause")[0]) from None
-        except RanksLost as exc:
+            raise pytest.UsageError(f"--{str(exc).split(' [clause')[0]}") from None
+        except KernelDeclined as exc:
             world.stop()
-            raise pytest.UsageError(f"--kernel {kernel.name}: its first call on {size} ranks failed: "
-                                    f"{str(exc).split(': ', 1)[-1]}") from None
+            raise pytest.UsageError(f"--kernel {kernel.name} --shard {layout}: {exc}: nothing to verify (is it "
+                                    f"written for the other --shard layout, or for another --dtype?)") from None
     config.stash[KERNEL_PARAMS] = [pytest.param(k, id=k.name) for k in kernels]
 
 
@@ -177,6 +178,12 @@ def pytest_runtestloop(session):
     if session.config.stash.get(_SERVED, False):
         return True
     return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.stash.get(_SERVED, False):
+        terminalreporter.write_line(f"torchrun rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: served rank 0's "
+                                    f"session (the results above are rank 0's)")
 
 
 def pytest_unconfigure(config):

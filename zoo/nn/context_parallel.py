@@ -7,7 +7,8 @@ calls
 
 with its own shard of the sequence in SDPA's layout, query (b, h, l/W, e), key (b, k, l/W, e), value (b, k, l/W, v),
 and gets its shard of attention over the whole sequence, (b, h, l/W, v) in the query's dtype; gradients flow back to
-its shards. Which rows a rank holds is the layout the kernel is written for (``LAYOUTS``):
+its shards. Which rows a rank holds is the layout the kernel is written for (``LAYOUTS``; each kernel names its own in
+``layouts``, which the suite reads to refuse another --shard):
 
     contiguous  rank r holds rows r·l/W … (r + 1)·l/W − 1
     zigzag      the sequence cut into 2W chunks; rank r holds chunks r and 2W − 1 − r (causal load balance)
@@ -71,6 +72,11 @@ class ContextParallelAttention:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout!r})"
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The layouts it is written for (the suite refuses it on another --shard)."""
+        return (self.layout,)
 
     def __call__(self, query, key, value, *, is_causal=False, scale=None, enable_gqa=False, group=None):
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
