@@ -35,7 +35,7 @@ def children_cpu_seconds() -> float:
 def run_pytest(*extra: str, paths: tuple[str, ...] = ("properties/",), timeout: float = 1800) -> dict:
     """Wall time of pytest on `paths` in a subprocess (no paths: pyproject's testpaths, as the README's test
     command runs it), and its CPU time (all its processes, summed)."""
-    command = [sys.executable, "-m", "pytest", *paths, "-q", *extra]
+    command = [sys.executable, "-m", "pytest", *paths, "-q", "-rfE", *extra]
     cpu_start, start = children_cpu_seconds(), time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
@@ -46,6 +46,7 @@ def run_pytest(*extra: str, paths: tuple[str, ...] = ("properties/",), timeout: 
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     return {"command": " ".join(command[2:]), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "returncode": done.returncode, "summary": lines[-1] if lines else done.stderr.strip()[-200:],
+            "failed": [line.split(" ", 1)[1] for line in lines if line.startswith(("FAILED ", "ERROR "))],
             "tests_ran": done.returncode in (0, 1)}
 
 
