@@ -279,7 +279,7 @@ SUITE_OPTIONS = {
     "--shard zigzag": "--shard: the distributed level's option, but no --world-size W is given",
     "--master-port 99999 --world-size 2": "--master-port '99999': expected a TCP port number",
     "--world-size 2 --kernel-api flash": "--kernel-api does not apply to them",
-    "--world-size 2 --kernel NOSUCH_FILE.py:fn": "--kernel NOSUCH_FILE.py:fn",
+    "--world-size 2 --kernel NOSUCH_FILE.py:fn": "NOSUCH_FILE.py' does not exist",
     "--reference upstream": "--reference 'upstream': needs the model it is compared with",
     "--reference-map nosuch": "--reference-map",
 }

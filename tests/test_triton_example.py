@@ -203,6 +203,9 @@ def test_the_kernels_compile_for_an_h100_without_one(tmp_path, monkeypatch):
 SUITE_UNDER_THE_INTERPRETER = [
     "--dtype", "float16", "--dtype", "bfloat16", "--kernel-head-size", "16,32,64,128", "--kernel-no-mask",
     "--kernel-equal-head-sizes", "--hypothesis-profile", "quick",
+    # The interpreter runs a tile-scale call (S = 1025) program by program: under the test command's full load one
+    # call can take minutes, which the default limit per call (60 s) would report as a hang.
+    "--call-timeout", "300",
 ]
 # Clauses the kernel must pass (not only skip): forward, backward, causal, GQA, scale, and the weights read through
 # V = I in slices of E columns.
