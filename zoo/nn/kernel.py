@@ -40,7 +40,8 @@ from zoo.runtime.plugins import PluginError, load_object
 from zoo.nn.flash_dense import admissible_softmax, compute_dtype, soft_cap
 from zoo.nn.memory_efficient import memory_efficient_attention
 
-__all__ = ["Kernel", "math_attention", "torch_attention", "sdpa_keeping_the_contract", "resolve_kernel", "takes_softcap", "KERNELS"]
+__all__ = ["Kernel", "matched_key_value", "math_attention", "torch_attention", "sdpa_keeping_the_contract",
+           "resolve_kernel", "takes_softcap", "KERNELS"]
 
 
 class Kernel(Protocol):
@@ -50,12 +51,11 @@ class Kernel(Protocol):
                  enable_gqa: bool = False) -> torch.Tensor: ...
 
 
-def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False, softcap=None):
-    """Reference einsum implementation of the kernel contract (see module docstring), with ``softcap``."""
-    if is_causal and attn_mask is not None:
-        raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
-    l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
+def matched_key_value(query, key, value, enable_gqa=False):
+    """(key, value) checked against the query as SDPA's contract requires (the feature size of query and key, the
+    length of key and value) and, with ``enable_gqa``, each key/value head repeated for its group of query heads;
+    a ValueError names what does not match."""
+    s, e = key.shape[-2], query.shape[-1]
     if key.shape[-1] != e:
         raise ValueError(f"query and key feature sizes differ: {e} vs {key.shape[-1]}")
     if value.shape[-2] != s:
@@ -66,6 +66,16 @@ def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k})")
         key = repeat(key, "... k s e -> ... (k g) s e", g=h // k)
         value = repeat(value, "... k s v -> ... (k g) s v", g=h // k)
+    return key, value
+
+
+def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False, softcap=None):
+    """Reference einsum implementation of the kernel contract (see module docstring), with ``softcap``."""
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
+    l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
+    key, value = matched_key_value(query, key, value, enable_gqa)
     scale = 1.0 / math.sqrt(e) if scale is None else scale
 
     ct = compute_dtype(query.dtype)

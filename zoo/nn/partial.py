@@ -28,14 +28,11 @@ import math
 import torch
 from einops import einsum, reduce, repeat
 
-__all__ = ["accumulation_dtype", "expand_heads", "block_attention", "attention_with_lse", "attention_delta",
+from zoo.nn.flash_dense import compute_dtype
+from zoo.nn.kernel import matched_key_value
+
+__all__ = ["expand_heads", "block_attention", "attention_with_lse", "attention_delta",
            "block_attention_backward", "merge", "merge_stacked", "merge_state", "merge_states"]
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial states are computed and merged in: float32 for half-precision inputs (a partial output
-    rounded to 16 bits before its merge loses a rounding per merged state), the input's own otherwise."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -80,7 +77,7 @@ def block_attention(q, k, v, *, scale: float, q_positions=None, k_positions=None
     With positions (1-D integer tensors, the global positions of q's rows and of the block's keys), key j is
     admissible for query i iff k_positions[j] <= q_positions[i] (causal); a query with none gets (0, −∞).
     Differentiable with autograd, also at such queries (no inf − inf is formed)."""
-    ct = accumulation_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     heads = q.shape[-3]
     if k.shape[-2] == 0:   # no keys at all: the empty state
         out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=ct) + 0 * q.sum().to(ct)   # stays in the graph
@@ -101,16 +98,8 @@ def attention_with_lse(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True cannot be combined with an explicit attn_mask")
     l, s, e = query.shape[-2], key.shape[-2], query.shape[-1]
-    if key.shape[-1] != e or value.shape[-2] != s:
-        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                         f"{tuple(value.shape)}")
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        heads, kv_heads = query.shape[-3], key.shape[-3]
-        if heads % kv_heads:
-            raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
-        key = repeat(key, "... k s e -> ... (k g) s e", g=heads // kv_heads)
-        value = repeat(value, "... k s v -> ... (k g) s v", g=heads // kv_heads)
-    ct = accumulation_dtype(query.dtype)
+    key, value = matched_key_value(query, key, value, enable_gqa)
+    ct = compute_dtype(query.dtype)
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     scores = einsum(query.to(ct) * scale, key.to(ct), "... l e, ... s e -> ... l s")
     if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -137,7 +126,7 @@ def block_attention_backward(q, k, v, grad_out, lse, delta, *, scale: float, q_p
 
         w = exp(s − lse)     dv = wᵀ dO     dS = w ∘ (dO vᵀ − D)     dq = σ dS k     dk = σ dSᵀ q
     """
-    ct = accumulation_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     heads, kv_heads = q.shape[-3], k.shape[-3]
     kx, vx = expand_heads(k, heads).to(ct), expand_heads(v, heads).to(ct)
     scores = _scores(q, kx, scale, q_positions, k_positions, ct)
@@ -181,7 +170,7 @@ def merge_stacked(out, lse, dim: int):
 
 
 def _merge_dtype(v: torch.Tensor, s: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(accumulation_dtype(v.dtype), s.dtype if s.dtype.is_floating_point else torch.float32)
+    return torch.promote_types(compute_dtype(v.dtype), s.dtype if s.dtype.is_floating_point else torch.float32)
 
 
 def merge_state(v_a, s_a, v_b, s_b):
