@@ -115,8 +115,8 @@ TILE_BUGS = [
     ("causal-index-inside-the-tile", "admissible = admissible & (keys[None, :] <= rows[:, None])\n        s = tl.where",
      "admissible = admissible & (keys[None, :] - start <= rows[:, None] - tile * BLOCK_M)\n        s = tl.where",
      ((1, 1), 1, 65, 65, 16, torch.float16, True, None, False)),
-    ("dv-of-the-last-query-tile-only", "dv += _dot(p_t.to(do.dtype), do, UPCAST)",
-     "dv = _dot(p_t.to(do.dtype), do, UPCAST)", ((1, 1), 1, 65, 9, 16, torch.float16, False, None, False)),
+    ("dv-of-the-last-query-tile-only", "dv += _dot(_to(p_t, do.dtype, UPCAST), do, UPCAST)",
+     "dv = _dot(_to(p_t, do.dtype, UPCAST), do, UPCAST)", ((1, 1), 1, 65, 9, 16, torch.float16, False, None, False)),
 ]
 
 
@@ -138,6 +138,20 @@ def test_a_tile_bug_is_exact_inside_one_tile_and_caught_across_tiles(triton_atte
     assert all(torch.equal(a, b) for a, b in zip([out, *grads], [out_correct, *grads_correct]))
     with pytest.raises(AssertionError, match="outside the bound"):
         _check(module, across, DEVICE)
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_outputs_round_to_nearest_as_on_a_gpu(triton_attention, dtype):
+    """Equal scores over S keys: every weight is 1/S, computed exactly up to the float32 division, so the output read
+    through V = I is 1/S rounded once to the dtype, to nearest (the Triton interpreter's own bfloat16 cast truncates:
+    1/3 became 0.33203125, not 0.333984375)."""
+    for s in (3, 5, 7, 11, 100):
+        q, k = torch.zeros(1, 1, 2, 16, dtype=dtype, device=DEVICE), torch.randn(1, 1, s, 16).to(DEVICE, dtype)
+        v = torch.eye(s, 16, dtype=dtype, device=DEVICE)[None, None]
+        out = triton_attention.attention(q, k, v)[..., :s]
+        expected = torch.tensor(1 / s, dtype=torch.float32).to(dtype)
+        assert bool((out.cpu() == expected).all()), f"S = {s}: {out[0, 0, 0].tolist()} != {expected.item()}"
 
 
 DECLINED = [
