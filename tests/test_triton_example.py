@@ -140,8 +140,11 @@ def test_a_tile_bug_is_exact_inside_one_tile_and_caught_across_tiles(triton_atte
         _check(module, across, DEVICE)
 
 
+KERNEL_DTYPES = [torch.float16, torch.bfloat16]
+
+
 @runs_kernels
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_outputs_round_to_nearest_as_on_a_gpu(triton_attention, dtype):
     """Equal scores over S keys: every weight is 1/S, computed exactly up to the float32 division, so the output read
     through V = I is 1/S rounded once to the dtype, to nearest (the Triton interpreter's own bfloat16 cast truncates:
@@ -279,5 +282,5 @@ def test_the_kernel_under_the_interpreter():
     result = run_pytest([str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-p", "no:xdist"], cwd=ROOT,
                         env=INTERPRETER, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    expected = len(TILED) + len(TILE_BUGS) + len(DECLINED)
+    expected = len(TILED) + len(TILE_BUGS) + len(KERNEL_DTYPES) + len(DECLINED)
     assert f"{expected} passed" in result.stdout, result.stdout[-2000:]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from zoo.config.errors import ConfigError
 from zoo.io.atomic import existing_ancestor, unwritable
 
-__all__ = ["output_dir", "discard"]
+__all__ = ["output_dir", "check_job_dirs", "discard"]
 
 _HYDRA_DEFAULT_DIRS = {"run": "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}",
                        "sweep": "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}"}
@@ -36,19 +36,39 @@ def output_dir(whole: DictConfig, kind: str, overrides: list[str]) -> tuple[tupl
                  for k, root_dir in (("run", "outputs"), ("sweep", "multirun"))
                  if OmegaConf.to_container(whole.hydra[k], resolve=False)["dir"] == _HYDRA_DEFAULT_DIRS[k]]
     else:
-        path = _resolved_dir(whole, kind, raw, overrides)
+        path = _resolved(whole, kind, "dir", raw, overrides)
         if path is None:
             return None, extra
     problem = unwritable(path)
     if problem:
-        given = next((w for w in overrides if w.partition("=")[0].lstrip("+") == f"hydra.{kind}.dir"), None)
-        raise ConfigError(f"{given or f'hydra.{kind}.dir={raw}'}: the output directory cannot be written: {problem}")
+        raise ConfigError(f"{_given(overrides, kind, 'dir', raw)}: the output directory cannot be written: {problem}")
     target = Path(path).absolute()
     return (target, existing_ancestor(target)), extra
 
 
-def _resolved_dir(whole: DictConfig, kind: str, raw: str, overrides: list[str]) -> str | None:
-    """hydra.<kind>.dir resolved as Hydra will resolve it (the `now` and `hydra` resolvers); None when it names a
+def check_job_dirs(sweep: Path, jobs: list[DictConfig], overrides: list[str]) -> None:
+    """Each job of a sweep runs in the sweep's directory joined with hydra.sweep.subdir (numbered as the launcher
+    numbers its jobs, from 0): ConfigError for the first that cannot be written, before Hydra makes the sweep's."""
+    for num, job in enumerate(jobs):
+        raw = OmegaConf.to_container(job.hydra.sweep, resolve=False)["subdir"]
+        job = job.copy()
+        with open_dict(job):
+            job.hydra.job.num, job.hydra.job.id = num, num
+        subdir = _resolved(job, "sweep", "subdir", raw, overrides)
+        problem = subdir and unwritable(str(sweep / subdir))
+        if problem:
+            raise ConfigError(f"{_given(overrides, 'sweep', 'subdir', raw)}: a job's directory cannot be written: "
+                              f"{problem}")
+
+
+def _given(overrides: list[str], kind: str, key: str, raw: str) -> str:
+    """The override that set hydra.<kind>.<key>, as typed, else the key and its value in the config."""
+    return next((w for w in overrides if w.partition("=")[0].lstrip("+") == f"hydra.{kind}.{key}"),
+                f"hydra.{kind}.{key}={raw}")
+
+
+def _resolved(whole: DictConfig, kind: str, key: str, raw: str, overrides: list[str]) -> str | None:
+    """hydra.<kind>.<key> resolved as Hydra will resolve it (the `now` and `hydra` resolvers); None when it names a
     value only the run sets (`${hydra:runtime.output_dir}`)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -56,18 +76,17 @@ def _resolved_dir(whole: DictConfig, kind: str, raw: str, overrides: list[str]) 
     previous = instance.cfg
     try:
         instance.set_config(whole)
-        value = whole.hydra[kind].dir
+        value = whole.hydra[kind][key]
     except MissingMandatoryValue:
         return None
     except (InterpolationResolutionError, OmegaConfBaseException, ValueError) as exc:
-        given = next((w for w in overrides if w.partition("=")[0].lstrip("+") == f"hydra.{kind}.dir"), None)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{given or f'hydra.{kind}.dir={raw}'}: the interpolation does not resolve: {reason}") \
+        raise ConfigError(f"{_given(overrides, kind, key, raw)}: the interpolation does not resolve: {reason}") \
             from None
     finally:
         instance.cfg = previous
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"hydra.{kind}.dir={raw}: not a directory name")
+        raise ConfigError(f"hydra.{kind}.{key}={raw}: not a directory name")
     return value
 
 

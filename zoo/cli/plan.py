@@ -22,7 +22,7 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.cli.directories import output_dir
+from zoo.cli.directories import check_job_dirs, output_dir
 from zoo.config.errors import ConfigError
 
 __all__ = ["Plan", "PlannedJobs", "plan", "MAX_JOBS", "MAX_RERUN_BYTES", "TASK_MODULE", "task_checks"]
@@ -117,6 +117,8 @@ def plan(argv: list[str]) -> Plan:
                     job_whole = hydra.config_loader.load_sweep_config(whole, list(job))
                 task_checks(_checked(job_whole, job), job_whole)
                 composed[tuple(job)] = job_whole
+            if directory is not None:
+                check_job_dirs(directory[0], list(composed.values()), overrides)
             return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory, config_name=config_name,
                         hydra=hydra, whole=whole, loader=PlannedJobs(hydra.config_loader, composed), jobs=len(jobs))
         whole = _compose(hydra, overrides, config_name, run_mode="run" if mode == "run" else "show")
