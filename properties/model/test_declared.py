@@ -23,7 +23,7 @@ from properties import clause
 from properties.core.declared import Attention, Declared
 from properties.core.rotary import describe
 from properties.core.routing import describe_rule
-from properties.model.checks import model_property, module_input, only, real_tokens
+from properties.model.checks import model_property, module_input, only, real_tokens, requires
 from properties.model.precision import precision_of
 from properties.model.test_models import pinned
 from properties.model.twin import NOT_CHECKED, add_note, observe, twin_fallback
@@ -36,9 +36,8 @@ MOE_TOKENS = 12
 
 
 def _declared(s) -> Declared:
-    if s.declared is None:
-        pytest.skip("Subject.declared is None: the model declares no per-part settings (hf_subject reads them from "
-                    "a transformers config)")
+    requires(s, "declared", "the model declares no per-part settings (hf_subject reads them from a transformers "
+                            "config)")
     if s.declared.not_checked:
         add_note(NOT_CHECKED + " | ".join(s.declared.not_checked))
     return s.declared

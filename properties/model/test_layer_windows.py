@@ -19,7 +19,7 @@ from hypothesis import example, strategies as st
 
 from properties import clause
 from properties.model.checks import (Batch, assert_window_gradient, model_property, module_input, real_tokens,
-                                     subject_args)
+                                     requires, subject_args)
 from properties.model.scale import SLACK
 from properties.model.test_models import pinned
 from properties.model.twin import observe, twin_fallback
@@ -64,10 +64,8 @@ def _windowed(s) -> list[tuple[int, int]]:
 @twin_fallback
 def test_window_in_each_layer(mut, data):
     s = mut.precise
-    if s.window is None:
-        pytest.skip("Subject.window is None: the model declares no sliding window")
-    if s.attention_modules is None:
-        pytest.skip("Subject.attention_modules is None: the windows are checked through the outputs only")
+    requires(s, "window", "the model declares no sliding window")
+    requires(s, "attention_modules", "the windows are checked through the outputs only")
     layers = [(layer, w) for layer, w in _windowed(s) if w + 1 <= s.max_len]
     if not layers:
         pytest.skip(f"max_len={s.max_len}: no window W leaves a key W positions back (windows {tuple(s.window)})")
