@@ -20,6 +20,7 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
+from properties.core.hooks import first_output, hooks_in_place
 from properties.core.declared import Attention, Declared
 from properties.core.rotary import describe
 from properties.core.routing import describe_rule
@@ -76,14 +77,11 @@ def _watched(parts):
             seen[key] = [module_input(args, kwargs)[0].detach()]
 
         def after(_, args, kwargs, output, key=id(part.module)):
-            seen[key].append((output[0] if isinstance(output, (tuple, list)) else output).detach())
+            seen[key].append(first_output(output).detach())
         handles += [part.module.register_forward_pre_hook(before, with_kwargs=True),
                     part.module.register_forward_hook(after, with_kwargs=True)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _declaration(a: Attention) -> str:
@@ -208,7 +206,7 @@ def test_norms_compute_their_declared_formula(mut, data):
         x = _norm_input(norm, seed, weight.device, weight.dtype).requires_grad_(True)
         with torch.enable_grad():
             y = norm.module(x)
-            y = y[0] if isinstance(y, (tuple, list)) else y
+            y = first_output(y)
             r = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(y)
             params = [p for p in norm.module.parameters() if p.requires_grad]
             grads = torch.autograd.grad((y * r).sum(), [x, *params], allow_unused=True)
@@ -262,7 +260,7 @@ def test_feed_forward_networks_compute_their_declared_activation(mut, data):
         x = (x * 2).to(weight.device, weight.dtype)
         with torch.no_grad():
             y = ffn.module(x)
-        y = y[0] if isinstance(y, (tuple, list)) else y
+        y = first_output(y)
         found = _outside(y, feed_forward(ffn, x, dtype))
         if found is not None:
             index, diff, bound, count = found
@@ -298,7 +296,7 @@ def test_experts_blocks_route_and_combine_as_declared(mut, data):
                         dtype=torch.float64).to(weight.device, weight.dtype)
         with torch.no_grad():
             y = block.module(x)
-        y = (y[0] if isinstance(y, (tuple, list)) else y).reshape(MOE_TOKENS, -1)
+        y = first_output(y).reshape(MOE_TOKENS, -1)
         expected, decided = experts_block(block, x.reshape(MOE_TOKENS, -1), dtype)
         assert decided.any(), (f"{block.name}: every one of {MOE_TOKENS} tokens lies within rounding of a tie between "
                                f"two experts; nothing to check")
@@ -349,11 +347,8 @@ def _ends_watched(ends):
         seen["head in"], seen["head"] = args[0].detach(), output.detach()
     handles += [ends.first_layer.register_forward_pre_hook(first, with_kwargs=True),
                 ends.head.register_forward_hook(head)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _scaled(value: torch.Tensor, scale: float, softcap: float | None, u: float) -> Approx:

@@ -18,6 +18,7 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
+from properties.core.hooks import first_output, hooks_in_place
 from properties.model.checks import (Batch, assert_window_gradient, model_property, module_input, real_tokens,
                                      requires, subject_args)
 from properties.model.scale import SLACK
@@ -44,14 +45,11 @@ def probed(module: torch.nn.Module):
         return put(hidden + seen["delta"])
 
     def after(_, args, kwargs, output):
-        seen["out"] = output[0] if isinstance(output, (tuple, list)) else output
+        seen["out"] = first_output(output)
     handles = [module.register_forward_pre_hook(before, with_kwargs=True),
                module.register_forward_hook(after, with_kwargs=True)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _windowed(s) -> list[tuple[int, int]]:
