@@ -44,6 +44,15 @@ def _declared(s) -> Declared:
     return s.declared
 
 
+def _parts_read(s, data, field: str, what: str) -> tuple[list, torch.dtype, int]:
+    """The declared parts of one kind (``field`` of Declared) the adapter read, the clause skipped when it read none;
+    the dtype their bounds are computed in; and the seed of their inputs, drawn."""
+    parts = getattr(_declared(s), field)
+    if not parts:
+        pytest.skip(f"no {what} the adapter could read (see the report's not-checked list)")
+    return parts, _dtype(s), data.draw(st.integers(0, 2**16), label="seed")
+
+
 def _dtype(s) -> torch.dtype:
     """The precision the bounds are computed in: what the suite measured the subject to compute in (a float64 twin
     with float32 islands: float32), else its parameters' dtype."""
@@ -195,13 +204,8 @@ def _norm_input(norm, seed: int, device, dtype) -> torch.Tensor:
 @model_property
 @twin_fallback
 def test_norms_compute_their_declared_formula(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.norms:
-        pytest.skip("no norm the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for norm in declared.norms:
+    norms, dtype, seed = _parts_read(mut.precise, data, "norms", "norm")
+    for norm in norms:
         weight = norm.module.weight
         x = _norm_input(norm, seed, weight.device, weight.dtype).requires_grad_(True)
         with torch.enable_grad():
@@ -248,13 +252,8 @@ def _norm_hint(norm, x, y, dtype) -> str:
 @model_property
 @twin_fallback
 def test_feed_forward_networks_compute_their_declared_activation(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.feed_forward:
-        pytest.skip("no feed-forward network the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for ffn in declared.feed_forward:
+    networks, dtype, seed = _parts_read(mut.precise, data, "feed_forward", "feed-forward network")
+    for ffn in networks:
         weight = ffn.weights()["down"][0]
         x = torch.randn((2, 3, weight.shape[0]), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         x = (x * 2).to(weight.device, weight.dtype)
@@ -284,13 +283,8 @@ def _ffn_hint(ffn, x, y, dtype) -> str:
 @model_property
 @twin_fallback
 def test_experts_blocks_route_and_combine_as_declared(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.experts:
-        pytest.skip("no mixture-of-experts block the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for block in declared.experts:
+    blocks, dtype, seed = _parts_read(mut.precise, data, "experts", "mixture-of-experts block")
+    for block in blocks:
         weight = block.router()[0]
         x = torch.randn((1, MOE_TOKENS, weight.shape[1]), generator=torch.Generator().manual_seed(seed),
                         dtype=torch.float64).to(weight.device, weight.dtype)
