@@ -62,8 +62,8 @@ def _timeout(config) -> float:
     if 0 < seconds < MIN_TIMEOUT:   # a limit that stops correct code (importing torch) verifies nothing
         given = getattr(getattr(config, "invocation_params", None), "args", ())
         name = "--kernel-timeout" if any(str(a).startswith("--kernel-timeout") for a in given) else "--call-timeout"
-        raise pytest.UsageError(f"{name} {config.getoption('call_timeout')!r}: expected 0 (no limit) or at least {MIN_TIMEOUT:g} s: "
-                                f"importing a plug-in or a first kernel call takes that long when nothing is wrong")
+        raise pytest.UsageError(f"{name} {config.getoption('call_timeout')!r}: expected 0 (no limit) or at least "
+                                f"{MIN_TIMEOUT:g} s: importing a plug-in or a first kernel call takes that long when nothing is wrong")
     return seconds
 
 
