@@ -53,6 +53,15 @@ def _parts_read(s, data, field: str, what: str) -> tuple[list, torch.dtype, int]
     return parts, _dtype(s), data.draw(st.integers(0, 2**16), label="seed")
 
 
+def _called(module, shape: tuple, weight: torch.Tensor, seed: int, spread: float = 1.0):
+    """(x, y): x Gaussian of ``shape`` from ``seed``, times ``spread``, on the device and in the dtype of ``weight``;
+    y = module(x) without gradients (its first output)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread
+    x = x.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        return x, first_output(module(x))
+
+
 def _dtype(s) -> torch.dtype:
     """The precision the bounds are computed in: what the suite measured the subject to compute in (a float64 twin
     with float32 islands: float32), else its parameters' dtype."""
@@ -255,11 +264,7 @@ def test_feed_forward_networks_compute_their_declared_activation(mut, data):
     networks, dtype, seed = _parts_read(mut.precise, data, "feed_forward", "feed-forward network")
     for ffn in networks:
         weight = ffn.weights()["down"][0]
-        x = torch.randn((2, 3, weight.shape[0]), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        x = (x * 2).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            y = ffn.module(x)
-        y = first_output(y)
+        x, y = _called(ffn.module, (2, 3, weight.shape[0]), weight, seed, spread=2.0)
         found = _outside(y, feed_forward(ffn, x, dtype))
         if found is not None:
             index, diff, bound, count = found
@@ -285,12 +290,9 @@ def _ffn_hint(ffn, x, y, dtype) -> str:
 def test_experts_blocks_route_and_combine_as_declared(mut, data):
     blocks, dtype, seed = _parts_read(mut.precise, data, "experts", "mixture-of-experts block")
     for block in blocks:
-        weight = block.router()[0]
-        x = torch.randn((1, MOE_TOKENS, weight.shape[1]), generator=torch.Generator().manual_seed(seed),
-                        dtype=torch.float64).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            y = block.module(x)
-        y = first_output(y).reshape(MOE_TOKENS, -1)
+        router = block.router()[0]
+        x, y = _called(block.module, (1, MOE_TOKENS, router.shape[1]), router, seed)
+        y = y.reshape(MOE_TOKENS, -1)
         expected, decided = experts_block(block, x.reshape(MOE_TOKENS, -1), dtype)
         assert decided.any(), (f"{block.name}: every one of {MOE_TOKENS} tokens lies within rounding of a tie between "
                                f"two experts; nothing to check")
