@@ -112,6 +112,9 @@ def bench_plugin_cost(runs: int = 7) -> dict:
                 subprocess.run([*command, *extra], cwd=tmp, capture_output=True, text=True, timeout=300, check=True)
                 samples[key].append(children_cpu_seconds() - start)
     medians = {key: statistics.median(values) for key, values in samples.items()}
+    print(f"an unrelated one-test pytest run: {medians['with_plugin']:.2f} s CPU with the plug-in, "
+          f"{medians['without_plugin']:.2f} s without (medians of {runs}; difference "
+          f"{medians['with_plugin'] - medians['without_plugin']:+.2f} s)", flush=True)
     return {"command": " ".join(command[2:]) + "  (and with -p no:properties.plugin)", "runs": runs,
             **{key: {"cpu_seconds_median": medians[key], "cpu_seconds": [round(v, 3) for v in samples[key]]}
                for key in samples},
@@ -229,6 +232,28 @@ def write_readme_durations(results: dict, path: Path = ROOT / "README.md") -> li
     return changes
 
 
+def bench_test_command() -> dict:
+    """README's test command, run once from the repository root."""
+    measured = run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
+    print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
+          f"({measured['summary']})", flush=True)
+    return measured
+
+
+# What a run measures instead of the spec suite: the option, the key of results.json it is recorded under, what it
+# measures (the option's help) and the function that measures it.
+MEASUREMENTS = (
+    ("--test-command", "test_command", "the README's test command (its pytest with its arguments, from the repository "
+                                       "root: every test CI runs)", bench_test_command),
+    ("--plugin-cost", "plugin_cost", "what the suite's plug-in costs an unrelated one-test pytest run (CPU time, with "
+                                     "and without it)", bench_plugin_cost),
+    ("--recipes", "recipes", "README's recipes as a user runs them (kernel, model, the zoo's task=verify)",
+     bench_recipes),
+    ("--distributed", "distributed", "the distributed level (pytest properties/ --world-size 2, the zoo's "
+                                     "context-parallel kernels on 2 gloo ranks) three times", bench_distributed),
+)
+
+
 def main(argv=None) -> int:
     import argparse
     import datetime
@@ -237,35 +262,15 @@ def main(argv=None) -> int:
     from bench.common import write_json_atomic
 
     parser = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.splitlines()[0])
-    parser.add_argument("--test-command", action="store_true",
-                        help="measure the README's test command (its pytest with its arguments, from the repository root: "
-                             "every test CI runs) instead of the spec suite; recorded under \"test_command\"")
-    parser.add_argument("--plugin-cost", action="store_true",
-                        help="measure what the suite's plug-in costs an unrelated one-test pytest run (CPU time, with "
-                             "and without it); recorded under \"plugin_cost\"")
-    parser.add_argument("--recipes", action="store_true",
-                        help="measure README's recipes as a user runs them (kernel, model, the zoo's task=verify); "
-                             "recorded under \"recipes\"")
-    parser.add_argument("--distributed", action="store_true",
-                        help="measure the distributed level (pytest properties/ --world-size 2, the zoo's "
-                             "context-parallel kernels on 2 gloo ranks) three times; recorded under \"distributed\"")
+    instead = parser.add_mutually_exclusive_group()
+    for option, key, what, _ in MEASUREMENTS:
+        instead.add_argument(option, dest="key", action="store_const", const=key,
+                             help=f"measure {what} instead of the spec suite; recorded under \"{key}\"")
     parser.add_argument("--out", default="bench/results.json", help="results JSON to merge into ('' to skip)")
     args = parser.parse_args(argv)
-    if args.test_command:
-        key, measured = "test_command", run_pytest(*readme_test_arguments(), paths=(), timeout=3600)
-        print(f"pytest: {fmt_seconds(measured['seconds'])} wall, {fmt_seconds(measured['cpu_seconds'])} CPU "
-              f"({measured['summary']})", flush=True)
-    elif args.distributed:
-        key, measured = "distributed", bench_distributed()
-    elif args.plugin_cost:
-        key, measured = "plugin_cost", bench_plugin_cost()
-        print(f"an unrelated one-test pytest run: {measured['with_plugin']['cpu_seconds_median']:.2f} s CPU with the "
-              f"plug-in, {measured['without_plugin']['cpu_seconds_median']:.2f} s without (medians of "
-              f"{measured['runs']}; difference {measured['difference_cpu_seconds']:+.2f} s)", flush=True)
-    elif args.recipes:
-        key, measured = "recipes", bench_recipes()
-    else:
-        key, measured = "suite", bench_suite()
+    key = args.key or "suite"
+    measure = {k: fn for _, k, _, fn in MEASUREMENTS}.get(key, bench_suite)
+    measured = measure()
     if key != "suite":   # when and under what load (the suite's record carries its machine elsewhere)
         measured["measured_on"] = datetime.date.today().isoformat()
         if hasattr(os, "getloadavg"):

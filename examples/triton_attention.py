@@ -70,6 +70,28 @@ def _to(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _rows_of(X, n, h, rows, length, s_n, s_h, s_l, s_e, HEAD: tl.constexpr):
+    """Pointers to the (rows, HEAD) tile of head h of sequence n of an (N, H, length, HEAD) tensor of strides s_*, and
+    the mask of the rows inside it."""
+    feat = tl.arange(0, HEAD)
+    return X + n * s_n + h * s_h + rows[:, None] * s_l + feat[None, :] * s_e, rows[:, None] < length
+
+
+@triton.jit
+def _load_rows(X, n, h, rows, length, s_n, s_h, s_l, s_e, HEAD: tl.constexpr):
+    """The (rows, HEAD) tile of head h of sequence n (``_rows_of``); rows past ``length`` read 0."""
+    pointers, inside = _rows_of(X, n, h, rows, length, s_n, s_h, s_l, s_e, HEAD)
+    return tl.load(pointers, mask=inside, other=0.0)
+
+
+@triton.jit
+def _store_rows(X, value, n, h, rows, length, s_n, s_h, s_l, s_e, HEAD: tl.constexpr):
+    """Writes ``value`` into the (rows, HEAD) tile of head h of sequence n (``_rows_of``), rows past ``length`` left."""
+    pointers, inside = _rows_of(X, n, h, rows, length, s_n, s_h, s_l, s_e, HEAD)
+    tl.store(pointers, value, mask=inside)
+
+
+@triton.jit
 def _forward(Q, K, V, O, LSE, qk_scale,
              sq_n, sq_h, sq_l, sq_e, sk_n, sk_h, sk_s, sk_e, sv_n, sv_h, sv_s, sv_e, so_n, so_h, so_l, so_e,
              H, GROUP, L, S,
@@ -81,8 +103,7 @@ def _forward(Q, K, V, O, LSE, qk_scale,
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     feat = tl.arange(0, HEAD)
-    q = tl.load(Q + n * sq_n + h * sq_h + rows[:, None] * sq_l + feat[None, :] * sq_e,
-                mask=rows[:, None] < L, other=0.0)
+    q = _load_rows(Q, n, h, rows, L, sq_n, sq_h, sq_l, sq_e, HEAD)
     K += n * sk_n + kv * sk_h
     V += n * sv_n + kv * sv_h
 
@@ -109,8 +130,7 @@ def _forward(Q, K, V, O, LSE, qk_scale,
         acc = acc * alpha[:, None] + _dot(_to(p, v.dtype, UPCAST), v, UPCAST)
         m = m_new
     out = acc / l[:, None]
-    tl.store(O + n * so_n + h * so_h + rows[:, None] * so_l + feat[None, :] * so_e, _to(out, O.dtype.element_ty, UPCAST),
-             mask=rows[:, None] < L)
+    _store_rows(O, _to(out, O.dtype.element_ty, UPCAST), n, h, rows, L, so_n, so_h, so_l, so_e, HEAD)
     tl.store(LSE + nh * L + rows, m + tl.log2(l), mask=rows < L)
 
 
@@ -121,10 +141,8 @@ def _delta(O, DO, DELTA, so_n, so_h, so_l, so_e, sd_n, sd_h, sd_l, sd_e, H, L,
     tile, nh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # offsets may pass 2**31
     n, h = nh // H, nh % H
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    feat = tl.arange(0, HEAD)
-    inside = rows[:, None] < L
-    o = tl.load(O + n * so_n + h * so_h + rows[:, None] * so_l + feat[None, :] * so_e, mask=inside, other=0.0)
-    do = tl.load(DO + n * sd_n + h * sd_h + rows[:, None] * sd_l + feat[None, :] * sd_e, mask=inside, other=0.0)
+    o = _load_rows(O, n, h, rows, L, so_n, so_h, so_l, so_e, HEAD)
+    do = _load_rows(DO, n, h, rows, L, sd_n, sd_h, sd_l, sd_e, HEAD)
     tl.store(DELTA + nh * L + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < L)
 
 
@@ -141,9 +159,8 @@ def _backward_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, scale,
     n, kv = nkv // KV, nkv % KV
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     feat = tl.arange(0, HEAD)
-    inside = keys[:, None] < S
-    k = tl.load(K + n * sk_n + kv * sk_h + keys[:, None] * sk_s + feat[None, :] * sk_e, mask=inside, other=0.0)
-    v = tl.load(V + n * sv_n + kv * sv_h + keys[:, None] * sv_s + feat[None, :] * sv_e, mask=inside, other=0.0)
+    k = _load_rows(K, n, kv, keys, S, sk_n, sk_h, sk_s, sk_e, HEAD)
+    v = _load_rows(V, n, kv, keys, S, sv_n, sv_h, sv_s, sv_e, HEAD)
     dk = tl.zeros([BLOCK_N, HEAD], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD], tl.float32)
     first = 0
@@ -161,17 +178,14 @@ def _backward_key_tile(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, scale,
             if CAUSAL:
                 admissible = admissible & (keys[:, None] <= rows[None, :])
             p_t = tl.where(admissible, tl.exp2(s_t - lse[None, :]), 0.0)
-            do = tl.load(DO + n * sd_n + h * sd_h + rows[:, None] * sd_l + feat[None, :] * sd_e,
-                         mask=rows[:, None] < L, other=0.0)
+            do = _load_rows(DO, n, h, rows, L, sd_n, sd_h, sd_l, sd_e, HEAD)
             dv += _dot(_to(p_t, do.dtype, UPCAST), do, UPCAST)
             delta = tl.load(DELTA + (n * H + h) * L + rows, mask=rows < L, other=0.0)
             dp_t = _dot(v, tl.trans(do), UPCAST)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _dot(_to(ds_t, k.dtype, UPCAST), tl.trans(q_t), UPCAST)
-    tl.store(DK + n * sdk_n + kv * sdk_h + keys[:, None] * sdk_s + feat[None, :] * sdk_e,
-             _to(dk * scale, DK.dtype.element_ty, UPCAST), mask=inside)
-    tl.store(DV + n * sdv_n + kv * sdv_h + keys[:, None] * sdv_s + feat[None, :] * sdv_e,
-             _to(dv, DV.dtype.element_ty, UPCAST), mask=inside)
+    _store_rows(DK, _to(dk * scale, DK.dtype.element_ty, UPCAST), n, kv, keys, S, sdk_n, sdk_h, sdk_s, sdk_e, HEAD)
+    _store_rows(DV, _to(dv, DV.dtype.element_ty, UPCAST), n, kv, keys, S, sdv_n, sdv_h, sdv_s, sdv_e, HEAD)
 
 
 @triton.jit
@@ -187,9 +201,8 @@ def _backward_query_tile(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, scale,
     kv = h // GROUP
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     feat = tl.arange(0, HEAD)
-    inside = rows[:, None] < L
-    q = tl.load(Q + n * sq_n + h * sq_h + rows[:, None] * sq_l + feat[None, :] * sq_e, mask=inside, other=0.0)
-    do = tl.load(DO + n * sd_n + h * sd_h + rows[:, None] * sd_l + feat[None, :] * sd_e, mask=inside, other=0.0)
+    q = _load_rows(Q, n, h, rows, L, sq_n, sq_h, sq_l, sq_e, HEAD)
+    do = _load_rows(DO, n, h, rows, L, sd_n, sd_h, sd_l, sd_e, HEAD)
     lse = tl.load(LSE + nh * L + rows, mask=rows < L, other=0.0)
     delta = tl.load(DELTA + nh * L + rows, mask=rows < L, other=0.0)
     K += n * sk_n + kv * sk_h
@@ -203,14 +216,13 @@ def _backward_query_tile(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, scale,
         k_t = tl.load(K + keys[None, :] * sk_s + feat[:, None] * sk_e, mask=keys[None, :] < S, other=0.0)
         v_t = tl.load(V + keys[None, :] * sv_s + feat[:, None] * sv_e, mask=keys[None, :] < S, other=0.0)
         s = _dot(q, k_t, UPCAST) * qk_scale
-        admissible = (keys[None, :] < S) & inside
+        admissible = (keys[None, :] < S) & (rows[:, None] < L)
         if CAUSAL:
             admissible = admissible & (keys[None, :] <= rows[:, None])
         p = tl.where(admissible, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (_dot(do, v_t, UPCAST) - delta[:, None])
         dq += _dot(_to(ds, q.dtype, UPCAST), tl.trans(k_t), UPCAST)
-    tl.store(DQ + n * sdq_n + h * sdq_h + rows[:, None] * sdq_l + feat[None, :] * sdq_e,
-             _to(dq * scale, DQ.dtype.element_ty, UPCAST), mask=inside)
+    _store_rows(DQ, _to(dq * scale, DQ.dtype.element_ty, UPCAST), n, h, rows, L, sdq_n, sdq_h, sdq_l, sdq_e, HEAD)
 
 
 _INTERPRETED = type(_forward).__name__ == "InterpretedFunction"   # TRITON_INTERPRET=1 when this module loaded

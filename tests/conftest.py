@@ -28,16 +28,16 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def _finished_run_once(tmp_path_factory):
+def finished_run_once(tmp_path_factory):
+    """A finished tiny run (checkpoints at steps 2 and 4), trained once a session: tests copy it, never write in it."""
     out = tmp_path_factory.mktemp("finished-run")
     train(train_config(out, "task.steps=4", "task.checkpoint_every=2"), quiet=True)
     return out
 
 
 @pytest.fixture
-def finished_run(_finished_run_once, tmp_path):
-    """A finished tiny run (checkpoints at steps 2 and 4) of the test's own, in tmp_path: a copy of one run trained
-    once a session (tests damage and extend it), as tests/test_safety.py's are. A checkpoint names no directory of
-    its own: a copy is the same run (test_safety resumes and decodes copies)."""
-    shutil.copytree(_finished_run_once, tmp_path, dirs_exist_ok=True)
+def finished_run(finished_run_once, tmp_path):
+    """The test's own copy of ``finished_run_once``, in tmp_path (tests damage and extend it). A checkpoint names no
+    directory of its own: a copy is the same run (tests/test_safety.py resumes and decodes copies)."""
+    shutil.copytree(finished_run_once, tmp_path, dirs_exist_ok=True)
     return tmp_path

@@ -18,11 +18,21 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
-def raises_on_rank_1(q, k, v, *, group=None, **kwargs):
+def _fault_on_rank_1(fault):
+    """The kernel named and described by ``fault``: the zoo's ring, where rank 1 first calls ``fault()`` (none of
+    them returns)."""
+    def kernel(q, k, v, *, group=None, **kwargs):
+        if _rank(group) == 1:
+            fault()
+        return ring_attention(q, k, v, group=group, **kwargs)
+    kernel.__name__, kernel.__qualname__, kernel.__doc__ = fault.__name__, fault.__qualname__, fault.__doc__
+    return kernel
+
+
+@_fault_on_rank_1
+def raises_on_rank_1():
     """Rank 1 raises before the first collective; rank 0 waits in it."""
-    if _rank(group) == 1:
-        raise RuntimeError("rank 1 lost its key cache")
-    return ring_attention(q, k, v, group=group, **kwargs)
+    raise RuntimeError("rank 1 lost its key cache")
 
 
 def wrong_shape_on_rank_1(q, k, v, *, group=None, **kwargs):
@@ -31,19 +41,17 @@ def wrong_shape_on_rank_1(q, k, v, *, group=None, **kwargs):
     return out[..., :-1, :] if _rank(group) == 1 else out
 
 
-def hangs_on_rank_1(q, k, v, *, group=None, **kwargs):
+@_fault_on_rank_1
+def hangs_on_rank_1():
     """Rank 1 never joins the ring's collectives (it sleeps); rank 0 waits for it."""
-    if _rank(group) == 1:
-        time.sleep(3600)
-    return ring_attention(q, k, v, group=group, **kwargs)
+    time.sleep(3600)
 
 
-def hangs_on_rank_1_ignoring_alarms(q, k, v, *, group=None, **kwargs):
+@_fault_on_rank_1
+def hangs_on_rank_1_ignoring_alarms():
     """Rank 1 blocks SIGALRM and sleeps: only the driver's deadline and a kill stop it."""
-    if _rank(group) == 1:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        time.sleep(3600)
-    return ring_attention(q, k, v, group=group, **kwargs)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(3600)
 
 
 def skips_the_ring_on_rank_1(q, k, v, *, group=None, **kwargs):
@@ -53,18 +61,16 @@ def skips_the_ring_on_rank_1(q, k, v, *, group=None, **kwargs):
     return ring_attention(q, k, v, group=group, **kwargs)
 
 
-def exits_on_rank_1(q, k, v, *, group=None, **kwargs):
+@_fault_on_rank_1
+def exits_on_rank_1():
     """Rank 1 ends its process (os._exit: no exception, no atexit)."""
-    if _rank(group) == 1:
-        os._exit(3)
-    return ring_attention(q, k, v, group=group, **kwargs)
+    os._exit(3)
 
 
-def killed_on_rank_1(q, k, v, *, group=None, **kwargs):
+@_fault_on_rank_1
+def killed_on_rank_1():
     """Rank 1 dies of a signal (as a segfault or the OOM killer ends it)."""
-    if _rank(group) == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return ring_attention(q, k, v, group=group, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def calls_init_process_group(q, k, v, *, group=None, **kwargs):

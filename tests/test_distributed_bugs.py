@@ -21,40 +21,35 @@ WORLD = 2
 TIMEOUT = 120   # seconds for the whole run (spawn, import torch, every case on both ranks)
 BUGS = "properties.catalog.distributed_bugs"
 
-# name -> (kernel, twin, layout, problem): problem = (heads, kv_heads, length, causal, dtype, spread). The twins are
-# the zoo's kernels (by name) or the catalog's balanced zigzag ring.
+def _case(kernel, *, causal, twin="ring", layout="contiguous", heads=2, kv_heads=2, length=8, dtype=torch.float64,
+          spread=1.0):
+    """(kernel, twin, layout, problem), problem = (heads, kv_heads, length, causal, dtype, spread): the twins are the
+    zoo's kernels (by name) or the catalog's balanced zigzag ring."""
+    return kernel, twin, layout, (heads, kv_heads, length, causal, dtype, spread)
+
+
+HALF = dict(length=4, spread=16.0)   # the 16-bit merge: scores in the tens
 CASES = {
-    "stale_kv_backward": ("stale_kv_backward", "ring", "contiguous", (2, 2, 8, False, torch.float64, 1.0)),
-    "zigzag_chunks_swapped_in_backward": ("zigzag_chunks_swapped_in_backward", "ring", "zigzag",
-                                          (2, 2, 8, True, torch.float64, 1.0)),
-    "kv_transposed_twice_in_backward": ("kv_transposed_twice_in_backward", "ring", "contiguous",
-                                        (2, 2, 4, False, torch.float64, 1.0)),
-    "local_lse_in_backward": ("local_lse_in_backward", "ring", "contiguous", (2, 2, 8, True, torch.float64, 1.0)),
-    "ring_receives_into_callers_shards": ("ring_receives_into_callers_shards", "ring", "contiguous",
-                                          (2, 2, 8, False, torch.float64, 1.0)),
-    "causal_mask_from_local_positions": ("causal_mask_from_local_positions", "ring", "contiguous",
-                                         (2, 2, 8, True, torch.float64, 1.0)),
-    "rank_offset_off_by_one": ("rank_offset_off_by_one", "ring", "contiguous", (2, 2, 8, True, torch.float64, 1.0)),
-    "partial_states_in_16_bits, bfloat16": ("partial_states_in_16_bits", "ring", "contiguous",
-                                            (2, 2, 4, True, torch.bfloat16, 16.0)),
-    "partial_states_in_16_bits, float16": ("partial_states_in_16_bits", "ring", "contiguous",
-                                           (2, 2, 4, True, torch.float16, 16.0)),
-    "partial_states_in_16_bits, float32": ("partial_states_in_16_bits", "ring", "contiguous",
-                                           (2, 2, 4, True, torch.float32, 16.0)),
-    "empty_block_finite_lse": ("empty_block_finite_lse", "ring", "contiguous", (2, 2, 8, True, torch.float64, 1.0)),
-    "scale_twice_on_remote_blocks": ("scale_twice_on_remote_blocks", "ring", "contiguous",
-                                     (2, 2, 8, False, torch.float64, 1.0)),
-    "balanced_schedule_when_not_causal": ("balanced_schedule_when_not_causal", "balanced_zigzag", "zigzag",
-                                          (2, 2, 8, False, torch.float64, 1.0)),
-    "balanced_schedule_when_not_causal, causal": ("balanced_schedule_when_not_causal", "balanced_zigzag", "zigzag",
-                                                  (2, 2, 8, True, torch.float64, 1.0)),
-    "ulysses_heads_and_rows_swapped": ("ulysses_heads_and_rows_swapped", "ulysses", "contiguous",
-                                       (2, 2, 8, False, torch.float64, 1.0)),
-    "ulysses_kv_heads_tiled": ("ulysses_kv_heads_tiled", "ulysses", "contiguous", (6, 3, 8, True, torch.float64, 1.0)),
-    "ulysses_kv_heads_tiled, one key/value head": ("ulysses_kv_heads_tiled", "ulysses", "contiguous",
-                                                   (4, 1, 8, True, torch.float64, 1.0)),
-    "allgather_without_dkv_reduction": ("allgather_without_dkv_reduction", "allgather_kv", "contiguous",
-                                        (2, 2, 8, True, torch.float64, 1.0)),
+    "stale_kv_backward": _case("stale_kv_backward", causal=False),
+    "zigzag_chunks_swapped_in_backward": _case("zigzag_chunks_swapped_in_backward", causal=True, layout="zigzag"),
+    "kv_transposed_twice_in_backward": _case("kv_transposed_twice_in_backward", causal=False, length=4),
+    "local_lse_in_backward": _case("local_lse_in_backward", causal=True),
+    "ring_receives_into_callers_shards": _case("ring_receives_into_callers_shards", causal=False),
+    "causal_mask_from_local_positions": _case("causal_mask_from_local_positions", causal=True),
+    "rank_offset_off_by_one": _case("rank_offset_off_by_one", causal=True),
+    **{f"partial_states_in_16_bits, {dtype}": _case("partial_states_in_16_bits", causal=True,
+                                                     dtype=getattr(torch, dtype), **HALF)
+       for dtype in ("bfloat16", "float16", "float32")},
+    "empty_block_finite_lse": _case("empty_block_finite_lse", causal=True),
+    "scale_twice_on_remote_blocks": _case("scale_twice_on_remote_blocks", causal=False),
+    **{name: _case("balanced_schedule_when_not_causal", causal=causal, twin="balanced_zigzag", layout="zigzag")
+       for name, causal in (("balanced_schedule_when_not_causal", False),
+                            ("balanced_schedule_when_not_causal, causal", True))},
+    "ulysses_heads_and_rows_swapped": _case("ulysses_heads_and_rows_swapped", causal=False, twin="ulysses"),
+    "ulysses_kv_heads_tiled": _case("ulysses_kv_heads_tiled", causal=True, twin="ulysses", heads=6, kv_heads=3),
+    "ulysses_kv_heads_tiled, one key/value head": _case("ulysses_kv_heads_tiled", causal=True, twin="ulysses",
+                                                        heads=4, kv_heads=1),
+    "allgather_without_dkv_reduction": _case("allgather_without_dkv_reduction", causal=True, twin="allgather_kv"),
 }
 
 

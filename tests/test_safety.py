@@ -52,18 +52,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 """
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trained")
-    train(train_config(out, "task.steps=4", "task.checkpoint_every=2"), quiet=True)
-    return out
-
-
 @pytest.fixture
-def run(trained, tmp_path):
-    """A private copy of a finished tiny run (steps 2 and 4), a victim file and a sentinel module beside it."""
+def run(finished_run_once, tmp_path):
+    """A private copy of the session's finished tiny run (steps 2 and 4), in tmp_path/run: the bait goes beside it."""
     copy = tmp_path / "run"
-    shutil.copytree(trained, copy)
+    shutil.copytree(finished_run_once, copy)
     return copy
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from properties.core.hooks import first_output, hooks_in_place
 from properties.core.routing import RoutingRule
 from properties.core.subject import Route, SubjectError
 
@@ -145,7 +146,7 @@ def routing(model: nn.Module, *, top_k: bool | None = None, normalized: bool | N
         handles = []
         for index, ((router, experts), rule) in enumerate(zip(layers, rules)):
             def logits(_, args, output, index=index):
-                pending[index] = output[0] if isinstance(output, (tuple, list)) else output
+                pending[index] = first_output(output)
 
             def combined(_, args, kwargs, index=index, rule=rule):
                 values = list(args) + list(kwargs.values())
@@ -158,11 +159,8 @@ def routing(model: nn.Module, *, top_k: bool | None = None, normalized: bool | N
                                     rule=rule))
             handles += [router.register_forward_hook(logits),
                         experts.register_forward_pre_hook(combined, with_kwargs=True)]
-        try:
+        with hooks_in_place(handles):
             yield routes
-        finally:
-            for handle in handles:
-                handle.remove()
     return record
 
 

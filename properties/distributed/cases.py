@@ -28,7 +28,7 @@ from properties.core.tolerance import output_bound, softmax_bounds
 from properties.distributed.layouts import rows_of
 from properties.kernel.gradients import gradient_oracle
 
-__all__ = ["CPCase", "Pin", "as_case", "cp_cases", "merged_states", "Expected", "expected", "check_output",
+__all__ = ["CPCase", "Pin", "as_case", "cp_cases", "case_for", "merged_states", "Expected", "expected", "check_output",
            "check_gradients", "rank_of_worst", "HALF_PIN", "FLOAT16_PIN", "GROUPED_PIN", "UNEVEN_GROUPS_PIN",
            "FLOAT_PIN"]
 
@@ -95,6 +95,14 @@ def as_case(case, kernel) -> CPCase:
     heads = case.heads_per_rank * kernel.size
     return CPCase(b=1, heads=heads, kv_heads=case.kv_heads or heads, length=case.multiple * unit, e=case.e, ev=case.ev,
                   dtype=case.dtype, causal=case.causal, scale=case.scale, spread=case.spread, seed=0)
+
+
+def case_for(example, kernel, **features) -> CPCase:
+    """A clause's problem: a Pin (from @example) resolved for ``kernel``, else drawn from ``example`` (st.data()) with
+    the features the clause needs forced (``cp_cases``'s keywords)."""
+    if isinstance(example, Pin):
+        return as_case(example, kernel)
+    return example.draw(cp_cases(kernel, **features), label="case")
 
 
 # Pinned in the clauses (the rows every run poses first, whatever Hypothesis draws):

@@ -12,8 +12,8 @@ from hypothesis import example, given, strategies as st
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
 from properties.core.strategies import derived_generator
-from properties.distributed.cases import (FLOAT_PIN, GROUPED_PIN, HALF_PIN, UNEVEN_GROUPS_PIN, Pin, as_case,
-                                          check_output, cp_cases, expected)
+from properties.distributed.cases import (FLOAT_PIN, GROUPED_PIN, HALF_PIN, UNEVEN_GROUPS_PIN, case_for, check_output,
+                                          cp_cases, expected)
 from properties.distributed.layouts import rows_of
 
 
@@ -34,7 +34,7 @@ def test_every_rank_returns_its_shard(cp_kernel, data):
 @given(case=st.data())
 def test_output_agrees_with_the_oracle_of_the_whole_sequence(cp_kernel, case):
     cp_kernel.require()
-    case = case.draw(cp_cases(cp_kernel), label="case") if not isinstance(case, Pin) else as_case(case, cp_kernel)
+    case = case_for(case, cp_kernel)
     q, k, v, _ = case.tensors()
     result = cp_kernel(q, k, v, **case.kwargs())
     check_output(result.out, expected(case, q, k, v, world=cp_kernel.size, layout=cp_kernel.layout),
@@ -46,8 +46,7 @@ def test_output_agrees_with_the_oracle_of_the_whole_sequence(cp_kernel, case):
 @given(case=st.data(), cut=st.data())
 def test_causal_queries_never_see_later_keys_on_any_rank(cp_kernel, case, cut):
     cp_kernel.require("causal")
-    case = (case.draw(cp_cases(cp_kernel, causal=True), label="case") if not isinstance(case, Pin)
-            else as_case(case, cp_kernel))
+    case = case_for(case, cp_kernel, causal=True)
     world, layout = cp_kernel.size, cp_kernel.layout
     boundaries = sorted({int(rows.min()) for rows in rows_of(case.length, world, layout) if len(rows)} - {0})
     if cut is None:
@@ -90,8 +89,7 @@ def test_scale_replaces_the_default_on_every_rank(cp_kernel, data):
 @given(case=st.data())
 def test_grouped_heads_read_their_key_value_head_on_every_rank(cp_kernel, case):
     cp_kernel.require("gqa")
-    case = (case.draw(cp_cases(cp_kernel, gqa=True), label="case") if not isinstance(case, Pin)
-            else as_case(case, cp_kernel))
+    case = case_for(case, cp_kernel, gqa=True)
     q, k, v, _ = case.tensors()
     result = cp_kernel(q, k, v, **case.kwargs())
     check_output(result.out, expected(case, q, k, v, world=cp_kernel.size, layout=cp_kernel.layout),

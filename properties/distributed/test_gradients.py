@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import example, given, strategies as st
 
 from properties import clause
-from properties.distributed.cases import (FLOAT16_PIN, GROUPED_PIN, HALF_PIN, Pin, as_case, check_gradients,
-                                          check_output, cp_cases, expected)
+from properties.distributed.cases import (FLOAT16_PIN, GROUPED_PIN, HALF_PIN, case_for, check_gradients, check_output,
+                                          expected)
 
 
 @clause("CP-GRAD")
@@ -16,7 +16,7 @@ from properties.distributed.cases import (FLOAT16_PIN, GROUPED_PIN, HALF_PIN, Pi
 @given(case=st.data())
 def test_gradients_agree_with_the_oracle_of_the_whole_sequence(cp_kernel, case):
     cp_kernel.require("backward")
-    case = case.draw(cp_cases(cp_kernel), label="case") if not isinstance(case, Pin) else as_case(case, cp_kernel)
+    case = case_for(case, cp_kernel)
     q, k, v, do = case.tensors()
     world, layout = cp_kernel.size, cp_kernel.layout
     result = cp_kernel(q, k, v, grad_out=do, **case.kwargs())

@@ -7,7 +7,7 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_identical, assert_within
-from properties.distributed.cases import FLOAT_PIN, Pin, as_case, check_output, cp_cases, expected
+from properties.distributed.cases import FLOAT_PIN, case_for, check_output, cp_cases, expected
 
 
 @clause("CP-INPUTS-UNCHANGED")
@@ -15,7 +15,7 @@ from properties.distributed.cases import FLOAT_PIN, Pin, as_case, check_output, 
 @given(case=st.data())
 def test_no_rank_writes_into_its_shards(cp_kernel, case):
     cp_kernel.require()
-    case = case.draw(cp_cases(cp_kernel), label="case") if not isinstance(case, Pin) else as_case(case, cp_kernel)
+    case = case_for(case, cp_kernel)
     q, k, v, do = case.tensors()
     grad = "backward" not in cp_kernel.declined
     result = cp_kernel(q, k, v, grad_out=do if grad else None, **case.kwargs())

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from properties.core.assertions import assert_all
+from properties.core.declines import decline_reason
 from properties.core.watchdog import cause, describe_args, raised, user_call
 from properties.kernel import coverage
 from properties.kernel.guard import KernelContractError, NamedKernel, check_lse, check_output
-from properties.kernel.limits import decline_reason
 
 __all__ = ["MergeKernel", "resolve_merge_kernel", "merge_params", "FIXTURE", "ZOO_MERGE"]
 

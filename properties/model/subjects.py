@@ -25,6 +25,7 @@ from properties.model.precision import Narrowing, Precision, allowed_dtypes, pre
 from properties.core.dtypes import device_unavailable
 from zoo.config.options import FAMILIES, POSITIONS
 from properties.core import evidence
+from properties.core.hooks import hooks_in_place
 from properties.core.subject import (Subject, SubjectError, as_subject, load_subject, moved, same_draws, watched,
                                      zoo_subject)
 
@@ -243,12 +244,8 @@ class _DtypeRecorder(TorchDispatchMode):
         def leave(module, _, __):
             if self.stack:
                 self.stack.pop()
-        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-        try:
+        with hooks_in_place([register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def narrowings(self, dtypes) -> tuple[Narrowing, ...]:
         return tuple(Narrowing(where, op, dtype, count) for (where, dtype), (op, count) in self.found.items()

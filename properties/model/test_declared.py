@@ -20,10 +20,11 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
+from properties.core.hooks import first_output, hooks_in_place
 from properties.core.declared import Attention, Declared
 from properties.core.rotary import describe
 from properties.core.routing import describe_rule
-from properties.model.checks import model_property, module_input, only, real_tokens
+from properties.model.checks import model_property, module_input, only, real_tokens, requires
 from properties.model.precision import precision_of
 from properties.model.test_models import pinned
 from properties.model.twin import NOT_CHECKED, add_note, observe, twin_fallback
@@ -36,12 +37,29 @@ MOE_TOKENS = 12
 
 
 def _declared(s) -> Declared:
-    if s.declared is None:
-        pytest.skip("Subject.declared is None: the model declares no per-part settings (hf_subject reads them from "
-                    "a transformers config)")
+    requires(s, "declared", "the model declares no per-part settings (hf_subject reads them from a transformers "
+                            "config)")
     if s.declared.not_checked:
         add_note(NOT_CHECKED + " | ".join(s.declared.not_checked))
     return s.declared
+
+
+def _parts_read(s, data, field: str, what: str) -> tuple[list, torch.dtype, int]:
+    """The declared parts of one kind (``field`` of Declared) the adapter read, the clause skipped when it read none;
+    the dtype their bounds are computed in; and the seed of their inputs, drawn."""
+    parts = getattr(_declared(s), field)
+    if not parts:
+        pytest.skip(f"no {what} the adapter could read (see the report's not-checked list)")
+    return parts, _dtype(s), data.draw(st.integers(0, 2**16), label="seed")
+
+
+def _called(module, shape: tuple, weight: torch.Tensor, seed: int, spread: float = 1.0):
+    """(x, y): x Gaussian of ``shape`` from ``seed``, times ``spread``, on the device and in the dtype of ``weight``;
+    y = module(x) without gradients (its first output)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread
+    x = x.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        return x, first_output(module(x))
 
 
 def _dtype(s) -> torch.dtype:
@@ -77,14 +95,11 @@ def _watched(parts):
             seen[key] = [module_input(args, kwargs)[0].detach()]
 
         def after(_, args, kwargs, output, key=id(part.module)):
-            seen[key].append((output[0] if isinstance(output, (tuple, list)) else output).detach())
+            seen[key].append(first_output(output).detach())
         handles += [part.module.register_forward_pre_hook(before, with_kwargs=True),
                     part.module.register_forward_hook(after, with_kwargs=True)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _declaration(a: Attention) -> str:
@@ -198,18 +213,13 @@ def _norm_input(norm, seed: int, device, dtype) -> torch.Tensor:
 @model_property
 @twin_fallback
 def test_norms_compute_their_declared_formula(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.norms:
-        pytest.skip("no norm the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for norm in declared.norms:
+    norms, dtype, seed = _parts_read(mut.precise, data, "norms", "norm")
+    for norm in norms:
         weight = norm.module.weight
         x = _norm_input(norm, seed, weight.device, weight.dtype).requires_grad_(True)
         with torch.enable_grad():
             y = norm.module(x)
-            y = y[0] if isinstance(y, (tuple, list)) else y
+            y = first_output(y)
             r = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(y)
             params = [p for p in norm.module.parameters() if p.requires_grad]
             grads = torch.autograd.grad((y * r).sum(), [x, *params], allow_unused=True)
@@ -251,19 +261,10 @@ def _norm_hint(norm, x, y, dtype) -> str:
 @model_property
 @twin_fallback
 def test_feed_forward_networks_compute_their_declared_activation(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.feed_forward:
-        pytest.skip("no feed-forward network the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for ffn in declared.feed_forward:
+    networks, dtype, seed = _parts_read(mut.precise, data, "feed_forward", "feed-forward network")
+    for ffn in networks:
         weight = ffn.weights()["down"][0]
-        x = torch.randn((2, 3, weight.shape[0]), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        x = (x * 2).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            y = ffn.module(x)
-        y = y[0] if isinstance(y, (tuple, list)) else y
+        x, y = _called(ffn.module, (2, 3, weight.shape[0]), weight, seed, spread=2.0)
         found = _outside(y, feed_forward(ffn, x, dtype))
         if found is not None:
             index, diff, bound, count = found
@@ -287,19 +288,11 @@ def _ffn_hint(ffn, x, y, dtype) -> str:
 @model_property
 @twin_fallback
 def test_experts_blocks_route_and_combine_as_declared(mut, data):
-    s = mut.precise
-    declared = _declared(s)
-    if not declared.experts:
-        pytest.skip("no mixture-of-experts block the adapter could read (see the report's not-checked list)")
-    dtype = _dtype(s)
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    for block in declared.experts:
-        weight = block.router()[0]
-        x = torch.randn((1, MOE_TOKENS, weight.shape[1]), generator=torch.Generator().manual_seed(seed),
-                        dtype=torch.float64).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            y = block.module(x)
-        y = (y[0] if isinstance(y, (tuple, list)) else y).reshape(MOE_TOKENS, -1)
+    blocks, dtype, seed = _parts_read(mut.precise, data, "experts", "mixture-of-experts block")
+    for block in blocks:
+        router = block.router()[0]
+        x, y = _called(block.module, (1, MOE_TOKENS, router.shape[1]), router, seed)
+        y = y.reshape(MOE_TOKENS, -1)
         expected, decided = experts_block(block, x.reshape(MOE_TOKENS, -1), dtype)
         assert decided.any(), (f"{block.name}: every one of {MOE_TOKENS} tokens lies within rounding of a tie between "
                                f"two experts; nothing to check")
@@ -350,11 +343,8 @@ def _ends_watched(ends):
         seen["head in"], seen["head"] = args[0].detach(), output.detach()
     handles += [ends.first_layer.register_forward_pre_hook(first, with_kwargs=True),
                 ends.head.register_forward_hook(head)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _scaled(value: torch.Tensor, scale: float, softcap: float | None, u: float) -> Approx:

@@ -14,7 +14,7 @@ from properties.kernel.integrity import bitwise_equal
 from properties.core.subject import moved
 from properties.core.tolerance import unit_roundoff
 from properties.model.checks import (EXAMPLES, Batch, DRAW_LEN, assert_same_output, batches, call_subject, draw_len,
-                                     draw_pair, forward, model_settings, subject_args)
+                                     draw_pair, forward, model_settings, requires, subject_args)
 from properties.model.precision import OWN_NOISE, precision_of
 from properties.model.subjects import declared_dtype, fresh_subject, recorder_for
 from properties.model.test_models import PAIR, pinned
@@ -146,8 +146,7 @@ def test_a_cast_after_calls_leaves_nothing_behind(mut, pytestconfig, data):
     if mut.precise is mut.native:
         pytest.skip(f"no float64 twin ({mut.precise_note or 'the model is compared as built'}): nothing to cast to")
     s = fresh_subject(pytestconfig, mut.name)
-    if s.module is None:
-        pytest.skip("Subject.module is None: the model cannot be cast")
+    requires(s, "module", "the model cannot be cast")
     built = declared_dtype(s)
     if built in (None, torch.float64):
         pytest.skip(f"the model is built in {built}: a cast to float64 changes nothing")

@@ -18,8 +18,9 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
+from properties.core.hooks import first_output, hooks_in_place
 from properties.model.checks import (Batch, assert_window_gradient, model_property, module_input, real_tokens,
-                                     subject_args)
+                                     requires, subject_args)
 from properties.model.scale import SLACK
 from properties.model.test_models import pinned
 from properties.model.twin import observe, twin_fallback
@@ -44,14 +45,11 @@ def probed(module: torch.nn.Module):
         return put(hidden + seen["delta"])
 
     def after(_, args, kwargs, output):
-        seen["out"] = output[0] if isinstance(output, (tuple, list)) else output
+        seen["out"] = first_output(output)
     handles = [module.register_forward_pre_hook(before, with_kwargs=True),
                module.register_forward_hook(after, with_kwargs=True)]
-    try:
+    with hooks_in_place(handles):
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _windowed(s) -> list[tuple[int, int]]:
@@ -64,10 +62,8 @@ def _windowed(s) -> list[tuple[int, int]]:
 @twin_fallback
 def test_window_in_each_layer(mut, data):
     s = mut.precise
-    if s.window is None:
-        pytest.skip("Subject.window is None: the model declares no sliding window")
-    if s.attention_modules is None:
-        pytest.skip("Subject.attention_modules is None: the windows are checked through the outputs only")
+    requires(s, "window", "the model declares no sliding window")
+    requires(s, "attention_modules", "the windows are checked through the outputs only")
     layers = [(layer, w) for layer, w in _windowed(s) if w + 1 <= s.max_len]
     if not layers:
         pytest.skip(f"max_len={s.max_len}: no window W leaves a key W positions back (windows {tuple(s.window)})")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from properties import clause
 from properties.core import evidence
+from properties.core.hooks import hooks_in_place
 from properties.core.strategies import PinnedData
 from properties.model.checks import extend_with_padding, is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
@@ -284,13 +285,9 @@ def _first_random_module(s, src, tgt, seeds) -> str:
         return [h for m in s.module.modules() for h in (m.register_forward_pre_hook(before, with_kwargs=True),
                                                        m.register_forward_hook(after, with_kwargs=True))]
     for run, seed in enumerate(seeds):
-        handles = hooks(run)
-        try:
+        with hooks_in_place(hooks(run)):
             torch.manual_seed(seed)
             forward(s, src, tgt)
-        finally:
-            for handle in handles:
-                handle.remove()
     for (key, args_a, out_a), (other, args_b, out_b) in zip(*calls):
         if key == other and _bitwise(args_a, args_b) and not _bitwise(out_a, out_b):
             module = next(m for m in s.module.modules() if id(m) == key)

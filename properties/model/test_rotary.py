@@ -20,6 +20,7 @@ import torch
 from properties import clause
 from properties.core.tolerance import unit_roundoff
 from properties.core.watchdog import UserExit, user_call
+from properties.model.checks import requires
 
 # Positions checked: every one below max_len up to DENSE, then DENSE more evenly spaced up to max_len - 1 (a table
 # of 16k positions and 128 columns is 16 MiB in float64; a rounded angle is wrong at most positions past 256).
@@ -58,8 +59,7 @@ def _expected(positions: torch.Tensor, frequencies: torch.Tensor, columns: int) 
 @clause("MODEL-ROTARY-ANGLES")
 def test_rotary_tables_hold_the_angles_at_every_position(mut):
     s = mut.native
-    if s.module is None:
-        pytest.skip("Subject.module is None: the suite cannot look inside the model")
+    requires(s, "module", "the suite cannot look inside the model")
     tables = rotary_tables(s.module)
     if not tables:
         pytest.skip("no rotary table in Hugging Face's form (a tensor inv_freq, forward(x, position_ids) -> (cos, sin))")

@@ -193,8 +193,7 @@ def _resolution(s) -> str:
 @twin_fallback
 def test_window(mut, data):
     s = mut.precise
-    if s.window is None:
-        pytest.skip("Subject.window is None: the model declares no sliding window")
+    requires(s, "window", "the model declares no sliding window")
     reach = horizon(s)
     if reach is None:
         full = [i for i, w in enumerate(s.window) if w is None]

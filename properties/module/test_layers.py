@@ -14,6 +14,7 @@ from hypothesis import example, given, strategies as st
 
 from properties import clause
 from properties.core.assertions import assert_identical
+from properties.core.hooks import hooks_in_place
 from properties.core.strategies import PinnedData, pinned_property
 from properties.model.checks import assert_same_output, comparison_tolerance
 from properties.module.parts import OneLine, inputs, layer_params, layer_subject, module_settings
@@ -135,8 +136,8 @@ def test_residual_carries_the_input(layer_key, device, p):
     x, memory = tensors(subject, p, device)
     for kind, i, layer in layers_of(subject):
         silenced = [m for m in (layer.self_attn, getattr(layer, "cross_attn", None), layer.ffn) if m is not None]
-        handles = [m.register_forward_hook(lambda module, args, out: torch.zeros_like(out)) for m in silenced]
-        try:
+        with hooks_in_place([m.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+                             for m in silenced]):
             out = run_layer(kind, layer, x, memory)
             if subject.placement == "pre":
                 assert_identical(out, x, what=f"{kind} layer {i} with every sub-layer output 0",
@@ -148,9 +149,6 @@ def test_residual_carries_the_input(layer_key, device, p):
                         expected = norm(expected)
                 assert_same_output(out, expected, f"{kind} layer {i} with every sub-layer output 0 vs its "
                                                   f"norms applied in turn to x")
-        finally:
-            for handle in handles:
-                handle.remove()
 
 
 # ---------------------------------------------------------------------------- LAYER-STACK-PERMUTATION

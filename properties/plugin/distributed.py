@@ -15,6 +15,7 @@ from properties.core.dtypes import selected_dtypes
 from properties.core.watchdog import limit
 from properties.distributed.guard import ContextParallelKernel, GroupContract
 from properties.kernel.guard import KernelDeclined
+from properties.plugin._utils import number_option
 from properties.distributed.world import SpawnedWorld, WorldError, start_torchrun_rank, under_torchrun
 
 __all__ = ["configure", "world_size", "max_ranks", "refuse_without_world_size", "kernel_params", "world_of",
@@ -28,16 +29,16 @@ RANK_MEMORY = 400 * 2 ** 20   # bytes a CPU rank needs: a Python process with to
 
 def world_size(config) -> int | None:
     """--world-size as a number (None when not given); a UsageError for anything but a whole number >= 1."""
-    text = config.getoption("--world-size", None)
-    if text is None:
-        return None
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1 or str(size) != str(text).strip():
-        raise pytest.UsageError(f"--world-size {text!r}: expected a whole number of ranks, at least 1")
-    return size
+    return number_option(config, "--world-size", _whole_number, lambda size: size >= 1,
+                         "a whole number of ranks, at least 1")
+
+
+def _whole_number(text: str) -> int:
+    """int(text) for digits as a person writes them (no sign, no leading zeros); else ValueError."""
+    number = int(text)
+    if str(number) != str(text).strip():
+        raise ValueError(text)
+    return number
 
 
 def _available_memory() -> int | None:
@@ -68,16 +69,8 @@ def max_ranks(device: str) -> tuple[int, str]:
 
 
 def _port(config) -> int | None:
-    text = config.getoption("--master-port", None)
-    if text is None:
-        return None
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 1 <= port <= 65535:
-        raise pytest.UsageError(f"--master-port {text!r}: expected a TCP port number, 1 to 65535")
-    return port
+    return number_option(config, "--master-port", int, lambda port: 1 <= port <= 65535,
+                         "a TCP port number, 1 to 65535")
 
 
 def refuse_without_world_size(config) -> None:

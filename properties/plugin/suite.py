@@ -271,25 +271,20 @@ def mut(request):
     return subjects.model_under_test(request.config, request.param)
 
 
-@pytest.fixture(scope="session")
-def causal_alignment(pytestconfig) -> str:
-    return pytestconfig.getoption("--causal-alignment")
+def _option_fixture(option: str, doc: str):
+    """A session fixture named after ``option`` (--causal-alignment: causal_alignment) whose value is the option's."""
+    def value(pytestconfig) -> str:
+        return pytestconfig.getoption(option)
+    value.__doc__ = f"{option}: {doc}"
+    return pytest.fixture(scope="session", name=option.removeprefix("--").replace("-", "_"))(value)
 
 
-@pytest.fixture(scope="session")
-def fully_masked(pytestconfig) -> str:
-    return pytestconfig.getoption("--fully-masked")
-
-
-@pytest.fixture(scope="session")
-def finfo_min_rows(pytestconfig) -> str:
-    return pytestconfig.getoption("--finfo-min-rows")
-
-
-@pytest.fixture(scope="session")
-def lse_base(pytestconfig) -> str:
-    """--lse-base: "e" or "2", the base of the LSEs kernels return and merges take."""
-    return pytestconfig.getoption("--lse-base")
+# The kernel's declared conventions (properties/plugin/__init__.py: OPTIONS), as the clauses that read them take them.
+causal_alignment = _option_fixture("--causal-alignment", "the is_causal diagonal for L != S, top-left or bottom-right")
+fully_masked = _option_fixture("--fully-masked", "the output required for a query with no admissible key")
+finfo_min_rows = _option_fixture("--finfo-min-rows",
+                                 "how a float-mask row of scores all below -finfo(float32).max/log2(e) is read")
+lse_base = _option_fixture("--lse-base", '"e" or "2", the base of the LSEs kernels return and merges take')
 
 
 def _levels_selected(config) -> set[str]:

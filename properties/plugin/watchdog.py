@@ -40,6 +40,7 @@ import pytest
 from properties.core import watchdog
 from properties.core.options import DEFAULT_TIMEOUT, MIN_TIMEOUT
 from properties.core.watchdog import Record
+from properties.plugin._utils import number_option
 
 __all__ = ["configure"]
 
@@ -54,20 +55,15 @@ _BEFORE = pytest.StashKey[dict]()      # the watchdog as it was before this run 
 
 
 def _timeout(config) -> float:
-    text = config.getoption("call_timeout", None)
-    if text is None:
+    seconds = number_option(config, "--call-timeout", float, lambda s: math.isfinite(s) and 0 <= s <= 1e6,
+                            "a number of seconds in [0, 1e6] (0: no limit)", dest="call_timeout")
+    if seconds is None:
         return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not math.isfinite(seconds) or not 0 <= seconds <= 1e6:
-        raise pytest.UsageError(f"--call-timeout {text!r}: expected a number of seconds in [0, 1e6] (0: no limit)")
     if 0 < seconds < MIN_TIMEOUT:   # a limit that stops correct code (importing torch) verifies nothing
         given = getattr(getattr(config, "invocation_params", None), "args", ())
         name = "--kernel-timeout" if any(str(a).startswith("--kernel-timeout") for a in given) else "--call-timeout"
-        raise pytest.UsageError(f"{name} {text!r}: expected 0 (no limit) or at least {MIN_TIMEOUT:g} s: "
-                                f"importing a plug-in or a first kernel call takes that long when nothing is wrong")
+        raise pytest.UsageError(f"{name} {config.getoption('call_timeout')!r}: expected 0 (no limit) or at least "
+                                f"{MIN_TIMEOUT:g} s: importing a plug-in or a first kernel call takes that long when nothing is wrong")
     return seconds
 
 

@@ -82,6 +82,19 @@ def worst(excess, *named):
     return f"at index {{index}}: " + ", ".join(f"{{n}} = {{float(t.reshape(-1)[i]):.6g}}" for n, t in named)
 
 
+def check_gradients(names, grads, grads64, departs):
+    """The verdict on gradients against the float64 chain rule: 'd<name> <departs> at ... entries' for the first
+    one outside its bound (DATA["bound"][name]), else none."""
+    for name, grad, grad64 in zip(names, grads, grads64):
+        bound = DATA["bound"][name]
+        excess = torch.nan_to_num((grad.double().cpu() - grad64).abs() - bound, nan=math.inf)
+        if (excess > 0).any():
+            verdict(True, f"d{{name}} {{departs}} at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; "
+                    f"worst " + worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64),
+                                      ("bound", bound.expand_as(grad64))))
+    verdict(False, "")
+
+
 # The suite's own: how the dropout clauses stack their copies, and the Hoeffding bound they test with.
 {suite_functions}
 
@@ -146,14 +159,7 @@ grads = torch.autograd.grad(out, list(leaves.values()), on_device(DATA["upstream
 leaves64 = {{n: inputs[n].detach().double().cpu().requires_grad_() for n in names}}
 expected, _ = oracle(**{{**inputs, **leaves64}}, alignment=DATA["alignment"])
 grads64 = torch.autograd.grad(expected, list(leaves64.values()), DATA["upstream"].double())
-for name, grad, grad64 in zip(names, grads, grads64):
-    bound = DATA["bound"][name]
-    excess = torch.nan_to_num((grad.double().cpu() - grad64).abs() - bound, nan=math.inf)
-    if (excess > 0).any():
-        verdict(True, f"d{{name}} departs from the float64 chain rule by more than the bound at "
-                f"{{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
-                worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64), ("bound", bound.expand_as(grad64))))
-verdict(False, "")
+check_gradients(names, grads, grads64, "departs from the float64 chain rule by more than the bound")
 ''',
     "dropout-rate": '''
 # Statistical: the fraction of dropped weights among the n weights that are positive without dropout is compared with
@@ -202,14 +208,8 @@ leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
 weights, _ = oracle(leaves64[0], leaves64[1], leaves64[2].detach(), **contract)
 expected = (weights * keep / (1 - p)) @ leaves64[2]
 grads64 = torch.autograd.grad(expected, leaves64, DATA["upstream"].double())
-for name, grad, grad64 in zip(("query", "key", "value"), grads, grads64):
-    bound = DATA["bound"][name]
-    excess = torch.nan_to_num((grad.double().cpu() - grad64).abs() - bound, nan=math.inf)
-    if (excess > 0).any():
-        verdict(True, f"d{{name}} with dropout departs from the chain rule with the forward's realised mask "
-                f"(p={{p:.3g}}) at {{int((excess > 0).sum())}} of {{excess.numel()}} entries; worst " +
-                worst(excess, (f"d{{name}}", grad.double().cpu()), ("oracle", grad64), ("bound", bound.expand_as(grad64))))
-verdict(False, "")
+check_gradients(("query", "key", "value"), grads, grads64,
+                f"with dropout departs from the chain rule with the forward's realised mask (p={{p:.3g}})")
 ''',
     "call": '''
 args = [on_device(x).requires_grad_() if grad else on_device(x) for x, grad in zip(DATA["args"], DATA["requires_grad"])]
