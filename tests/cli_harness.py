@@ -27,6 +27,8 @@ class Outcome:
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """path -> (size, mtime) of every file below ``root``, (-1, 0) of every directory: a directory counts as written
+    when the call leaves it behind, not when a file was made in it and removed again (its time alone changed)."""
     found = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -35,7 +37,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
                 stat = path.lstat()
             except OSError:
                 continue
-            found[str(path.relative_to(root))] = (stat.st_size if name in filenames else -1, stat.st_mtime_ns)
+            found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns) if name in filenames else (-1, 0)
     return found
 
 

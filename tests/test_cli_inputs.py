@@ -81,11 +81,11 @@ def test_a_bad_input_is_one_line_and_writes_nothing(places, argv, words):
 
 @pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir"])
 def test_an_output_directory_under_a_file_is_one_line(places, key):
-    """Refused before Hydra starts: nothing is made, not even a directory made and removed again (the watched tree's
-    times are unchanged); a sweep's job directories (sweep.dir / sweep.subdir) as well as the sweep's."""
+    """Refused before Hydra starts (in the words of zoo/cli/directories.py, not "Hydra cannot start the run"): a
+    sweep's job directories (sweep.dir / sweep.subdir) as well as the sweep's."""
     work, a_file = places
     argv = (["-m", "heads=1,2"] if "sweep" in key else []) + [f"{key}={a_file}/x", "task=summary"]
-    assert_one_line_refusal(zoo_in_process(argv, work, watch=work.parent), key, "Not a directory")
+    assert_one_line_refusal(zoo_in_process(argv, work, watch=work.parent), key, "cannot be written", "Not a directory")
 
 
 @pytest.mark.parametrize("argv", [["hydra.job_logging.root.level=NOSUCH"], ["hydra.output_subdir=/proc/x"]])
