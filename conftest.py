@@ -17,3 +17,10 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one and a half workers per core (3 on 2 cores). Many of these tests spend their time waiting on
+    processes they start (a suite session, ranks held at a collective, a call left to hang until --call-timeout),
+    so a worker per core leaves cores idle while the CPU-bound tests queue behind them."""
+    return max(2, (os.cpu_count() or 1) * 3 // 2)

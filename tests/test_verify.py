@@ -111,12 +111,12 @@ def _joblib_launcher() -> bool:
     return True
 
 
-def sweep(launcher: str, tmp_path_factory, *, matplotlib: bool | None = None):
+def sweep(launcher: str, tmp_path_factory):
     """`-m model=encoder_only,decoder_only heads=2 task=verify task.profile=quick` with `launcher`: the process's
     result and the sweep directory. The joblib sweep runs without matplotlib, the basic one with it."""
     from filelock import FileLock   # a requirement of torch's
 
-    matplotlib = launcher != "joblib" if matplotlib is None else matplotlib
+    matplotlib = launcher != "joblib"
     shared = tmp_path_factory.getbasetemp()
     shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
     root = shared / f"verify-sweep-{launcher}-{'with' if matplotlib else 'without'}-matplotlib"
@@ -164,11 +164,16 @@ def test_verify_prints_the_table_and_writes_every_report(tmp_path_factory):
 
 
 def test_without_matplotlib_the_report_says_how_to_get_pictures(tmp_path_factory):
-    # the joblib sweep's; where that launcher is not installed, the basic launcher's without matplotlib
-    result, sweep_dir = sweep("joblib", tmp_path_factory) if _joblib_launcher() else \
-        sweep("basic", tmp_path_factory, matplotlib=False)
+    # the joblib sweep's (run without matplotlib); where that launcher is not installed, one job of its own
+    if _joblib_launcher():
+        result, sweep_dir = sweep("joblib", tmp_path_factory)
+        out = job_dir(sweep_dir, "encoder_only")
+    else:
+        root = tmp_path_factory.mktemp("verify-without-matplotlib")
+        out = root / "out"
+        result = zoo("model=encoder_only", "heads=2", "task=verify", "task.profile=quick", f"hydra.run.dir={out}",
+                     cwd=root, env=_hidden_matplotlib(root))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    out = job_dir(sweep_dir, "encoder_only")
     assert "pip install" in (out / "report.md").read_text()
     assert not list(out.glob("*.png"))
 
