@@ -3,8 +3,6 @@
 import os
 import sys
 
-import pytest
-
 pytest_plugins = ["properties.plugin"]
 
 
@@ -20,10 +18,3 @@ def pytest_configure(config):
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
 
-
-@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist: a run without it (-p no:xdist) has no such hook
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one and a half workers per core (3 on 2 cores). Many of these tests spend their time waiting on
-    processes they start (a suite session, ranks held at a collective, a call left to hang until --call-timeout),
-    so a worker per core leaves cores idle while the CPU-bound tests queue behind them."""
-    return max(2, (os.cpu_count() or 1) * 3 // 2)
