@@ -26,6 +26,14 @@ class Outcome:
     ran: list[str] = field(default_factory=list)  # the tasks that were reached, in order
 
 
+def sigint_as_at_a_terminal() -> None:
+    """``preexec_fn`` of a child a test interrupts as Ctrl-C does: SIGINT at its default action, as a terminal's
+    foreground process has it. A test run started with SIGINT ignored (a background job of a shell without job
+    control) would hand that to the child, and Python keeps an inherited ignored SIGINT ignored: the child would run
+    on, and the test would measure the shell, not the zoo."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     """path -> (size, mtime) of every file below ``root``, (-1, 0) of every directory: a directory counts as written
     when the call leaves it behind, not when a file was made in it and removed again (its time alone changed)."""

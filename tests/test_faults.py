@@ -19,6 +19,7 @@ import zoo.cli.command
 from properties.catalog.sessions import Session, run_pytest
 from zoo.io.checkpoint_read import checkpoints_in, read_state
 
+from cli_harness import sigint_as_at_a_terminal
 from training import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,13 +143,17 @@ def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_pa
         [sys.executable, "-m", "zoo", "model=decoder_only", "task=train", "data=reverse", *TINY, "task.steps=100000",
          "task.batch=8", "task.eval_every=1000", "task.eval_batches=1", "task.checkpoint_every=3", "task.keep=2",
          f"task.out_dir={out}"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=zoo_env())
-    deadline = time.monotonic() + 120
-    while len(checkpoints_in(out)) < 2 and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    assert len(checkpoints_in(out)) >= 2, process.communicate(timeout=10)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
+        env=zoo_env(), preexec_fn=sigint_as_at_a_terminal)
+    try:
+        deadline = time.monotonic() + 120
+        while len(checkpoints_in(out)) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert len(checkpoints_in(out)) >= 2, process.communicate(timeout=10)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:   # a run the test could not stop must not train on through the rest of the test session
+        process.kill()
+        process.wait()
     lines = err.strip().splitlines()
     assert process.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err
     assert "interrupted during training" in lines[0] and "task.resume=true" in lines[0], lines[0]

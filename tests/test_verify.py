@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from cli_harness import sigint_as_at_a_terminal
+
 BROKEN_KERNEL = '''
 import torch
 
@@ -71,17 +73,22 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, "-m", "zoo", "task=verify", f"hydra.run.dir={out}"],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    # Wait until the suite is running (its command line is echoed first), then interrupt it like Ctrl-C.
-    deadline = time.monotonic() + 120
-    for line in process.stdout:
-        if line.startswith("verifying:") or time.monotonic() > deadline:
-            break
-    time.sleep(3)
-    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-    assert children, "the suite's child process is not running"
-    os.killpg(process.pid, signal.SIGINT)
-    output, _ = process.communicate(timeout=120)
+                               start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
+    try:
+        # Wait until the suite is running (its command line is echoed first), then interrupt it like Ctrl-C.
+        deadline = time.monotonic() + 120
+        for line in process.stdout:
+            if line.startswith("verifying:") or time.monotonic() > deadline:
+                break
+        time.sleep(3)
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "the suite's child process is not running"
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:   # a run the test could not stop must not go on through the rest of the test session
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     assert process.returncode == 130 and output.strip().splitlines()[-1] == "zoo: interrupted", output[-2000:]
     assert not [p.name for p in out.glob("report*")] + [p.name for p in out.glob(".report*")]
     assert not (out / "junit.xml").exists()
