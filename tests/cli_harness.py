@@ -12,6 +12,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import zoo.cli.command
 import zoo.cli.tasks
@@ -26,12 +27,21 @@ class Outcome:
     ran: list[str] = field(default_factory=list)  # the tasks that were reached, in order
 
 
-def sigint_as_at_a_terminal() -> None:
-    """``preexec_fn`` of a child a test interrupts as Ctrl-C does: SIGINT at its default action, as a terminal's
-    foreground process has it. A test run started with SIGINT ignored (a background job of a shell without job
-    control) would hand that to the child, and Python keeps an inherited ignored SIGINT ignored: the child would run
-    on, and the test would measure the shell, not the zoo."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+@contextlib.contextmanager
+def sigint_as_at_a_terminal() -> Iterator[None]:
+    """Children started inside the block get SIGINT at its default action, as a terminal's foreground process has it,
+    so that a test can interrupt them as Ctrl-C does. A test run started with SIGINT ignored (a background job of a
+    shell without job control) would hand that to them, and Python keeps an inherited ignored SIGINT ignored: the
+    child would run on, and the test would measure the shell, not the zoo. (A handled signal is reset to its default
+    by exec; an ignored one is not.)"""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:

@@ -88,6 +88,15 @@ def test_an_output_directory_under_a_file_is_one_line(places, key):
     assert_one_line_refusal(zoo_in_process(argv, work, watch=work.parent), key, "cannot be written", "Not a directory")
 
 
+def test_a_sweep_that_repeats_a_job_runs_it_twice(places):
+    """Each job gets its own copy of the config the plan composed: the launcher numbers every job on its config, and
+    a sweep may list the same overrides twice."""
+    work, _ = places
+    outcome = zoo_in_process(["-m", "heads=2,2", "task=summary"], work)
+    assert outcome.status == 0 and outcome.ran == ["summary", "summary"], outcome.err[-2000:]
+    assert sorted(p.name for p in work.glob("multirun/*/*/*/")) == ["0", "1"]
+
+
 @pytest.mark.parametrize("argv", [["hydra.job_logging.root.level=NOSUCH"], ["hydra.output_subdir=/proc/x"]])
 def test_what_only_hydras_run_finds_is_one_line_and_leaves_nothing(places, argv):
     """Hydra's own machinery (logging set up from hydra.job_logging, where it saves the config) fails after it

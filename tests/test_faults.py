@@ -139,11 +139,12 @@ def test_a_huge_model_is_refused_up_front_and_its_card_costs_nothing(tmp_path):
 
 def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "zoo", "model=decoder_only", "task=train", "data=reverse", *TINY, "task.steps=100000",
-         "task.batch=8", "task.eval_every=1000", "task.eval_batches=1", "task.checkpoint_every=3", "task.keep=2",
-         f"task.out_dir={out}"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=zoo_env(), preexec_fn=sigint_as_at_a_terminal)
+    with sigint_as_at_a_terminal():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zoo", "model=decoder_only", "task=train", "data=reverse", *TINY,
+             "task.steps=100000", "task.batch=8", "task.eval_every=1000", "task.eval_batches=1",
+             "task.checkpoint_every=3", "task.keep=2", f"task.out_dir={out}"], cwd=tmp_path,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=zoo_env())
     try:
         deadline = time.monotonic() + 120
         while len(checkpoints_in(out)) < 2 and time.monotonic() < deadline and process.poll() is None:

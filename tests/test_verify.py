@@ -71,9 +71,10 @@ def test_a_failing_clause_gives_status_1_and_its_counterexample(tmp_path):
 
 def test_an_interrupted_run_leaves_no_report(tmp_path):
     out = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-m", "zoo", "task=verify", f"hydra.run.dir={out}"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
+    with sigint_as_at_a_terminal():
+        process = subprocess.Popen([sys.executable, "-m", "zoo", "task=verify", f"hydra.run.dir={out}"],
+                                   cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
     try:
         # Wait until the suite is running (its command line is echoed first), then interrupt it like Ctrl-C.
         deadline = time.monotonic() + 120

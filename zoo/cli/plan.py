@@ -12,6 +12,7 @@ canonical order and, unless one is given, an output directory no other run share
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import os
 from contextlib import contextmanager
@@ -78,8 +79,8 @@ class PlannedJobs:
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
         planned = self._composed.get(tuple(sweep_overrides))   # asked twice: the sweeper's check, then the launch
-        if planned is not None:
-            return planned
+        if planned is not None:   # a copy: the launcher sets each job's id on it (and a sweep may repeat a job)
+            return copy.deepcopy(planned)
         whole = self._loader.load_sweep_config(master_config, list(sweep_overrides))
         from zoo.config.composition import check_composed
         check_composed(whole, list(sweep_overrides), command_line=True)
@@ -111,14 +112,15 @@ def plan(argv: list[str]) -> Plan:
             whole, jobs = _sweep_jobs(overrides, config_name)
             directory, extra = output_dir(whole, "sweep", overrides)
             _set_hydra_overrides(whole, extra)   # before the jobs are composed: each reads the sweep's hydra overrides
-            composed = {}
+            composed, job_configs = {}, []   # job_configs: in the launcher's order, duplicates kept
             for job in jobs:
                 with _composition_errors(job):
                     job_whole = hydra.config_loader.load_sweep_config(whole, list(job))
                 task_checks(_checked(job_whole, job), job_whole)
                 composed[tuple(job)] = job_whole
+                job_configs.append(job_whole)
             if directory is not None:
-                check_job_dirs(directory[0], list(composed.values()), overrides)
+                check_job_dirs(directory[0], job_configs, overrides)
             return Plan(mode, argv=_hydra_argv(args, overrides + extra), output=directory, config_name=config_name,
                         hydra=hydra, whole=whole, loader=PlannedJobs(hydra.config_loader, composed), jobs=len(jobs))
         whole = _compose(hydra, overrides, config_name, run_mode="run" if mode == "run" else "show")
