@@ -201,3 +201,12 @@ def test_gpu_check_fills_its_block_of_the_page_and_nothing_else(tmp_path):
     text = page.read_text()
     assert text.startswith(f"before\n{BEGIN}\nMeasured by") and text.endswith(f"{END}\nafter\n")
     assert "Unmeasured" not in text
+
+
+def test_two_measurements_at_once_are_one_line_before_anything_runs(capsys):
+    """`python -m bench.suite` measures one thing per run: two of its measurement options are argparse's one-line
+    usage error (exit 2), before any measurement starts."""
+    with pytest.raises(SystemExit) as stopped:
+        bench.suite.main(["--recipes", "--plugin-cost", "--out", ""])
+    assert stopped.value.code == 2
+    assert "argument --plugin-cost: not allowed with argument --recipes" in capsys.readouterr().err
