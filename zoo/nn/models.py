@@ -64,19 +64,46 @@ class _Stack(nn.Module):
 
 
 
-def _init_weights(model: nn.Module, embed_scale: bool, d_model: int) -> None:
-    # GPT-2/BERT: N(0, 0.02) for matrices and embeddings. With sqrt(d) embedding scaling
-    # (Vaswani) embeddings start at N(0, 1/d) so the scaled token input has unit variance.
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=d_model ** -0.5 if embed_scale else 0.02)
+class _Family(nn.Module):
+    """What the three families share: the settings their stacks are built from, the attributes the tasks read
+    (vocab_size, max_len, pad_id, d_model), the weights' initialisation and the LM head. Each family keeps its own
+    constructor (Hydra builds it by keyword from conf/)."""
+
+    def __init__(self, *, vocab_size: int, d_model: int, max_len: int, pad_id: int, device=None, dtype=None,
+                 **stack_settings):
+        super().__init__()
+        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
+        self._stack_settings = dict(vocab_size=vocab_size, d_model=d_model, max_len=max_len, device=device,
+                                    dtype=dtype, **stack_settings)
+
+    def _stack(self, layers: int, layer: type, embedding: TokenEmbedding | None = None, **layer_kwargs) -> _Stack:
+        """A stack of ``layers`` layers of type ``layer`` (built with ``layer_kwargs``) on the family's settings."""
+        return _Stack(layers=layers, layer=layer, layer_kwargs=layer_kwargs, embedding=embedding,
+                      **self._stack_settings)
+
+    def _init_weights(self) -> None:
+        # GPT-2/BERT: N(0, 0.02) for matrices and embeddings. With sqrt(d) embedding scaling
+        # (Vaswani) embeddings start at N(0, 1/d) so the scaled token input has unit variance.
+        embedding_std = self.d_model ** -0.5 if self._stack_settings["embed_scale"] else 0.02
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=embedding_std)
+
+    def _add_lm_head(self, tie_head: bool) -> None:
+        """The last part of a family that predicts tokens: the LM head, the weights' initialisation, then the tie
+        of the head to the decoder's embedding."""
+        self.lm_head = nn.Linear(self.d_model, self.vocab_size, bias=False, device=self._stack_settings["device"],
+                                 dtype=self._stack_settings["dtype"])
+        self._init_weights()
+        if tie_head:
+            self.lm_head.weight = self.decoder.embedding.weight
 
 
-class EncoderOnly(nn.Module):
+class EncoderOnly(_Family):
     kind = "encoder_only"
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
@@ -84,17 +111,15 @@ class EncoderOnly(nn.Module):
                  final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
                  type_vocab_size: int = 0, pooler: bool = False, head_classes: int = 0,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
-        super().__init__()
+        super().__init__(vocab_size=vocab_size, d_model=d_model, max_len=max_len, pad_id=pad_id, attention=attention,
+                         ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
+                         embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, device=device, dtype=dtype)
         kw = dict(device=device, dtype=dtype)
-        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
-        self.encoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
-                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
-                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
-                              dropout=dropout, layer=EncoderLayer, layer_kwargs={}, **kw)
+        self.encoder = self._stack(layers, EncoderLayer)
         self.token_types = nn.Embedding(type_vocab_size, d_model, **kw) if type_vocab_size else None
         self.pooler = nn.Linear(d_model, d_model, **kw) if pooler else None
         self.head = nn.Linear(d_model, head_classes, **kw) if head_classes else None
-        _init_weights(self, embed_scale, d_model)
+        self._init_weights()
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,24 +136,18 @@ class EncoderOnly(nn.Module):
         return torch.tanh(self.pooler(hidden[:, 0]))
 
 
-class DecoderOnly(nn.Module):
+class DecoderOnly(_Family):
     kind = "decoder_only"
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
                  ffn: Callable, norm: Callable, pos: Callable, norm_placement: str = "pre",
                  final_norm: bool | None = None, embed_scale: bool = False, embed_norm: bool = False,
                  tie_head: bool = True, dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
-        super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
-        self.decoder = _Stack(vocab_size=vocab_size, d_model=d_model, layers=layers, max_len=max_len,
-                              attention=attention, ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement,
-                              final_norm=final_norm, embed_scale=embed_scale, embed_norm=embed_norm,
-                              dropout=dropout, layer=DecoderLayer, layer_kwargs={"cross_attention": False}, **kw)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, **kw)
-        _init_weights(self, embed_scale, d_model)
-        if tie_head:
-            self.lm_head.weight = self.decoder.embedding.weight
+        super().__init__(vocab_size=vocab_size, d_model=d_model, max_len=max_len, pad_id=pad_id, attention=attention,
+                         ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
+                         embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, device=device, dtype=dtype)
+        self.decoder = self._stack(layers, DecoderLayer, cross_attention=False)
+        self._add_lm_head(tie_head)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | None = None, *, segments: torch.Tensor | None = None,
@@ -152,7 +171,7 @@ class DecoderOnly(nn.Module):
         return self.lm_head(x)
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(_Family):
     kind = "encoder_decoder"
 
     def __init__(self, vocab_size: int, d_model: int, layers: int, max_len: int, attention: Callable,
@@ -160,20 +179,13 @@ class EncoderDecoder(nn.Module):
                  norm_placement: str = "post", final_norm: bool | None = None, embed_scale: bool = True,
                  embed_norm: bool = False, share_embeddings: bool = True, tie_head: bool = True,
                  dropout: float = 0.0, pad_id: int = 0, *, device=None, dtype=None):
-        super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        self.vocab_size, self.max_len, self.pad_id, self.d_model = vocab_size, max_len, pad_id, d_model
-        common = dict(vocab_size=vocab_size, d_model=d_model, max_len=max_len, attention=attention, ffn=ffn,
-                      norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
-                      embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, **kw)
-        self.encoder = _Stack(layers=layers, layer=EncoderLayer, layer_kwargs={}, **common)
-        self.decoder = _Stack(layers=layers if decoder_layers is None else decoder_layers, layer=DecoderLayer,
-                              layer_kwargs={"cross_attention": True},
-                              embedding=self.encoder.embedding if share_embeddings else None, **common)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, **kw)
-        _init_weights(self, embed_scale, d_model)
-        if tie_head:
-            self.lm_head.weight = self.decoder.embedding.weight
+        super().__init__(vocab_size=vocab_size, d_model=d_model, max_len=max_len, pad_id=pad_id, attention=attention,
+                         ffn=ffn, norm=norm, pos=pos, norm_placement=norm_placement, final_norm=final_norm,
+                         embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, device=device, dtype=dtype)
+        self.encoder = self._stack(layers, EncoderLayer)
+        self.decoder = self._stack(layers if decoder_layers is None else decoder_layers, DecoderLayer,
+                                   self.encoder.embedding if share_embeddings else None, cross_attention=True)
+        self._add_lm_head(tie_head)
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
         return self.encoder.run(self.encoder.embed(src, check=check), mask=src_mask)
