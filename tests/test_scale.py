@@ -21,7 +21,8 @@ from properties import Subject
 from properties.catalog import scale_bugs
 from properties.model import test_gradients, test_models, test_rotary, test_scale
 from properties.model.subjects import build_model_under_test
-from properties.model.test_models import PAIR, pinned
+from properties.model.checks import pinned
+from properties.model.test_models import PAIR
 from properties.model.twin import TwinDeparture, pop_notes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,15 +12,17 @@ from typing import Callable
 
 import torch
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from properties.core import evidence
 from properties.core.subject import Subject
 from properties.core.tolerance import unit_roundoff
-from properties.model.twin import observe
+from properties.core.strategies import PinnedData
+from properties.model.twin import observe, twin_fallback
 from properties.model.precision import OUTPUT_ROUNDINGS, accumulation_roundoff, precision_of
 
-__all__ = ["Batch", "batches", "real_tokens", "padded", "extend_with_padding", "call_subject", "model_settings", "model_property", "EXAMPLES",
+__all__ = ["Batch", "batches", "real_tokens", "padded", "extend_with_padding", "call_subject", "model_settings", "model_property",
+           "pinned", "pinned_model_property", "EXAMPLES",
            "DECODERS", "only", "draw_len", "forward", "draw_pair", "other_real_tokens", "COMPARISON_FACTOR",
            "comparison_tolerance", "assert_same_output", "record_model_comparison", "record_cached_decoding",
            "check_cached_decoding", "is_float64_twin", "assert_window_gradient", "module_input", "embedding_probe",
@@ -284,9 +286,34 @@ model_settings = settings(max_examples=EXAMPLES, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
 
 
-def model_property(test):
-    """A model clause's property: the model settings, and structure drawn inside the test (``data``)."""
-    return model_settings(given(data=st.data())(test))
+def model_property(test=None, *, twin: bool = True, max_examples: int | None = None):
+    """A model clause's property: the model settings, structure drawn inside the test (``data``), and the float64
+    twin's fallback (properties/model/twin.py, innermost). ``twin=False`` for a clause that runs only on the model as
+    built (``mut.native``): it compares nothing on the twin, so it has nothing to fall back from. ``max_examples``:
+    the drawn examples, when not the model settings' EXAMPLES. ``@model_property`` or ``@model_property(...)``."""
+    if test is None:
+        return lambda test: model_property(test, twin=twin, max_examples=max_examples)
+    chosen = model_settings if max_examples is None else settings(model_settings, max_examples=max_examples)
+    return chosen(given(data=st.data())(twin_fallback(test) if twin else test))
+
+
+def _batch_fits(b: Batch, max_len: int, *, min_len: int = 1, size=None, padding: bool = True, max_size: int = 3):
+    """Whether batches(max_len, ...) could draw the Batch b (for this subject's max_len)."""
+    reals = len(b.real) == b.size and all(min_len <= r <= b.length for r in b.real)
+    return (min_len <= b.length <= max(min_len, max_len) and reals and (b.size == size if size is not None else
+            1 <= b.size <= max_size) and (padding or all(r == b.length for r in b.real)))
+
+
+def pinned(values: dict, **checks) -> PinnedData:
+    """st.data() for an @example of a model clause: the draws by label; a Batch that does not fit the subject
+    (longer than its drawn lengths, padded where the clause draws none) rejects the example. ``checks``: more
+    composite strategies by name (PinnedData)."""
+    return PinnedData(values, checks={"batches": _batch_fits, **checks})
+
+
+def pinned_model_property(values: dict, *, twin: bool = True, **checks):
+    """model_property (``twin`` as there), run first on the example whose draws are ``pinned(values, **checks)``."""
+    return lambda test: example(data=pinned(values, **checks))(model_property(test, twin=twin))
 DECODERS = ("decoder_only", "encoder_decoder")
 
 

@@ -31,7 +31,7 @@ def _forward_backward(s, src, tgt, seed: int):
 
 
 @clause("MODEL-DETERMINISTIC")
-@model_property
+@model_property(twin=False)
 def test_repeated_passes_are_bitwise_equal(mut, data):
     s = mut.native
     src, tgt = draw_pair(data, s, mut.device)
@@ -58,7 +58,7 @@ def _args(s, src, tokens):
 
 
 @clause("MODEL-BATCH-INVARIANT")
-@model_property
+@model_property(twin=False)
 def test_prompt_outputs_do_not_depend_on_the_batch(mut, data):
     s = mut.native
     decoder = s.kind in DECODERS

@@ -17,17 +17,16 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import example, strategies as st
+from hypothesis import strategies as st
 
 from properties import clause
 from properties.core.hooks import first_output, hooks_in_place
 from properties.core.declared import Attention, Declared
 from properties.core.rotary import describe
 from properties.core.routing import describe_rule
-from properties.model.checks import model_property, module_input, only, real_tokens, requires
+from properties.model.checks import module_input, only, pinned_model_property, real_tokens, requires
 from properties.model.precision import precision_of
-from properties.model.test_models import pinned
-from properties.model.twin import NOT_CHECKED, add_note, observe, twin_fallback
+from properties.model.twin import NOT_CHECKED, add_note, observe
 from properties.module.approx import Approx, effective_u
 from properties.module.layer_oracle import attention_layer, experts_block, feed_forward, norm_output
 
@@ -164,9 +163,7 @@ def _longest(low, high):
 
 
 @clause("MODEL-LAYER-ATTENTION")
-@example(data=pinned({"length": _longest, "seed": 0, "batch size": 2}))
-@model_property
-@twin_fallback
+@pinned_model_property({"length": _longest, "seed": 0, "batch size": 2})
 def test_attention_layers_compute_their_declared_attention(mut, data):
     s = only(mut.precise, "decoder_only")
     declared = _declared(s)
@@ -209,9 +206,7 @@ def _norm_input(norm, seed: int, device, dtype) -> torch.Tensor:
 
 
 @clause("MODEL-LAYER-NORM")
-@example(data=pinned({"seed": 0}))
-@model_property
-@twin_fallback
+@pinned_model_property({"seed": 0})
 def test_norms_compute_their_declared_formula(mut, data):
     norms, dtype, seed = _parts_read(mut.precise, data, "norms", "norm")
     for norm in norms:
@@ -257,9 +252,7 @@ def _norm_hint(norm, x, y, dtype) -> str:
 
 # ------------------------------------------------------------------------------------------------ MODEL-LAYER-FFN
 @clause("MODEL-LAYER-FFN")
-@example(data=pinned({"seed": 0}))
-@model_property
-@twin_fallback
+@pinned_model_property({"seed": 0})
 def test_feed_forward_networks_compute_their_declared_activation(mut, data):
     networks, dtype, seed = _parts_read(mut.precise, data, "feed_forward", "feed-forward network")
     for ffn in networks:
@@ -284,9 +277,7 @@ def _ffn_hint(ffn, x, y, dtype) -> str:
 
 # ------------------------------------------------------------------------------------------------ MODEL-LAYER-MOE
 @clause("MODEL-LAYER-MOE")
-@example(data=pinned({"seed": 0}))
-@model_property
-@twin_fallback
+@pinned_model_property({"seed": 0})
 def test_experts_blocks_route_and_combine_as_declared(mut, data):
     blocks, dtype, seed = _parts_read(mut.precise, data, "experts", "mixture-of-experts block")
     for block in blocks:
@@ -360,9 +351,7 @@ def _scaled(value: torch.Tensor, scale: float, softcap: float | None, u: float) 
 
 
 @clause("MODEL-LAYER-ENDS")
-@example(data=pinned({"length": _longest, "seed": 0, "batch size": 2}))
-@model_property
-@twin_fallback
+@pinned_model_property({"length": _longest, "seed": 0, "batch size": 2})
 def test_embeddings_and_logits_are_scaled_as_declared(mut, data):
     s = only(mut.precise, "decoder_only")
     declared = _declared(s)

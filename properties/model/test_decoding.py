@@ -12,9 +12,10 @@ from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, call_subject, check_cached_decoding,
                                      comparison_tolerance, draw_pair, forward,
-                                     model_property, model_settings, only, subject_args, real_tokens, requires)
+                                     model_property, model_settings, only, pinned, pinned_model_property, subject_args,
+                                     real_tokens, requires)
 from properties.model.twin import twin_fallback
-from properties.model.test_models import FULL_PAIR, PAIR, pinned
+from properties.model.test_models import FULL_PAIR, PAIR
 
 
 # --------------------------------------------------------------------- MODEL-FACTORISATION, MODEL-KV-CACHE
@@ -48,9 +49,7 @@ def test_autoregressive_factorisation(mut, data):
 
 
 @clause("MODEL-KV-CACHE")
-@example(data=pinned(PAIR | {"chunk boundaries": {2, 3}}))   # mixed lengths: sample 1 (2 real) all pads after the prefill
-@model_property
-@twin_fallback
+@pinned_model_property(PAIR | {"chunk boundaries": {2, 3}})   # mixed lengths: sample 1 (2 real) all pads after the prefill
 def test_cached_decoding(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "decode_step", "the model offers no cached incremental decoding")
@@ -111,7 +110,7 @@ def _max_len(low, high):
 @clause("MODEL-LENGTH")
 @example(data=pinned({"length": _max_len, "seed": 0}))   # the last row of a position table
 @example(data=pinned({"length": 1, "seed": 0}))
-@model_property
+@model_property(twin=False)
 def test_every_length_up_to_max_len(mut, data):
     s = mut.native
     length = data.draw(st.integers(1, s.max_len), label="length")
@@ -124,7 +123,7 @@ def test_every_length_up_to_max_len(mut, data):
 @clause("MODEL-LENGTH")
 @example(data=pinned({"positions beyond max_len": 1, "too long": "source"}))   # one past the table: off by one
 @example(data=pinned({"positions beyond max_len": 1, "too long": "target"}))
-@model_property
+@model_property(twin=False)
 def test_beyond_max_len(mut, data):
     s = mut.native
     extra = data.draw(st.integers(1, 3), label="positions beyond max_len")

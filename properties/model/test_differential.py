@@ -21,9 +21,9 @@ from properties import clause
 from properties.core import evidence
 from properties.core.strategies import pinned_property
 from properties.model.checks import (DECODERS, Batch, batches, call_subject, comparison_tolerance, model_settings,
-                                     only, real_tokens, subject_args)
+                                     only, pinned, real_tokens, subject_args)
 from properties.model.precision import OWN_NOISE
-from properties.model.test_models import MIXED, MIXED_SOURCE, pinned
+from properties.model.test_models import MIXED, MIXED_SOURCE
 
 DIFF_DECODE_LEN = 64    # positions decoded at most (at least 32 where max_len permits: past a split-KV block)
 # Examples from the profile loaded for this run (read when pytest imports this module, after the plugin has loaded

@@ -10,9 +10,9 @@ import torch
 
 from properties import clause
 from properties.model.checks import (assert_same_output, extend_with_padding, call_subject, comparison_tolerance, draw_pair, embedding_probe,
-                                     requires, subject_args)
-from properties.model.twin import observe, twin_fallback
-from properties.model.test_models import PAIR, pinned_model_property
+                                     pinned_model_property, requires, subject_args)
+from properties.model.twin import observe
+from properties.model.test_models import PAIR
 
 
 def _weights(s, src, tokens, mask, seed: int, length: int) -> torch.Tensor:
@@ -41,7 +41,6 @@ def _embedding_gradient(s, src, tokens, mask, r) -> torch.Tensor:
 # --------------------------------------------------------------------------------- MODEL-GRAD-PADDING
 @clause("MODEL-GRAD-PADDING")
 @pinned_model_property(PAIR)
-@twin_fallback
 def test_padding_gets_no_gradient(mut, data):
     s = mut.precise
     requires(s, "embedding", "the embeddings' gradients cannot be read")
@@ -95,7 +94,6 @@ def _nan_gradient(s, src, tokens, mask, r, grad) -> str:
 # ----------------------------------------------------------------------------------- MODEL-GRAD-BATCH
 @clause("MODEL-GRAD-BATCH")
 @pinned_model_property(PAIR)
-@twin_fallback
 def test_batch_gradient_is_the_sum_of_sample_gradients(mut, data):
     s = mut.precise
     requires(s, "module", "the parameters are unknown")

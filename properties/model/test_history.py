@@ -14,10 +14,10 @@ from properties.kernel.integrity import bitwise_equal
 from properties.core.subject import moved
 from properties.core.tolerance import unit_roundoff
 from properties.model.checks import (EXAMPLES, Batch, DRAW_LEN, assert_same_output, batches, call_subject, draw_len,
-                                     draw_pair, forward, model_settings, requires, subject_args)
+                                     draw_pair, forward, model_settings, pinned, requires, subject_args)
 from properties.model.precision import OWN_NOISE, precision_of
 from properties.model.subjects import declared_dtype, fresh_subject, recorder_for
-from properties.model.test_models import PAIR, pinned
+from properties.model.test_models import PAIR
 
 HISTORY = ("long", "batch", "decode")
 

@@ -15,15 +15,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import example, strategies as st
+from hypothesis import strategies as st
 
 from properties import clause
 from properties.core.hooks import first_output, hooks_in_place
-from properties.model.checks import (Batch, assert_window_gradient, model_property, module_input, real_tokens,
-                                     requires, subject_args)
+from properties.model.checks import (Batch, assert_window_gradient, module_input, pinned_model_property,
+                                     real_tokens, requires, subject_args)
 from properties.model.scale import SLACK
-from properties.model.test_models import pinned
-from properties.model.twin import observe, twin_fallback
+from properties.model.twin import observe
 
 def _lowest(low, high):
     """the lowest"""
@@ -57,9 +56,7 @@ def _windowed(s) -> list[tuple[int, int]]:
 
 
 @clause("MODEL-WINDOW")
-@example(data=pinned(PINS[0]))
-@model_property
-@twin_fallback
+@pinned_model_property(PINS[0])
 def test_window_in_each_layer(mut, data):
     s = mut.precise
     requires(s, "window", "the model declares no sliding window")

@@ -16,35 +16,15 @@ from hypothesis import strategies as st
 from properties import clause
 from properties.core import evidence
 from properties.core.hooks import hooks_in_place
-from properties.core.strategies import PinnedData
 from properties.model.checks import extend_with_padding, is_float64_twin
 from properties.model.checks import (EXAMPLES, DECODERS, Batch, assert_same_output, call_subject,
                                      difference_threshold, draw_pair, embedding_probe, forward,
-                                     model_property, model_settings, only, record_model_comparison, subject_args,
-                                     other_real_tokens, requires)
-from properties.model.twin import observe, twin_fallback
+                                     model_settings, only, other_real_tokens, pinned, pinned_model_property,
+                                     record_model_comparison, requires, subject_args)
+from properties.model.twin import observe
 
 
 # ------------------------------------------------------------------------------------------ pinned shapes
-def _batch_fits(b: Batch, max_len: int, *, min_len: int = 1, size=None, padding: bool = True, max_size: int = 3):
-    """Whether checks.batches(max_len, ...) could draw the Batch b (for this subject's max_len)."""
-    reals = len(b.real) == b.size and all(min_len <= r <= b.length for r in b.real)
-    return (min_len <= b.length <= max(min_len, max_len) and reals and (b.size == size if size is not None else
-            1 <= b.size <= max_size) and (padding or all(r == b.length for r in b.real)))
-
-
-def pinned(values: dict, **checks) -> PinnedData:
-    """st.data() for an @example of a model clause: the draws by label; a Batch that does not fit the subject
-    (longer than its drawn lengths, padded where the clause draws none) rejects the example. ``checks``: more
-    composite strategies by name (PinnedData)."""
-    return PinnedData(values, checks={"batches": _batch_fits, **checks})
-
-
-def pinned_model_property(values: dict, **checks):
-    """checks.model_property, run first on the example whose draws are ``pinned(values, **checks)``."""
-    return lambda test: example(data=pinned(values, **checks))(model_property(test))
-
-
 # Pinned structure, drawn every run (SPEC.md: a known bug class is never a coin flip). Three samples of mixed real
 # lengths, right-padded: padding that is attended, a mask over the wrong axis or inverted, statistics across the
 # batch show there. An encoder-decoder's source is longer than its target (L_x != L_y) and padded differently.
@@ -59,7 +39,7 @@ FULL_PAIR = {"batch": FULL, "target": FULL, "source": FULL_SOURCE}
 
 # ---------------------------------------------------------------------------------------- MODEL-SHAPE
 @clause("MODEL-SHAPE")
-@pinned_model_property(PAIR)
+@pinned_model_property(PAIR, twin=False)
 def test_output_shape(mut, data):
     s = mut.native
     src, tgt = draw_pair(data, s, mut.device)
@@ -76,7 +56,6 @@ def _causal_case(s, mut, data):
 
 @clause("MODEL-CAUSAL")
 @pinned_model_property(PAIR | {"position i": 1})      # sample 1 has no real position after i: padding only
-@twin_fallback
 def test_causal_perturbation(mut, data):
     s = only(mut.precise, *DECODERS)
     src, tokens, mask, b, i = _causal_case(s, mut, data)
@@ -91,7 +70,6 @@ def test_causal_perturbation(mut, data):
 
 @clause("MODEL-CAUSAL")
 @pinned_model_property(PAIR | {"position i": 1})
-@twin_fallback
 def test_causal_gradient(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "embedding", "only the perturbation half of MODEL-CAUSAL runs")
@@ -126,7 +104,6 @@ def test_causal_gradient(mut, data):
 # ----------------------------------------------------------------------------------- MODEL-DEPENDENCE
 @clause("MODEL-DEPENDENCE")
 @pinned_model_property(PAIR | {"source position j": 2})    # the last position that is real in every source
-@twin_fallback
 def test_every_target_depends_on_every_source(mut, data):
     s = only(mut.precise, "encoder_decoder")
     (src, src_mask, sb), (tgt, tgt_mask, tb) = draw_pair(data, s, mut.device)
@@ -145,7 +122,6 @@ def test_every_target_depends_on_every_source(mut, data):
 # ---------------------------------------------------------------------------------- MODEL-PERMUTATION
 @clause("MODEL-PERMUTATION")
 @pinned_model_property(FULL_PAIR | {"permutation": (4, 2, 0, 3, 1)})
-@twin_fallback
 def test_permutation(mut, data):
     s = only(mut.precise, "encoder_only")
     _, (tokens, mask, b) = draw_pair(data, s, mut.device, min_len=3, padding=False)
@@ -169,7 +145,6 @@ def test_permutation(mut, data):
 # ---------------------------------------------------------------------------------------- MODEL-BATCH
 @clause("MODEL-BATCH")
 @pinned_model_property(PAIR)
-@twin_fallback
 def test_batch_independence(mut, data):
     s = mut.precise
     src, (tokens, mask, b) = draw_pair(data, s, mut.device, max_size=4)
@@ -207,14 +182,12 @@ PADS = {"pads": 2, "pads (target)": 1, "pads (source)": 2}
 
 @clause("MODEL-PADDING")
 @pinned_model_property(PAIR | PADS)
-@twin_fallback
 def test_right_padding(mut, data):
     _padding_case(mut, data, left=False)
 
 
 @clause("MODEL-PADDING")
 @pinned_model_property(PAIR | PADS)
-@twin_fallback
 def test_left_padding(mut, data):
     if not mut.precise.left_padding:
         pytest.skip("Subject.left_padding is False: the model does not claim left-padding invariance")
@@ -223,7 +196,6 @@ def test_left_padding(mut, data):
 
 @clause("MODEL-PADDING")
 @pinned_model_property(FULL_PAIR)
-@twin_fallback
 def test_mask_none_means_all_real(mut, data):
     s = mut.precise
     src, (tokens, mask, _) = draw_pair(data, s, mut.device, padding=False)
@@ -302,7 +274,7 @@ def _copy(value):
 
 # --------------------------------------------------------------------------------- MODEL-DISTRIBUTION
 @clause("MODEL-DISTRIBUTION")
-@pinned_model_property(PAIR)
+@pinned_model_property(PAIR, twin=False)
 def test_output_distribution(mut, data):
     s = only(mut.native, *DECODERS)
     src, (tokens, mask, _) = draw_pair(data, s, mut.device)

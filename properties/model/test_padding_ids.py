@@ -15,10 +15,9 @@ import torch
 from hypothesis import example, strategies as st
 
 from properties import clause
-from properties.model.checks import (DRAW_LEN, Batch, call_subject, embedding_probe, model_property, real_tokens,
-                                     requires, subject_args)
-from properties.model.test_models import pinned
-from properties.model.twin import observe, twin_fallback
+from properties.model.checks import (DRAW_LEN, Batch, call_subject, embedding_probe, model_property, pinned,
+                                     real_tokens, requires, subject_args)
+from properties.model.twin import observe
 
 
 def _ids(s) -> list[int]:
@@ -39,7 +38,7 @@ def padding_ids_property(test):
     """The model settings, the pinned case first (two samples, the pad id in one and the next special id in the
     other, at position 1 of the longest draw), and the twin's fallback."""
     return example(data=pinned({"length": _longest, "position j": 1, "batch size": 2, "special id of sample 0": 0,
-                                "special id of sample 1": _second, "seed": 0}))(model_property(twin_fallback(test)))
+                                "special id of sample 1": _second, "seed": 0}))(model_property(test))
 
 
 def _name(s, i: int) -> str:

@@ -17,10 +17,10 @@ from properties import clause
 from properties.core.routing import RoutingRule, describe_rule, route as route_tokens
 from properties.core.subject import Route
 from properties.core.tolerance import unit_roundoff
-from properties.model.checks import draw_pair, forward, only, requires
+from properties.model.checks import draw_pair, forward, only, pinned_model_property, requires
 from properties.model.precision import OUTPUT_ROUNDINGS, OWN_ROUNDINGS, accumulation_roundoff, precision_of
-from properties.model.test_models import MIXED, pinned_model_property
-from properties.model.twin import NOT_CHECKED, add_note, twin_fallback
+from properties.model.test_models import MIXED
+from properties.model.twin import NOT_CHECKED, add_note
 
 
 def _tolerance(s) -> float:
@@ -103,7 +103,6 @@ def _experts_by_token(route: Route, rows: torch.Tensor, tol: float):
 
 @clause("MODEL-ROUTING")
 @pinned_model_property({"batch": MIXED})
-@twin_fallback
 def test_routing(mut, data):
     s = only(mut.precise, "decoder_only", "encoder_only")
     requires(s, "routing", "the model declares no mixture-of-experts routing")

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, strategies as st
 
 from properties import clause
 from properties.core import evidence
 from properties.model.checks import is_float64_twin
 from properties.model.checks import (DECODERS, EXAMPLES, Batch, assert_same_output, assert_window_gradient, batches,
                                      call_subject, check_cached_decoding, comparison_tolerance, difference_threshold, draw_pair,
-                                     embedding_probe, forward, model_property, model_settings, only, other_real_tokens,
-                                     real_tokens, requires, subject_args)
+                                     embedding_probe, forward, model_property, only, other_real_tokens,
+                                     pinned, real_tokens, requires, subject_args)
 from properties.model.precision import OWN_ROUNDINGS, accumulation_roundoff, precision_of
 from properties.model.scale import SLACK, fits_near, horizon, length_edges, near, position_edges
-from properties.model.twin import observe, twin_fallback
-from properties.model.test_models import FULL, FULL_SOURCE, pinned
+from properties.model.twin import observe
+from properties.model.test_models import FULL, FULL_SOURCE
 
 ARRANGEMENTS = ("float64", "as-built")
 SHORT_OFFSETS = (1, 2, 3)   # shifts that keep every position below the first milestone
@@ -37,11 +37,11 @@ LONG_EXAMPLES = max(2, EXAMPLES // 3)
 
 def long_property(test):
     """checks.model_property with LONG_EXAMPLES drawn examples."""
-    return settings(model_settings, max_examples=LONG_EXAMPLES)(given(data=st.data())(test))
+    return model_property(test, max_examples=LONG_EXAMPLES)
 
 
 def pinned_data(values: dict):
-    """PinnedData for a clause here: the draws by label (properties.model.test_models.pinned)."""
+    """PinnedData for a clause here: the draws by label (properties.model.checks.pinned)."""
     return pinned(values, near=fits_near)
 
 
@@ -133,7 +133,6 @@ KV_PINS = ({"length": _past(65), "new tokens": 3, "chunk sizes": [1, 2], "seed":
 @_pinned(SHIFT_PINS[0])
 @_pinned(SHIFT_PINS[1])
 @long_property
-@twin_fallback
 def test_shift(mut, arrangement, data):
     s, src, tgt, offset, last = _shift_case(mut, arrangement, data)
     mask = tgt[1]
@@ -190,7 +189,6 @@ def _resolution(s) -> str:
 @clause("MODEL-WINDOW")
 @_pinned(WINDOW_PINS[0])
 @model_property
-@twin_fallback
 def test_window(mut, data):
     s = mut.precise
     requires(s, "window", "the model declares no sliding window")
@@ -248,7 +246,6 @@ def test_window(mut, data):
 @_pinned(KV_PINS[0])
 @_pinned(KV_PINS[1])
 @long_property
-@twin_fallback
 def test_cached_decoding_at_length(mut, data):
     s = only(mut.precise, *DECODERS)
     requires(s, "decode_step", "the model offers no cached incremental decoding")
