@@ -21,7 +21,6 @@ from properties.distributed.layouts import rows_of
 @given(data=st.data())
 def test_every_rank_returns_its_shard(cp_kernel, data):
     """The guard checks every rank's output (a tensor of the shard's shape, the query's dtype, finite)."""
-    cp_kernel.require()
     case = data.draw(cp_cases(cp_kernel), label="case")
     q, k, v, _ = case.tensors()
     result = cp_kernel(q, k, v, **case.kwargs())
@@ -33,7 +32,6 @@ def test_every_rank_returns_its_shard(cp_kernel, data):
 @example(case=FLOAT_PIN)
 @given(case=st.data())
 def test_output_agrees_with_the_oracle_of_the_whole_sequence(cp_kernel, case):
-    cp_kernel.require()
     case = case_for(case, cp_kernel)
     q, k, v, _ = case.tensors()
     result = cp_kernel(q, k, v, **case.kwargs())

@@ -14,7 +14,6 @@ from properties.distributed.cases import FLOAT_PIN, case_for, check_output, cp_c
 @example(case=FLOAT_PIN)
 @given(case=st.data())
 def test_no_rank_writes_into_its_shards(cp_kernel, case):
-    cp_kernel.require()
     case = case_for(case, cp_kernel)
     q, k, v, do = case.tensors()
     grad = "backward" not in cp_kernel.declined
@@ -26,7 +25,6 @@ def test_no_rank_writes_into_its_shards(cp_kernel, case):
 @clause("CP-HISTORY")
 @given(data=st.data())
 def test_an_output_does_not_depend_on_the_calls_before(cp_kernel, data):
-    cp_kernel.require()
     case = data.draw(cp_cases(cp_kernel), label="case")
     history = data.draw(st.lists(cp_cases(cp_kernel), min_size=1, max_size=2), label="history")
     world, layout = cp_kernel.size, cp_kernel.layout
@@ -50,7 +48,6 @@ def test_an_output_does_not_depend_on_the_calls_before(cp_kernel, data):
 @clause("CP-DETERMINISTIC")
 @given(data=st.data())
 def test_repeated_calls_are_bitwise_equal(cp_kernel, data):
-    cp_kernel.require()
     case = data.draw(cp_cases(cp_kernel), label="case")
     between = data.draw(cp_cases(cp_kernel), label="between")
     q, k, v, do = case.tensors()
@@ -67,7 +64,6 @@ def test_repeated_calls_are_bitwise_equal(cp_kernel, data):
 @clause("CP-BATCH-INVARIANT")
 @given(data=st.data())
 def test_a_sequence_does_not_depend_on_its_batch(cp_kernel, data):
-    cp_kernel.require()
     case = data.draw(cp_cases(cp_kernel), label="case")
     size = data.draw(st.sampled_from((2, 3)), label="batch")
     at = data.draw(st.integers(0, size - 1), label="position")

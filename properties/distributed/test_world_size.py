@@ -38,7 +38,6 @@ def test_fewer_ranks_agree_within_the_bound(cp_kernel, data):
 @clause("CP-SHARD-EDGES")
 @given(data=st.data())
 def test_lengths_the_ranks_cannot_share_equally_are_declined_or_right(cp_kernel, data):
-    cp_kernel.require()
     case = data.draw(cp_cases(cp_kernel, divisible=False), label="case")
     q, k, v, do = case.tensors()
     grad = "backward" not in cp_kernel.declined

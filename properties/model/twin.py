@@ -103,7 +103,8 @@ def _refusal(note: str) -> str:
 
 
 def twin_fallback(test):
-    """Decorator (innermost, on a model clause taking ``mut`` and optionally ``data``): the fallback above."""
+    """Decorator (innermost, on a model clause taking ``mut`` and optionally ``data``): the fallback above.
+    properties.model.checks.model_property applies it; a clause with settings of its own stacks it itself."""
     @functools.wraps(test)
     def run(mut, *args, **kwargs):
         if mut.precise is mut.native:
