@@ -108,3 +108,18 @@ class _RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError("rank 1's backward lost the saved key block")
+
+
+_LATE = {"declined": False}
+
+
+def declines_late_on_rank_1(q, k, v, *, group=None, **kwargs):
+    """The zoo's ring, correct, whose rank 1 reaches its first decline (unequal shards) 3 s after rank 0: the skew of
+    a rank descheduled on a loaded machine. Not a fault: both ranks decline the same problem."""
+    try:
+        return ring_attention(q, k, v, group=group, **kwargs)
+    except Exception:
+        if _rank(group) == 1 and not _LATE["declined"]:
+            _LATE["declined"] = True
+            time.sleep(3)
+        raise

@@ -157,7 +157,8 @@ CLAUSES = ("CP-SHAPE", "CP-ORACLE", "CP-CAUSAL", "CP-SCALE", "CP-GQA", "CP-GRAD"
 @pytest.fixture(scope="module")
 def faulty_run():
     kernels = [a for name in FAULTS for a in ("--kernel", f"{KERNELS}:{name}")]
-    return run_suite("--world-size", "2", *kernels, "--kernel", "ring", "--call-timeout", str(LIMIT), "-rfEp")
+    return run_suite("--world-size", "2", *kernels, "--kernel", "ring", "--kernel", f"{KERNELS}:declines_late_on_rank_1",
+                     "--call-timeout", str(LIMIT), "-rfEp")
 
 
 def _failure_lines(output: str, name: str) -> list[str]:
@@ -185,7 +186,13 @@ def test_faulty_ranks_are_named_with_the_clause_and_the_run_goes_on(faulty_run):
     assert any("(the start-up probe)" not in line for line in first), first   # met in a clause, not at start-up
     ring = {line.split()[0] for line in output.splitlines() if line.endswith("[ring]")}
     passed = [line for line in output.splitlines() if line.startswith("PASSED") and line.endswith("[ring]")]
-    assert ring == {"PASSED"} and len(passed) == len(CLAUSES) - 1, ring   # CP-SHARD-EDGES: declined, skipped
+    ring_failures = [line for line in output.splitlines() if "[ring]" in line and not line.startswith("PASSED")]
+    assert ring == {"PASSED"} and len(passed) == len(CLAUSES) - 1, (   # CP-SHARD-EDGES: declined, skipped
+        ring_failures, re.findall(r"^E +.*kernel ring\b.*$", output, re.MULTILINE)[:10])
+    # The same kernel with rank 1 reaching its decline of unequal shards 3 s late (a loaded machine): declined, not
+    # a failure.
+    late = [line for line in output.splitlines() if line.endswith("declines_late_on_rank_1]")]
+    assert late and not [line for line in late if line.startswith(("FAILED", "ERROR"))], late
 
 
 def test_a_hang_costs_the_call_timeout_once(faulty_run):

@@ -364,11 +364,11 @@ def test_a_model_whose_float64_cast_hangs_fails_each_clause_in_one_line(tmp_path
     line, and no later test meets pytest's internal fixture state (`assert not self._finalizers`)."""
     (tmp_path / "stubborn.py").write_text(textwrap.dedent('''
         import torch
-        from zoo import build_model
+        from properties.catalog.models import parts
+        from zoo.nn.models import DecoderOnly
 
-        def make():
-            model = build_model(["model=decoder_only", "d_model=16", "heads=2", "layers=1", "d_ff=32",
-                                 "vocab_size=32", "max_len=32"])
+        def make():   # built without composing a config: only the cast may take the 2 s, even on a loaded machine
+            model = DecoderOnly(**parts())
             base = type(model)
 
             def _apply(self, fn, *args, **kwargs):

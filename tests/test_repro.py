@@ -96,10 +96,9 @@ def test_catalog_reproducer_fails_and_its_twin_passes(tmp_path, option, spec, cl
     junit = tmp_path / "junit.xml"
     _, out = _run(tmp_path, option, spec, (clause,), "--junitxml", str(junit))
     path = _script(out, clause)
-    broken = _execute(path)
-    assert broken.returncode == 1 and broken.stdout.startswith(f"FAIL {clause}:"), broken.stdout + broken.stderr
-    fixed = _execute(path, twin.format(tmp=tmp_path))
-    assert fixed.returncode == 0 and fixed.stdout.startswith(f"OK {clause}"), fixed.stdout + fixed.stderr
+    (code, stdout, stderr), fixed = _run_scripts("/", [[path], [path, twin.format(tmp=tmp_path)]], block_suite=False)
+    assert code == 1 and stdout.startswith(f"FAIL {clause}:"), stdout + stderr
+    assert fixed[0] == 0 and fixed[1].startswith(f"OK {clause}"), fixed[1] + fixed[2]
     # --junitxml: the failing test case carries its clause, the failure message, the script (and a kernel's coverage)
     case = next(c for c in ET.parse(junit).iter("testcase") if c.find("failure") is not None)
     properties = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -139,19 +138,25 @@ def dropout_not_rescaled(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     return correct(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) * (1 - dropout_p)
 '''
 
-_DRIVER = '''import json, runpy, sys
+_DRIVER = '''import contextlib, io, json, runpy, sys, traceback
 sys.modules["properties"] = None   # the scripts need torch and the subject's module only
-codes, blocked = {}, int(sys.argv[2])
+results, blocked = [], int(sys.argv[2])
 for n, (path, *subject) in enumerate(json.loads(sys.argv[1])):
     if n == blocked:   # the jobs after the first `blocked` load a subject of the catalog (properties.catalog)
         sys.modules.pop("properties", None)
     sys.argv = [path, *subject]
-    try:
-        runpy.run_path(path, run_name="__main__")
-        codes[n] = 0
-    except SystemExit as exit_:
-        codes[n] = exit_.code
-print(json.dumps(codes))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        except BaseException:   # a script that breaks: its traceback, as an interpreter would print it
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
 '''
 
 
@@ -249,16 +254,21 @@ def test_module_reproducers_hold_the_suites_own_functions(tmp_path):
     assert _exit_codes(tmp_path, jobs, blocked=len(fixes)) == [0] * len(fixes) + [1] * len(fixes)
 
 
-def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list:
+def _run_scripts(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list[tuple[int, str, str]]:
     """Each job's script ([path, optional subject]) run as `python path subject` would, all in one fresh isolated
-    interpreter (one torch import) where `import properties` fails for the first ``blocked`` jobs (all, or none where
-    ``block_suite`` is False: a subject that lives in the suite's catalog): their exit statuses."""
+    interpreter (one torch import; -I: no PYTHONPATH, no script directory, no user site) started in ``cwd``, where
+    `import properties` fails for the first ``blocked`` jobs (all, or none where ``block_suite`` is False: a subject
+    that lives in the suite's catalog): each job's (exit status, stdout, stderr)."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
     blocked = (len(jobs) if block_suite else 0) if blocked is None else blocked
-    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps(jobs), str(blocked)], capture_output=True,
-                         text=True, env=env, cwd=cwd, timeout=300)
+    ran = subprocess.run([sys.executable, "-I", "-c", _DRIVER, json.dumps([[str(w) for w in job] for job in jobs]),
+                          str(blocked)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    return list(json.loads(ran.stdout.strip().splitlines()[-1]).values())
+    return [tuple(result) for result in json.loads(ran.stdout.strip().splitlines()[-1])]
+
+
+def _exit_codes(cwd, jobs, block_suite: bool = True, blocked: int | None = None) -> list:
+    return [code for code, _, _ in _run_scripts(cwd, jobs, block_suite, blocked)]
 
 
 def test_a_failure_without_a_script_says_why(tmp_path):
@@ -303,13 +313,14 @@ def test_a_run_writes_only_into_a_fresh_directory_of_its_own(tmp_path):
     runs = [p for p in repro.iterdir() if p.name.startswith("run-")]
     assert len(runs) == 1 and f"in {runs[0]}" in session.output, session.output[-3000:]
     script = _script(runs[0], "CAUSAL-NO-FUTURE")
-    assert _execute(script).returncode == 1   # from /, where `mykern` is not importable but for SUBJECT_ROOTS
-    refused = _execute(script, "nosuch_module:attention")
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("CANNOT RUN: the subject"), \
-        refused.stderr
-    assert _execute(script, "a", "b").returncode == 2
+    # from /, where `mykern` (itself an import of the catalog's kernel) is not importable but for SUBJECT_ROOTS
+    ran, refused, two = _run_scripts("/", [[script], [script, "nosuch_module:attention"], [script, "a", "b"]],
+                                     block_suite=False)
+    assert ran[0] == 1, ran
+    assert refused[0] == 2 and refused[2].strip().splitlines()[-1].startswith("CANNOT RUN: the subject"), refused
+    assert two[0] == 2, two
     script.with_suffix(".pt").rename(tmp_path / "moved.pt")
-    moved = _execute(script)
+    moved = _execute(script)   # a new interpreter, as a user runs it
     assert moved.returncode == 2 and "CANNOT RUN: FileNotFoundError" in moved.stderr, moved.stderr[-2000:]
 
 
