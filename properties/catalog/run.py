@@ -119,6 +119,18 @@ def _targets(entry: Entry) -> list[Path]:
             "model": [SUITE / "model"]}.get(entry.level, [SUITE])
 
 
+def _clause_files(targets: list[Path], clauses: Sequence[str]) -> list[Path]:
+    """The test files under ``targets`` that bind one of ``clauses`` (each test names its clauses literally,
+    ``@clause("ID")``): collecting only them keeps every test ``--catalog-clause`` would keep, without importing and
+    collecting the level's other files (most of a caught entry's start-up)."""
+    if not clauses:
+        return targets
+    wanted = [f'"{clause}"' for clause in clauses]
+    files = [path for target in targets for path in sorted(target.rglob("test_*.py"))
+             if any(word in path.read_text(encoding="utf-8") for word in wanted)]
+    return files or targets
+
+
 def _pytest(targets: list[Path], plug_in: list[str], report: Path) -> list[str]:
     return [sys.executable, "-m", "pytest", *map(str, targets), "-q", "-p", "properties.catalog.select", *QUIET_PLUGINS,
             *plug_in, "--report-json", str(report)]
@@ -132,7 +144,8 @@ def command(entry: Entry, report: Path, *, level: bool = True, clauses: Sequence
     argument = entry.resolved_argument(SOURCE_ROOT)
     if argument is None:
         return None
-    cmd = _pytest(_targets(entry), [*([entry.option, argument] if entry.option else []), *entry.extra], report)
+    cmd = _pytest(_clause_files(_targets(entry), clauses),
+                  [*([entry.option, argument] if entry.option else []), *entry.extra], report)
     if level and entry.option == "--zoo":  # --zoo runs every level; the kernel tests then check the default kernels
         cmd += ["--catalog-level", entry.level]
     for clause in clauses:
@@ -204,7 +217,9 @@ def run_together(entries: Sequence[Entry], *, stop_first: bool = False, seed: in
         plug_in = [word for e in entries for word in ([option, e.spec] if option == "--kernel" else [e.argument])]
         if option != "--kernel":
             plug_in.insert(0, option)
-        cmd = _pytest(_targets(entries[0]), [*plug_in, *entries[0].extra], report) + ["--catalog-plan", str(plan)]
+        clauses = [] if not all(e.expected for e in entries) else sorted({c for e in entries for c in e.expected})
+        cmd = _pytest(_clause_files(_targets(entries[0]), clauses), [*plug_in, *entries[0].extra], report) + [
+            "--catalog-plan", str(plan)]
         cmd += [f"--hypothesis-seed={seed}"] if seed is not None else []
         cmd += [*extra, "--tb=line"]   # each failure's message is read from the report; no source in tracebacks
         start = time.perf_counter()
