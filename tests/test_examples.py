@@ -37,7 +37,7 @@ CASES = [
 def test_example_passes_the_model_clauses(tmp_path, option, value, expected):
     pytest.importorskip("x_transformers" if "xtransformers" in value else "transformers")
     report = tmp_path / "report.json"
-    proc = run_pytest(["properties/", "-m", "model", "-q", "--report-json", str(report), option, value], cwd=ROOT,
+    proc = run_pytest(["properties/model", "-m", "model", "-q", "--report-json", str(report), option, value], cwd=ROOT,
                       timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     rows = json.loads(report.read_text())
