@@ -6,14 +6,23 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["TokenEmbedding"]
+__all__ = ["TokenEmbedding", "embedding_table"]
+
+
+def embedding_table(num: int, dim: int, *, device=None, dtype=None) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device without initial values (shapes only: a model card, a config's
+    check), since drawing them there, the first time in a process, imports torch's Python meta kernels (over 1 s)."""
+    if torch.device(device or "cpu").type == "meta":
+        weight = torch.empty(num, dim, device="meta", dtype=dtype or torch.get_default_dtype())
+        return nn.Embedding(num, dim, _weight=weight)
+    return nn.Embedding(num, dim, device=device, dtype=dtype)
 
 
 class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, scale: bool = False, *, device=None, dtype=None):
         super().__init__()
         self.vocab_size = vocab_size
-        self.embedding = nn.Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        self.embedding = embedding_table(vocab_size, d_model, device=device, dtype=dtype)
         self.multiplier = math.sqrt(d_model) if scale else 1.0
 
     @property

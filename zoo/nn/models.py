@@ -15,7 +15,7 @@ from torch import nn
 
 from zoo.nn.cache import KVCache
 from zoo.nn.packing import Packing
-from zoo.nn.embedding import TokenEmbedding
+from zoo.nn.embedding import TokenEmbedding, embedding_table
 from zoo.nn.blocks import DecoderLayer, EncoderLayer
 
 __all__ = ["EncoderOnly", "DecoderOnly", "EncoderDecoder"]
@@ -84,6 +84,8 @@ class _Family(nn.Module):
     def _init_weights(self) -> None:
         # GPT-2/BERT: N(0, 0.02) for matrices and embeddings. With sqrt(d) embedding scaling
         # (Vaswani) embeddings start at N(0, 1/d) so the scaled token input has unit variance.
+        if any(p.device.type == "meta" for p in self.parameters()):   # shapes only: no values to draw
+            return
         embedding_std = self.d_model ** -0.5 if self._stack_settings["embed_scale"] else 0.02
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -116,7 +118,7 @@ class EncoderOnly(_Family):
                          embed_scale=embed_scale, embed_norm=embed_norm, dropout=dropout, device=device, dtype=dtype)
         kw = dict(device=device, dtype=dtype)
         self.encoder = self._stack(layers, EncoderLayer)
-        self.token_types = nn.Embedding(type_vocab_size, d_model, **kw) if type_vocab_size else None
+        self.token_types = embedding_table(type_vocab_size, d_model, **kw) if type_vocab_size else None
         self.pooler = nn.Linear(d_model, d_model, **kw) if pooler else None
         self.head = nn.Linear(d_model, head_classes, **kw) if head_classes else None
         self._init_weights()

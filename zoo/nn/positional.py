@@ -24,6 +24,8 @@ import torch
 from einops import rearrange, repeat
 from torch import nn
 
+from zoo.nn.embedding import embedding_table
+
 __all__ = ["Positions", "sinusoidal_table", "alibi_slopes", "SinusoidalPositions", "LearnedPositions",
            "RotaryPositions", "AlibiPositions", "NoPositions"]
 
@@ -88,8 +90,12 @@ class SinusoidalPositions(Positions):
     def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
         super().__init__(max_len)
         # A fixed function of the position, not a parameter: kept out of the state dict.
-        table = sinusoidal_table(max_len, d_model, device=None if device == "meta" else device, dtype=dtype)
-        self.register_buffer("table", table.to(device) if device == "meta" else table, persistent=False)
+        if torch.device(device or "cpu").type == "meta":   # shapes only (a model card, a config's check): no values,
+            # and no meta arithmetic, whose first use in a process imports torch's Python meta kernels (over 1 s)
+            table = torch.empty(max_len, d_model, device="meta", dtype=dtype or torch.get_default_dtype())
+        else:
+            table = sinusoidal_table(max_len, d_model, device=device, dtype=dtype)
+        self.register_buffer("table", table, persistent=False)
 
     def _apply(self, fn, recurse=True):
         # module.to(dtype) would cast the stored table, so a float32 model moved to float64 kept a
@@ -110,7 +116,7 @@ class SinusoidalPositions(Positions):
 class LearnedPositions(Positions):
     def __init__(self, d_model: int, max_len: int, *, device=None, dtype=None):
         super().__init__(max_len)
-        self.embedding = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
+        self.embedding = embedding_table(max_len, d_model, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         position = position_ids(offset, x.shape[1], x.device)
