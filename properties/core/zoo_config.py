@@ -156,7 +156,7 @@ def _check_size(config, run: ZooRun) -> None:
     """The zoo's own size check (zoo.config.sizing.check_fits, as ``python -m zoo`` runs it) before the suite builds
     anything: a model that cannot fit is one line, not an allocation failure or hours of building. It runs for the
     model under test on the first --device (when this machine has it) and for the layer clauses' model on the CPU."""
-    from zoo.config.sizing import check_fits
+    from zoo.config.sizing import builds_a_part, check_fits
     from zoo.config.errors import ConfigError
     from properties.core.watchdog import UserExit, raised
     from properties.core.dtypes import device_unavailable
@@ -167,8 +167,11 @@ def _check_size(config, run: ZooRun) -> None:
     except (RuntimeError, ValueError):   # a --device that names nothing: the plugin says so
         checks = []
     checks.append((run.layer_cfg, "cpu"))
-    # torch's first meta-device operation imports its decompositions (seconds): not the code under test's time
-    torch.empty(1, device="meta").normal_()
+    # A part of the user's own is counted by building it on the meta device, where torch's first arithmetic in a
+    # process imports its decompositions (over a second): not the code under test's time. The zoo's own parts are
+    # counted from their settings, with nothing to import.
+    if any(builds_a_part(cfg) for cfg, _ in checks):
+        torch.empty(1, device="meta").normal_()
     for cfg, where in checks:
         try:
             with user_call(f"model built by {run.origin}", "the size check (zoo.config.sizing.check_fits)"):

@@ -29,7 +29,7 @@ from zoo.config.parts import instantiate_part
 from zoo.config.options import DTYPES, PARTS
 from zoo.runtime.plugins import PluginError, locate
 
-__all__ = ["ModelTooLarge", "Count", "ModelSize", "model_size", "memory_needed", "check_fits"]
+__all__ = ["ModelTooLarge", "Count", "ModelSize", "model_size", "memory_needed", "check_fits", "builds_a_part"]
 
 PART_ORDER = ("embeddings", "attention", "ffn", "norms", "head", "other")  # as zoo.tasks.summary groups them
 
@@ -153,6 +153,19 @@ def _zoo_formulas() -> dict:
 
 _ROLE = {"attention": ("MultiHeadAttention", "attention"), "ffn": ("FeedForward", "ffn"),
          "norm": ("LayerNorm", "norms"), "pos": ("SinusoidalPositions", "embeddings")}  # class, card part
+
+
+def builds_a_part(cfg: DictConfig) -> bool:
+    """Whether ``model_size`` (so ``check_fits``) builds a part on the meta device to count it: a part of your own,
+    one the zoo has no formula for. The zoo's own parts are counted from their settings."""
+    formulas = _zoo_formulas()
+    for role in PARTS:
+        try:
+            if locate(cfg[role]._target_) not in formulas:
+                return True
+        except PluginError:
+            continue
+    return False
 
 
 def _part(cfg: DictConfig, role: str, dtype: torch.dtype, estimated: list) -> tuple[Count, int]:
