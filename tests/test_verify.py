@@ -76,12 +76,14 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
     try:
-        # Wait until the suite is running (its command line is echoed first), then interrupt it like Ctrl-C.
+        # Wait until the suite is running its tests (its command line is echoed first, then pytest's progress
+        # letters, on a line not yet ended), then interrupt it like Ctrl-C.
         deadline = time.monotonic() + 120
         for line in process.stdout:
             if line.startswith("verifying:") or time.monotonic() > deadline:
                 break
-        time.sleep(3)
+        while process.stdout.read(1) not in (".", "s", "F", "E", "") and time.monotonic() < deadline:
+            pass
         children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
         assert children, "the suite's child process is not running"
         os.killpg(process.pid, signal.SIGINT)
@@ -90,6 +92,7 @@ def test_an_interrupted_run_leaves_no_report(tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+    # (on a line of its own, not after the progress letters the interrupt cut off)
     assert process.returncode == 130 and output.strip().splitlines()[-1] == "zoo: interrupted", output[-2000:]
     assert not [p.name for p in out.glob("report*")] + [p.name for p in out.glob(".report*")]
     assert not (out / "junit.xml").exists()

@@ -158,6 +158,9 @@ def run_suite(config_path: Path, kernel: str | None, *, device: str, profile: st
         _stop(process)
         _end_group(process.pid)
         process.stdout.close()
+        if echo and tail and not tail.endswith(b"\n"):   # pytest's progress letters, cut off: what follows
+            sys.stdout.write("\n")                        # ("zoo: interrupted", the table) starts its own line
+            sys.stdout.flush()
     text = tail.decode("utf-8", errors="replace")
     return status, report, junit, time.perf_counter() - start, "\n".join(text.splitlines()[-40:])
 
