@@ -169,9 +169,17 @@ class Expected:
 def expected(case: CPCase, q, k, v, do=None, *, world: int, layout: str) -> Expected:
     kw = case.kwargs()
     scale = kw.get("scale", 1.0 / case.e ** 0.5)
-    bounds = softmax_bounds(q, k, v, is_causal=case.causal, scale=scale, enable_gqa=kw.get("enable_gqa", False),
-                            merged_states=merged_states(world, layout))
-    grads = None if do is None else gradient_oracle(bounds, q, k, v, do, scale=scale)
+
+    def bounds_of(states: int):
+        return softmax_bounds(q, k, v, is_causal=case.causal, scale=scale, enable_gqa=kw.get("enable_gqa", False),
+                              merged_states=states)
+    states = merged_states(world, layout)
+    bounds = bounds_of(states)
+    # The backward recomputes the weights from the LSE the forward kept, rounded to the accumulation type: exp(s - lse)
+    # errs by |lse| u_a, not by |s - max| u_a. With two states or more step 7 covers it (their LSEs are rounded the
+    # same way); a single state (one rank, contiguous shards) is held to it as to a merge of two.
+    backward = bounds if states > 1 else bounds_of(2)
+    grads = None if do is None else gradient_oracle(backward, q, k, v, do, scale=scale)
     return Expected(bounds, bounds.reference.output, output_bound(bounds, v), grads)
 
 
