@@ -133,3 +133,27 @@ def test_check_fits_refuses_in_one_line_and_says_what_it_counted():
     check_fits(_composed(), batch=2, length=32)  # a tiny model fits
     check_fits(_composed("d_model=1073741824"), device="meta")  # nothing is allocated on the meta device
     assert issubclass(ModelTooLarge, ConfigError)
+
+
+def test_only_a_part_of_ones_own_is_built_on_the_meta_device_to_be_sized():
+    """builds_a_part: the zoo's parts are counted from their settings (the suite then skips warming torch's meta
+    kernels); a replacement part, a subclass of the zoo's included, is built on the meta device."""
+    from zoo.config.composition import compose_config
+    from zoo.config.sizing import builds_a_part
+    for pos in ("sinusoidal", "learned", "rotary", "alibi", "none"):
+        assert not builds_a_part(compose_config(["model=decoder_only", f"pos={pos}", "task=summary"])), pos
+    own = compose_config(["model=decoder_only", "task=summary",
+                          "attention._target_=properties.catalog.models.NoCausalMask"])
+    assert builds_a_part(own)
+
+
+def test_a_meta_build_makes_no_values_and_keeps_every_shape():
+    """On the meta device the embedding tables and the sinusoidal table are made empty, not computed: the same
+    parameters and buffers, by name, shape and dtype, as the real build."""
+    from zoo import build_model
+    overrides = ["model=encoder_only", "pos=learned", "model.type_vocab_size=2"]
+    real, meta = build_model(overrides), build_model(overrides, device="meta")
+    shapes = lambda m: [(n, t.shape, t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]]  # noqa: E731
+    assert shapes(real) == shapes(meta) and all(t.device.type == "meta" for _, t in meta.named_parameters())
+    table = build_model(["model=decoder_only", "pos=sinusoidal"], device="meta").decoder.pos.table
+    assert table.device.type == "meta" and table.dtype == torch.float32
