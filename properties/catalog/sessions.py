@@ -10,6 +10,11 @@ the server imports only third-party libraries (the suite's own modules are impor
 rewrites their asserts as in a plain run) and never runs any of them. What a forked child lacks compared with a
 new interpreter is only the import time.
 
+Some third-party packages are heavy and used by only some runs: Hugging Face's ``transformers`` (1 s of imports in
+every run of a Hugging Face model) is imported by the server once a run of its own has imported it (``LEARNED``):
+the child reports which of that package's modules it imported, and the server imports them before its next fork.
+A server that never runs such a model never pays for it.
+
 Where ``fork`` is unavailable (Windows) or the server cannot be started, a run is a subprocess as before:
 :func:`run_pytest` has the same result either way. The server handles one run at a time; :class:`SessionPool`
 keeps one server per concurrent caller.
@@ -38,6 +43,9 @@ PRELOAD = ("torch", "torch._dynamo", "numpy", "hypothesis", "hypothesis.extra.py
            "_pytest.python", "_pytest.fixtures", "_pytest.assertion.rewrite", "_pytest.terminal", "pluggy", "einops",
            "omegaconf", "hydra", "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
            "hydra._internal.config_loader_impl", "safetensors.torch", "yaml")
+# Third-party packages the server imports once a run has imported them (see the docstring): the modules of these
+# top-level packages that a run imported, nothing of the suite's own.
+LEARNED = ("transformers",)
 # pytest marks the packages of its plug-ins (Hypothesis', Hydra's) for assertion rewriting and warns that the
 # server imported them already; a new interpreter would have rewritten nothing in them either (they hold no
 # test code), so the warning is about the server, not the run, and the child does not print it.
@@ -181,6 +189,7 @@ def run_pytest(args, *, cwd, env: dict | None = None, timeout: float = 900) -> S
 def _child(request: dict) -> None:
     """In the forked child: become ``python -m pytest ARGS`` run in the request's directory; never returns."""
     code = 70
+    preloaded = set(sys.modules)
     try:
         os.setpgid(0, 0)   # its own group, so that a time-out ends whatever the session started too
         _die_with_parent()
@@ -214,10 +223,51 @@ def _child(request: dict) -> None:
         code = 1
     finally:
         try:
+            _report_imports(request, preloaded)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _imports_path(request: dict) -> str:
+    """Where a run reports its imports of the ``LEARNED`` packages: beside its stdout, in the caller's directory."""
+    return os.path.join(os.path.dirname(request["stdout"]), "learned-imports.json")
+
+
+def _report_imports(request: dict, preloaded: set[str]) -> None:
+    learned = sorted(name for name in set(sys.modules) - preloaded if name.split(".")[0] in LEARNED)
+    if learned:
+        with open(_imports_path(request), "w") as file:
+            json.dump(learned, file)
+
+
+def _reported_imports(request: dict) -> list[str]:
+    """The modules of the ``LEARNED`` packages a run imported that the server has not (read before the reply: the
+    caller then removes its directory)."""
+    try:
+        with open(_imports_path(request)) as file:
+            return [name for name in json.load(file) if name not in sys.modules]
+    except (OSError, ValueError):
+        return []
+
+
+def _learn(names: list[str]) -> None:
+    """In the server, after a run's reply: import ``names``, so that the next runs find them imported (their output,
+    if any, goes to stderr: the server's stdout is its reply pipe)."""
+    import contextlib
+    import gc
+    import importlib
+    if not names:
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:   # noqa: BLE001 -- a run imports it as before
+                pass
+    gc.collect()
+    gc.freeze()
 
 
 # The server's cache of the constants Hypothesis reads out of the local modules' source (a directory; None: none).
@@ -290,7 +340,9 @@ def serve() -> None:
         if pid == 0:
             _child(request)
         returncode, timed_out = _wait(pid, request.get("timeout"))
+        learned = _reported_imports(request)
         print(json.dumps({"returncode": returncode, "timed_out": timed_out}), flush=True)
+        _learn(learned)
     import shutil
     shutil.rmtree(_CONSTANTS, ignore_errors=True)
 
