@@ -19,10 +19,10 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 @pytest.hookimpl(optionalhook=True)   # (pytest-xdist may be absent or blocked: -p no:xdist)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the CPU cores this process may use. A sixth of the tests' time is spent
-    waiting, not computing (a kernel that hangs until its --call-timeout, a rank waiting for another, a catalog
-    session another worker is running): on 2 cores, 3 workers ran the test command in 611 s against 690 s for 2,
-    and 4 workers gained nothing more (docs/benchmarks.md)."""
+    """``-n auto``: one worker more than the CPU cores this process may use. With one worker a core, the cores
+    idled 14 % of the run while tests waited (a kernel that hangs until its --call-timeout, a rank waiting for
+    another, a catalog session another worker is running): on 2 cores, 3 workers ran the test command in 611 s
+    against 690 s for 2, and 4 workers gained nothing more (docs/benchmarks.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores + 1
 
