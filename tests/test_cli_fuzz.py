@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from cli_harness import zoo_in_process
+from properties.catalog.sessions import Session, run_pytest
 from zoo.config.options import options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,10 +286,11 @@ SUITE_OPTIONS = {
 }
 
 
-def _suite_refusal(words: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "properties", "-q", "-p", "no:cacheprovider",
-                           *words.replace("NOSUCH_FILE", str(tmp_path / "nosuch")).split()],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def _suite_refusal(words: str, tmp_path: Path) -> Session:
+    """``python -m pytest --pyargs properties WORDS`` in ``tmp_path`` (a session forked from a server that imported
+    torch once, properties/catalog/sessions.py)."""
+    return run_pytest(["--pyargs", "properties", "-q", "-p", "no:cacheprovider",
+                       *words.replace("NOSUCH_FILE", str(tmp_path / "nosuch")).split()], cwd=tmp_path, timeout=120)
 
 
 @pytest.mark.parametrize("words", list(SUITE_OPTIONS))

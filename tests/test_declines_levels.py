@@ -7,11 +7,11 @@ declines are named as the reference's, not the kernel's under test.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from properties.catalog.sessions import run_pytest
 
 KERNELS = textwrap.dedent('''
     import torch
@@ -47,9 +47,10 @@ def kernels(tmp_path_factory):
 
 
 def _pytest(cwd, *words):
-    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "properties", "-q", "-rs", "-p",
-                           "no:cacheprovider", "--hypothesis-profile", "quick", *words],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    """``python -m pytest --pyargs properties WORDS`` in ``cwd`` (a session forked from a server that imported torch
+    once, properties/catalog/sessions.py)."""
+    return run_pytest(["--pyargs", "properties", "-q", "-rs", "-p", "no:cacheprovider", "--hypothesis-profile",
+                       "quick", *words], cwd=cwd, timeout=600)
 
 
 def test_module_clauses_run_on_what_the_kernel_inside_accepts(kernels):

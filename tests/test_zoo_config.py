@@ -3,22 +3,20 @@ writes) selects the levels ``--zoo`` selects and builds the same model; its part
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from properties.catalog.sessions import Session, run_pytest
 from zoo.config.composition import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; runs may share the machine
-    return subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:randomly", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _suite(tmp_path: Path, *args: str) -> Session:
+    """``python -m pytest properties/ ARGS`` from the repository (a session forked from a server that imported torch
+    once, with one intra-op thread: tiny models, and runs may share the machine)."""
+    return run_pytest(["properties/", "-q", "-p", "no:randomly", *args], cwd=ROOT, timeout=600)
 
 
 def _saved(tmp_path: Path, *overrides: str) -> Path:

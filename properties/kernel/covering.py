@@ -25,16 +25,17 @@ class Design:
 
     ``factors``: factor -> its classes in preference order (cheapest first). ``valid(partial) -> bool``: whether a
     partial row (factor -> class) can still be posed (False only when some assigned classes conflict). ``cost(partial)``:
-    a lower bound of the cost of any completion. ``derived``: attribute -> function of a complete row (an attribute
-    that targets may name besides the factors). ``allowed(attributes) -> bool``: which combinations of attributes are
-    targets."""
+    a lower bound of the cost of any completion. ``monotone``: ``valid`` rejects no partial row that has a valid
+    completion (the search then cuts a branch as soon as some missing factor has no admissible class). ``derived``:
+    attribute -> function of a complete row (an attribute that targets may name besides the factors).
+    ``allowed(attributes) -> bool``: which combinations of attributes are targets."""
 
     def __init__(self, factors: dict[str, tuple[str, ...]], valid: Callable[[dict], bool],
                  cost: Callable[[dict], float], derived: dict[str, Callable[[dict], str]] | None = None,
                  derived_classes: dict[str, tuple[str, ...]] | None = None,
-                 allowed: Callable[[tuple[str, ...]], bool] | None = None):
+                 allowed: Callable[[tuple[str, ...]], bool] | None = None, monotone: bool = False):
         self.factors = {name: tuple(classes) for name, classes in factors.items()}
-        self.valid, self.cost = valid, cost
+        self.valid, self.cost, self.monotone = valid, cost, monotone
         self.derived = dict(derived or {})
         self.derived_classes = dict(derived_classes or {})
         self.allowed = allowed or (lambda attributes: True)
@@ -94,7 +95,7 @@ def complete(design: Design, partial: dict, conditions: tuple = ()) -> dict | No
     """A complete valid row extending ``partial`` (cheapest classes first) whose derived attributes meet
     ``conditions``, or None: a greedy pass first (each missing factor its first class that keeps the row valid, which
     almost always succeeds), a depth-first search where it does not."""
-    key = ("greedy", tuple(partial.get(f) for f in design.factors), conditions)
+    key = ("greedy", tuple(map(partial.get, design.factors)), conditions)
     if key in design._completions:
         return design._completions[key]
     design._completions[key] = result = _complete(design, partial, conditions)
@@ -120,7 +121,7 @@ def _complete(design: Design, partial: dict, conditions: tuple) -> dict | None:
 
 
 def _search(design: Design, partial: dict, conditions: tuple) -> dict | None:
-    key = (tuple(partial.get(f) for f in design.factors), conditions)
+    key = (tuple(map(partial.get, design.factors)), conditions)
     if key in design._completions:
         return design._completions[key]
     if not design.valid(partial) or any(design.value(partial, a) not in (None, c) for a, c in conditions):
@@ -132,6 +133,13 @@ def _search(design: Design, partial: dict, conditions: tuple) -> dict | None:
         result = dict(partial) if ok else None
         design._completions[key] = result
         return result
+    # Forward checking: a missing factor none of whose classes the row admits ends the branch here, instead of after
+    # every combination of the factors before it (a kernel without masks, say, under a clause of masks). The first
+    # completion found is the same where validity is monotone: only branches without one are cut.
+    if design.monotone and any(not any(design.valid({**partial, f: c}) for c in classes)
+                               for f, classes in design.factors.items() if f not in partial):
+        design._completions[key] = None
+        return None
     factor = missing
     result = None
     for c in design.factors[factor]:
@@ -181,10 +189,11 @@ def covering_rows(design: Design, targets: list[Target], strength: int) -> tuple
     uncovered = set(targets)
     order = {t: i for i, t in enumerate(targets)}
     seed_cost = {t: design.cost(_fixes(design, t)[0]) for t in targets}
+    by_priority = iter(sorted(uncovered, key=lambda t: (-seed_cost[t], order[t])))   # the most expensive first
     rows: list[dict] = []
     unposable: list[Target] = []
     while uncovered:
-        seed = max(uncovered, key=lambda t: (seed_cost[t], -order[t]))
+        seed = next(t for t in by_priority if t in uncovered)
         fixed, conditions = _fixes(design, seed)
         conditions = tuple(conditions)
         if complete(design, fixed, conditions) is None:

@@ -77,22 +77,29 @@ def _design(space: Space, ctx: Context, level: int) -> Design:
     costs: dict = {}
 
     def cost(row):   # a function of the few factors that set the sizes
-        key = tuple(row.get(f) for f in _SIZE_FACTORS)
+        key = tuple(map(row.get, _SIZE_FACTORS))
         if key not in costs:
             costs[key] = row_cost(space, ctx, row)
         return costs[key]
 
     limited = level >= 2 and bool(ctx.limits)   # (a kernel without limits accepts every row)
+    names, verdicts = tuple(factors), {}
 
-    def valid(row):
-        return (structure_ok(space, row) and (level < 1 or cost(row) <= ctx.budget)
-                and (not limited or limits_reason(space, ctx, row) is None))
+    def valid(row):   # a function of the row's factors, asked of the same partial rows many times over
+        key = tuple(map(row.get, names))
+        if key not in verdicts:
+            verdicts[key] = (structure_ok(space, row) and (level < 1 or cost(row) <= ctx.budget)
+                             and (not limited or limits_reason(space, ctx, row) is None))
+        return verdicts[key]
     lengths = all(f in factors for f in ("L", "S", "order"))
     squares = tuple(c for c in SQUARE_CLASSES if c in factors.get("L", ()) and c in factors.get("S", ()))
     return Design(factors, valid, cost,
                   derived={"scale": scale_of, "square": square_of} if lengths else None,
                   derived_classes={"scale": factors["L"], "square": squares} if lengths else None,
-                  allowed=_allowed if lengths else None)
+                  allowed=_allowed if lengths else None,
+                  # Not within the budget under limits: a class the limits leave without sizes (odd head sizes, say)
+                  # costs its smallest size, 1, while a factor still missing costs the least size they accept.
+                  monotone=level != 1 or not ctx.limits)
 
 
 _SIZE_FACTORS = ("L", "S", "order", "E", "Ev", "group", "attend")
