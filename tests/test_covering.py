@@ -1,7 +1,7 @@
 """The covering construction (properties/kernel/covering.py) on the suite's own clause spaces, for a kernel without
 limits and for kernels with the limits fused kernels have: every target some valid row holds is in a row, every
 target reported unposable has no valid row, and the completion search that cuts branches early (forward checking,
-on the designs ``_design`` marks monotone) finds the very rows the plain depth-first search finds."""
+on the designs ``covering_design`` marks monotone) finds the very rows the plain depth-first search finds."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from properties.kernel import covering
 from properties.kernel.limits import Limits
 from properties.kernel.problem_space import BUDGET, LONG_BUDGET, Context
-from properties.kernel.schedule import _design
+from properties.kernel.schedule import covering_design
 from properties.kernel import test_gradients, test_history, test_kernel, test_masks
 
 GRAD_GQA = test_gradients.test_shared_kv_head_gradient_is_the_sum_over_its_group.covering_space[0]
@@ -39,7 +39,7 @@ def _unpruned(design: covering.Design) -> covering.Design:
 @pytest.mark.parametrize("space", SPACES, ids=[s.name for s in SPACES])
 def test_rows_cover_every_posable_pair_and_pruning_changes_no_row(space, limits):
     ctx = _context(space, LIMITS[limits])
-    structure, full = _design(space, ctx, 0), _design(space, ctx, 2)
+    structure, full = covering_design(space, ctx, 0), covering_design(space, ctx, 2)
     assert full.monotone and structure.monotone
     targets = covering.targets_of(structure, 2)
     rows, unposable = covering.covering_rows(full, targets, 2)
@@ -54,7 +54,7 @@ def test_within_the_budget_under_limits_is_not_monotone_so_it_is_searched_whole(
     """A head-size class the limits leave empty costs its own smallest size (1) once chosen, less than the least
     accepted size (16) an unchosen factor costs: a partial row over the budget can have a completion within it, and
     forward checking would wrongly report the pair beyond the budget."""
-    budget = _design(GRAD_GQA, Context(LIMITS["fused"], ("float32",), BUDGET, 2), 1)
+    budget = covering_design(GRAD_GQA, Context(LIMITS["fused"], ("float32",), BUDGET, 2), 1)
     assert not budget.monotone
     target = (("order", ">"), ("scale", "past256"))
     row = covering.posable(budget, target)

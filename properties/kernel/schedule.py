@@ -30,7 +30,7 @@ from properties.kernel.problem_space import (BUDGET, LONG_BUDGET, DTYPE_NAMES, D
                                              row_cost, scale_of, square_of, structure_ok)
 
 __all__ = ["Schedule", "Slot", "scheduled", "problems", "context", "schedule_for", "strength", "SLOTS",
-           "shrink_names", "shrunk"]
+           "covering_design", "shrink_names", "shrunk"]
 
 # Explicit examples per clause, one covering row each (more rows than slots share them: slot i runs rows i, i + n, ...).
 SLOTS = {1: 12, 2: 72, 3: 480}
@@ -65,7 +65,7 @@ def context(space: Space | None = None) -> Context:
     return Context(kernel_limits(), names, budget, t)
 
 
-def _design(space: Space, ctx: Context, level: int) -> Design:
+def covering_design(space: Space, ctx: Context, level: int) -> Design:
     """The covering design of a space: ``level`` 0 what the clause can pose at all, 1 within the budget, 2 what the
     kernel accepts too."""
     factors = {}
@@ -131,7 +131,7 @@ class Schedule:
     def __init__(self, space: Space, ctx: Context, run_seed: int):
         self.space, self.ctx = space, ctx
         self.strength = ctx.strength
-        structure, budget, full = (_design(space, ctx, level) for level in (0, 1, 2))
+        structure, budget, full = (covering_design(space, ctx, level) for level in (0, 1, 2))
         self.design = full
         self.declined: dict = {}      # target -> the kernel's reason
         self.beyond_budget: list = []
