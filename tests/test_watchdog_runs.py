@@ -22,6 +22,8 @@ from pathlib import Path
 
 from hypothesis import assume, example, given, settings, strategies as st
 
+from properties.catalog.sessions import run_pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # --call-timeout for these runs: a hang costs it in wall time (a Python loop below sleeps, so no CPU time), while a
 # correct call takes milliseconds; importing the plug-in (torch and the zoo are loaded by then) well under a second.
@@ -193,8 +195,8 @@ def check_run(level: str, misdeed: str, when: str, expected: str, folder: str) -
 
 
 def test_a_bad_call_timeout_is_one_line_before_anything_runs():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "properties/", "-q", "-p", "no:cacheprovider", "--rootdir",
-                           str(ROOT), "--call-timeout", "soon"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_pytest(["properties/", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "--call-timeout", "soon"],
+                      cwd=ROOT, timeout=300)   # a session forked from a server that imported torch once
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 4 and lines == ["ERROR: --call-timeout 'soon': expected a number of seconds in [0, 1e6] "
                                               "(0: no limit)"], proc.stdout[-2000:] + proc.stderr[-2000:]

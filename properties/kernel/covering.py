@@ -6,7 +6,9 @@ al. 2007): while a target tuple is uncovered, the most expensive uncovered one s
 takes the class that covers the most uncovered targets with the classes already in the row, ties going to the
 cheaper class, then to the earlier one. A constraint function on partial rows keeps every row posable; a completion
 search (depth first, cheapest classes first) keeps every partial row completable, so that the construction never
-reaches a dead end. Nothing here is random: the same factors, constraints and costs give the same rows.
+reaches a dead end; on a design whose validity is monotone (a rejected partial row has no valid completion) the search
+cuts a branch as soon as some missing factor has no admissible class (forward checking), which finds the same rows.
+Nothing here is random: the same factors, constraints and costs give the same rows.
 
 Pure Python, no torch: properties/kernel/problem_space.py says what the factors, targets, constraints and costs are.
 """
