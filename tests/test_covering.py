@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from properties.kernel import covering
+from properties.kernel import covering, test_gradients, test_history, test_kernel, test_masks
 from properties.kernel.limits import Limits
 from properties.kernel.problem_space import BUDGET, LONG_BUDGET, Context
 from properties.kernel.schedule import covering_design
-from properties.kernel import test_gradients, test_history, test_kernel, test_masks
 
 GRAD_GQA = test_gradients.test_shared_kv_head_gradient_is_the_sum_over_its_group.covering_space[0]
 SPACES = [test_kernel.ORACLE, GRAD_GQA, test_history.test_output_does_not_depend_on_earlier_calls.covering_space[0],
