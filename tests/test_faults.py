@@ -59,9 +59,11 @@ def cli(monkeypatch, capsys):
 
     def run(*arguments):
         monkeypatch.setattr(sys, "argv", ["zoo", *arguments])
+        # main(ARGS) as a program calls it: main() is the command, which ends with this process's children (a test
+        # process's pytest session servers among them, properties/catalog/sessions.py)
         try:
             with pytest.raises(SystemExit) as exited:
-                zoo.cli.command.main()
+                zoo.cli.command.main(list(arguments))
         finally:
             signal.signal(signal.SIGTERM, previous)
         captured = capsys.readouterr()

@@ -31,3 +31,26 @@ def test_a_server_imports_a_learned_package_once_a_run_used_it(tmp_path, package
             assert result.returncode == 0, result.output[-3000:]
     finally:
         pool.close()
+
+
+def test_a_server_killed_from_outside_is_replaced(tmp_path):
+    """A program that ends its children (`python -m zoo` as a command does) kills the servers of the pool of the process
+    it runs in: the run that meets the dead server goes on as a new interpreter, the next ones on a new server."""
+    (tmp_path / "test_pid.py").write_text("import os\n\n\ndef test_pid():\n    print('parent', os.getppid())\n")
+    pool = SessionPool()
+    try:
+        def parent() -> int:
+            result = pool.run([str(tmp_path / "test_pid.py"), "-q", "-s", "-p", "no:cacheprovider"], cwd=tmp_path)
+            assert result.returncode == 0, result.output[-3000:]
+            return int(result.stdout.split("parent ")[1].split()[0])
+        first = parent()
+        if pool.broken:
+            pytest.skip("this platform has no fork: every run is a new interpreter")
+        [server] = pool.servers
+        assert first == server.process.pid   # forked from the server
+        server.process.kill()
+        server.process.wait()
+        assert parent() != first and not pool.servers   # the dead server's run: a new interpreter
+        assert parent() == pool.servers[0].process.pid != first and not pool.broken
+    finally:
+        pool.close()

@@ -50,6 +50,8 @@ LEARNED = ("transformers",)
 # server imported them already; a new interpreter would have rewritten nothing in them either (they hold no
 # test code), so the warning is about the server, not the run, and the child does not print it.
 PRELOAD_WARNING = ("-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning")
+# Servers of a pool that may die before its runs go on as subprocesses instead.
+DEATHS = 3
 
 
 @dataclass
@@ -109,16 +111,18 @@ class _Server:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()
             try:
+                self.process.stdin.close()
                 self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
+                self.process.wait()
 
 
 class SessionPool:
-    """Servers for callers that run sessions at the same time (threads); a server that breaks is replaced by
-    subprocess runs for the rest of the pool's life.
+    """Servers for callers that run sessions at the same time (threads). A server that dies (killed from outside: a
+    program that ends its children) is replaced by a new one; one that cannot start, or dies ``DEATHS`` times, by
+    subprocess runs for the rest of the pool's life. A run its server died in is run again as a subprocess.
 
     A run whose environment differs from the pool's (beyond PYTHONPATH, which the child applies to its own path)
     gets a server started with that environment: the server's imports read it once (TRITON_INTERPRET, for one, is
@@ -130,6 +134,7 @@ class SessionPool:
         self.servers: list[_Server] = []
         self.lock = threading.Lock()
         self.broken = not hasattr(os, "fork")
+        self.deaths = 0
 
     def _server_env(self, env: dict | None) -> tuple[tuple, dict]:
         if env is None:
@@ -157,8 +162,12 @@ class SessionPool:
                 self.servers.append(server)
         try:
             result = server.run(args, cwd, env, timeout)
-        except (OSError, ValueError):  # the server died: this run and the later ones as subprocesses
-            self.broken = True
+        except (OSError, ValueError):  # the server died: this run as a subprocess, the next ones on a new server
+            server.close()
+            with self.lock:
+                self.servers.remove(server)
+                self.deaths += 1
+                self.broken = self.broken or self.deaths >= DEATHS
             return _subprocess_run(args, cwd, env, timeout)
         idle.put(server)
         return result
