@@ -8,7 +8,8 @@ and runs only their pinned ``@example`` cases (``--hypothesis-profile pinned``):
 Hypothesis draws, because the default profile runs those cases first (a known bug class is never a coin flip).
 Broken kernels plugged in the same way share a session, up to ``SESSION_SIZE`` of them, each on its own clauses and
 stopped at its own first failure (``run_together``; one not caught there is run again alone). A correct entry runs
-every test of its level, unrestricted, at the default profile with a fresh seed; the context-parallel kernels of the
+every test of its level, unrestricted, with a fresh seed: at the default profile, except the catalog's own SDPA kernels
+(``own_kernel``), which run at the quick profile; the context-parallel kernels of the
 distributed level (``--world-size 2``, the ranks started once per session) share a session per layout, broken and
 correct apart, each kernel on its own clauses as above. The Hugging Face and torch.nn
 examples, also correct implementations, are run by tests/test_examples.py. ``python -m
@@ -53,11 +54,22 @@ CORRECT_SESSION_SIZE = 3
 
 
 # Correct entries that differ from another correct entry only by the problems they decline: their numerics are the
-# other entry's, verified at the default profile ("tiled"); what is theirs is that declining breaks no clause and
-# skips none wrongly, which the quick profile checks as tests/test_declines.py does (every pinned problem, fitted to
-# the limits, plus 3 draws per clause).
+# other entry's, verified with it ("tiled"); what is theirs is that declining breaks no clause and skips none wrongly,
+# which the quick profile checks as tests/test_declines.py does (every pinned problem, fitted to the limits, plus 3
+# draws per clause).
 DECLINING_TWINS = {"tiled, a fused kernel's limits": "tiled"}
 PINNED = dict(stop_first=True, seed=SEED, extra=("--hypothesis-profile", "pinned"))
+QUICK = ("--hypothesis-profile", "quick")
+
+
+def own_kernel(entry: Entry) -> bool:
+    """The catalog's own correct SDPA kernels (properties/catalog/: the zoo's arithmetic in other orders, step by step,
+    in tiles, in blocks of 3, with a hand-written backward, returning the LSE) run at the quick profile: each clause on
+    every class it poses and every pinned problem, every run (a pair of classes costs a kernel 3x its classes alone).
+    The pairs of classes are held every run at the default profile by the zoo's three kernels (the suite itself,
+    properties/) and by PyTorch's own F.scaled_dot_product_attention here; the mutation report runs these at the
+    default profile too."""
+    return entry.level == "kernel" and entry.option == "--kernel" and entry.argument.startswith("properties.catalog.")
 
 
 def _sessions() -> dict[str, list[Entry]]:
@@ -68,7 +80,8 @@ def _sessions() -> dict[str, list[Entry]]:
     sessions = {}
     together = [e for e in CORRECT_HERE if e.level == "distributed" or (
         e.level == "kernel" and e.option == "--kernel" and e.name not in DECLINING_TWINS)]
-    for group in [*shareable(CATALOG), *shareable(together)]:
+    groups = [group for own in (True, False) for group in shareable([e for e in together if own_kernel(e) == own])]
+    for group in [*shareable(CATALOG), *groups]:
         size = SESSION_SIZE if group[0].expected or group[0].level == "distributed" else CORRECT_SESSION_SIZE
         slices = math.ceil(len(group) / size)
         for i in range(slices):
@@ -85,11 +98,10 @@ def _run_entries(entries: list[Entry]) -> list[Run]:
     """The runs of ``entries``: a session's, or the part of it a selection (-k) chose."""
     if entries[0].expected:
         return run_together(entries, **PINNED)
+    quick = QUICK if own_kernel(entries[0]) or entries[0].name in DECLINING_TWINS else ()
     if len(entries) > 1 or entries[0].level == "distributed":   # correct kernels sharing a session: every clause,
-        return run_together(entries)                              # the default profile, a fresh seed, as if alone
-    if entries[0].name in DECLINING_TWINS:
-        return [run_entry(entries[0], extra=("--hypothesis-profile", "quick"))]
-    return [run_entry(entries[0])]
+        return run_together(entries, extra=quick)                 # a fresh seed, as if alone
+    return [run_entry(entries[0], extra=quick)]
 
 
 def _run_session(name: str) -> list[Run]:
