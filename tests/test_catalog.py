@@ -293,13 +293,14 @@ def test_example_based_baseline_fails_a_wrong_scale():
 
 def test_mutation_report_command(tmp_path):
     report = tmp_path / "report.json"
-    # The pinned profile and two module-level entries (the cheapest runs of a whole level): this checks the
-    # command's report (its table, counts and JSON fields); that each broken entry is caught and each correct one
-    # passes is what the tests above check, the example-based column what test_example_based_* check.
+    # The pinned profile and two module-level entries (the cheapest runs of a whole level), one at a time (one
+    # session server): this checks the command's report (its table, counts and JSON fields); that each broken entry
+    # is caught and each correct one passes is what the tests above check, the example-based column what
+    # test_example_based_* check.
     proc = subprocess.run([sys.executable, "-m", "properties.catalog.mutation_report", "--only",
-                           "gqa_heads_interleaved", "--only", "nn.MultiheadAttention", "--profile", "pinned", "--json",
-                           str(report)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=900)
+                           "gqa_heads_interleaved", "--only", "nn.MultiheadAttention", "--profile", "pinned", "--jobs",
+                           "1", "--json", str(report)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| gqa_heads_interleaved | module | MHA-GQA | caught | " in proc.stdout, proc.stdout
     assert "Caught: 1/1 broken implementations" in proc.stdout and "False alarms: 0/1" in proc.stdout, proc.stdout

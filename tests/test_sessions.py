@@ -35,7 +35,7 @@ def test_a_server_imports_a_learned_package_once_a_run_used_it(tmp_path, package
 
 def test_a_server_killed_from_outside_is_replaced(tmp_path):
     """A program that ends its children (`python -m zoo` as a command does) kills the servers of the pool of the process
-    it runs in: the run that meets the dead server goes on as a new interpreter, the next ones on a new server."""
+    it runs in: the run that meets the dead server runs again on a new one, and so do the next ones."""
     (tmp_path / "test_pid.py").write_text("import os\n\n\ndef test_pid():\n    print('parent', os.getppid())\n")
     pool = SessionPool()
     try:
@@ -50,7 +50,7 @@ def test_a_server_killed_from_outside_is_replaced(tmp_path):
         assert first == server.process.pid   # forked from the server
         server.process.kill()
         server.process.wait()
-        assert parent() != first and not pool.servers   # the dead server's run: a new interpreter
-        assert parent() == pool.servers[0].process.pid != first and not pool.broken
+        [second] = {parent(), parent()}
+        assert second == pool.servers[0].process.pid != first and len(pool.servers) == 1 and not pool.broken
     finally:
         pool.close()

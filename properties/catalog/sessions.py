@@ -121,8 +121,8 @@ class _Server:
 
 class SessionPool:
     """Servers for callers that run sessions at the same time (threads). A server that dies (killed from outside: a
-    program that ends its children) is replaced by a new one; one that cannot start, or dies ``DEATHS`` times, by
-    subprocess runs for the rest of the pool's life. A run its server died in is run again as a subprocess.
+    program that ends its children) is replaced by a new one, and the run it died in is run again there; a server
+    that cannot start, or ``DEATHS`` deaths, and the pool's runs are subprocesses for the rest of its life.
 
     A run whose environment differs from the pool's (beyond PYTHONPATH, which the child applies to its own path)
     gets a server started with that environment: the server's imports read it once (TRITON_INTERPRET, for one, is
@@ -145,32 +145,32 @@ class SessionPool:
         return (changes, removed), server_env
 
     def run(self, args, cwd, env=None, timeout: float = 900) -> Session:
-        if self.broken:
-            return _subprocess_run(args, cwd, env, timeout)
         key, server_env = self._server_env(env)
         with self.lock:
             idle = self.idle.setdefault(key, queue.SimpleQueue())
-        try:
-            server = idle.get_nowait()
-        except queue.Empty:
+        while not self.broken:
             try:
-                server = _Server(server_env)
-            except OSError:
-                self.broken = True
-                return _subprocess_run(args, cwd, env, timeout)
-            with self.lock:
-                self.servers.append(server)
-        try:
-            result = server.run(args, cwd, env, timeout)
-        except (OSError, ValueError):  # the server died: this run as a subprocess, the next ones on a new server
-            server.close()
-            with self.lock:
-                self.servers.remove(server)
-                self.deaths += 1
-                self.broken = self.broken or self.deaths >= DEATHS
-            return _subprocess_run(args, cwd, env, timeout)
-        idle.put(server)
-        return result
+                server = idle.get_nowait()
+            except queue.Empty:
+                try:
+                    server = _Server(server_env)
+                except OSError:
+                    self.broken = True
+                    break
+                with self.lock:
+                    self.servers.append(server)
+            try:
+                result = server.run(args, cwd, env, timeout)
+            except (OSError, ValueError):  # the server died: the run again, on a new server
+                server.close()
+                with self.lock:
+                    self.servers.remove(server)
+                    self.deaths += 1
+                    self.broken = self.broken or self.deaths >= DEATHS
+                continue
+            idle.put(server)
+            return result
+        return _subprocess_run(args, cwd, env, timeout)
 
     def close(self) -> None:
         with self.lock:
