@@ -22,13 +22,11 @@ run's common temporary directory), so that no session runs twice.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import properties.catalog
 from properties.catalog import CATALOG, CORRECT, LEVELS, Entry, example_based
 from properties.catalog.run import Run, run_entry, run_together, shareable
 from properties.core.spec import load_clauses
+from shared_runs import SharedRuns, common_directory
 from zoo.nn.kernel import KERNELS
 
 SEED = 0
@@ -108,42 +107,12 @@ def _run_session(name: str) -> list[Run]:
     return _run_entries(SESSIONS[name])
 
 
-class _Shared:
-    """A session's runs, computed once for every xdist worker: the first worker that needs it claims it (a file made
-    exclusively) and writes the runs; the others wait for them (or run it themselves if the claimer died)."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-
-    def runs(self, name: str) -> list[Run]:
-        key = "catalog-session-" + "".join(c if c.isalnum() or c in "_+-" else "_" for c in name)
-        done, claim = self.directory / f"{key}.json", self.directory / f"{key}.claim"
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            deadline = time.monotonic() + 1800
-            while not done.exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if done.exists():
-                return [_run_from(record) for record in json.loads(done.read_text())]
-        runs = _run_session(name)
-        partial = done.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps([dataclasses.asdict(run) for run in runs]))
-        os.replace(partial, done)
-        return runs
-
-
-def _run_from(record: dict) -> Run:
-    entry = Entry(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.pop("entry").items()})
-    return Run(entry, **record)
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """name -> a callable returning its Run: under pytest-xdist, the worker's share of the sessions (``_Shared``);
+    """name -> a callable returning its Run: under pytest-xdist, the worker's share of the sessions (``SharedRuns``);
     else every selected entry's session started at once, two at a time."""
     if hasattr(request.config, "workerinput"):
-        shared = _Shared(tmp_path_factory.getbasetemp().parent)
+        shared = SharedRuns(common_directory(tmp_path_factory), _run_session, prefix="catalog-session")
         cache: dict[str, list[Run]] = {}
 
         def result(name: str) -> Run:

@@ -2,8 +2,9 @@
 skip (properties/catalog/declining.py: PyTorch's flash, memory-efficient and cuDNN backends' limits, and kernels that
 decline only grouped heads, only masks, all but 4-D inputs, all but causal problems, all but L = S).
 
-Each profile runs the kernel-level suite as a user does (``pytest properties/ --kernel ...``, the catalog's forked
-session server: properties/catalog/run.py) at the suite's ``quick`` Hypothesis profile (see ``PROFILE`` below). None may fail a clause; a clause may be skipped
+The profiles run the kernel-level suite as a user does (``pytest properties/ --kernel A --kernel B ...``, one session
+forked from the catalog's session server, each kernel's rows of the report its own: properties/catalog/run.py,
+``run_together``) at the suite's ``quick`` Hypothesis profile (see ``PROFILE`` below). None may fail a clause; a clause may be skipped
 only when the profile runs none of its problems (``CANNOT_RUN``), with the profile's own words, never blaming a
 feature it does not decline (a GQA decline taken for a gradient decline, say); every other kernel clause must pass
 with at least one problem run. Also here, in process: cuDNN's rows without admissible key, and the zoo's ``torch``
@@ -11,16 +12,14 @@ kernel keeping its promise over a stand-in of them.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
 from properties.catalog import Entry
 from properties.catalog.declining import PROFILES, TAGS, cannot_run, cudnn_bool_mask_rows, zoo_torch_on_cudnn_rows
-from properties.catalog.run import run_entry
+from properties.catalog.run import Run, run_together
 from properties.kernel.guard import GuardedKernel, check_against_oracle
+from shared_runs import SharedRuns, common_directory
 
 NAMES = list(PROFILES)
 # Skips that concern no kernel (a reference kernel not given, no CUDA device, the FlashAttention-API tests, a
@@ -36,29 +35,26 @@ NOT_ABOUT_THE_KERNEL = ("no --reference-kernel given", "CUDA not available", "--
 PROFILE = ("--hypothesis-profile", "quick")
 
 
-def _run(name: str):
-    return run_entry(_entry(name), seed=0, extra=PROFILE)
-
-
 def _entry(name: str) -> Entry:
     return Entry(name, "kernel", PROFILES[name].__doc__ or name, (), "--kernel", f"properties.catalog.declining:{name}")
 
 
+def _run_all(_: str) -> list[Run]:
+    """Every profile in one session (its start-up paid once), each kernel on every clause, as if alone."""
+    return run_together([_entry(name) for name in NAMES], seed=0, extra=PROFILE)
+
+
 @pytest.fixture(scope="module")
-def runs(request):
-    """name -> Future[Run], two at a time, unless under pytest-xdist (each test then runs its own)."""
-    if hasattr(request.config, "workerinput"):
-        yield None
-        return
-    selected = {item.callspec.params["name"] for item in request.session.items
-                if item.module.__name__ == __name__ and "name" in getattr(getattr(item, "callspec", None), "params", {})}
-    with ThreadPoolExecutor(max_workers=int(os.environ.get("CATALOG_JOBS", "2"))) as pool:
-        yield {name: pool.submit(_run, name) for name in NAMES if name in selected}
+def runs(request, tmp_path_factory) -> dict[str, Run]:
+    """name -> its Run; the session runs once per test run (under pytest-xdist, in the first worker that needs it)."""
+    every = (SharedRuns(common_directory(tmp_path_factory), _run_all, prefix="declining").runs("profiles")
+             if hasattr(request.config, "workerinput") else _run_all("profiles"))
+    return {run.entry.name: run for run in every}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_declining_kernel_passes_every_clause_it_can_run_and_skips_the_others_for_its_own_reason(runs, name):
-    run = runs[name].result() if runs else _run(name)
+    run = runs[name]
     explain = f"{' '.join(run.command[2:])}\nexit status {run.returncode}\n{run.output[-3000:]}"
     kernel_tests = [t for t in run.tests if "/test_flash" not in t["nodeid"]]
     failed = [f"{t['nodeid']}: {t['message'][:300]}" for t in kernel_tests if t["status"] in ("failed", "error")]
