@@ -208,16 +208,17 @@ def test_a_hang_costs_the_call_timeout_once(faulty_run):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_under_torchrun_the_suite_joins_its_group_and_names_the_rank():
     """`torchrun --nproc_per_node 2 -m pytest properties/ --world-size 2`: rank 0 runs the session, rank 1 serves it;
-    the zoo's kernels pass (pinned problems), and a broken kernel's failure names rank 1 and the clause."""
+    the zoo's ring passes (pinned problems), and a broken kernel's failures in the same run name rank 1 and the
+    clause."""
     torchrun = (shutil.which("torchrun"), "--nproc_per_node", "2", "-m", "pytest")
-    status, output, seconds, left = run_suite("--world-size", "2", "--hypothesis-profile", "pinned", runner=torchrun)
-    assert status == 0, output[-5000:]
+    status, output, seconds, left = run_suite("--world-size", "2", "--hypothesis-profile", "pinned", "--kernel", "ring",
+                                              "--kernel", f"{KERNELS}:wrong_shape_on_rank_1", "-rfEp", runner=torchrun)
+    assert status == 1 and "INTERNALERROR" not in output, output[-5000:]
     assert not left, f"processes left behind: {left}"
-    assert re.search(r"\b\d+ passed\b", output) and " failed" not in output, output[-3000:]
     assert "torchrun rank 1 of 2: served rank 0's session" in output, output[-3000:]
-    status, output, seconds, left = run_suite("--world-size", "2", "--kernel", f"{KERNELS}:wrong_shape_on_rank_1",
-                                              "-k", "every_rank_returns", runner=torchrun)
-    assert status != 0 and not left, (left, output[-5000:])
+    ring = [line for line in output.splitlines() if line.endswith("[ring]")]
+    assert ring and all(line.startswith(("PASSED", "SKIPPED")) for line in ring) and \
+        any(line.startswith("PASSED") for line in ring), ring
     lines = _failure_lines(output, "wrong_shape_on_rank_1")
-    assert lines and all("rank 1's output shape" in line and "[clause CP-SHAPE]" in line for line in lines), \
+    assert lines and all("rank 1's output shape" in line and "[clause CP-" in line for line in lines), \
         output[-5000:]
