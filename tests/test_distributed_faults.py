@@ -1,9 +1,10 @@
 """Bad input and faults at the distributed level, run as a user runs it (`python -m pytest properties/ --world-size 2
---kernel FILE.py:fn ...` in a subprocess; the broken kernels are tests/distributed_kernels.py): a bad option or a
-kernel the suite cannot use is one line and pytest's usage status (4); a rank that raises, returns the wrong shape,
-hangs, never joins a collective, exits or is killed fails the clauses with lines that name the rank and the clause;
-a hang costs --call-timeout once; no process of the run survives it (every process it started carries a token in its
-environment, looked for in /proc afterwards); and no run can hang this test (each is killed past a time limit)."""
+--kernel FILE.py:fn ...` as a new pytest session, forked from the catalog's session server, or under torchrun; the
+broken kernels are tests/distributed_kernels.py): a bad option or a kernel the suite cannot use is one line and
+pytest's usage status (4); a rank that raises, returns the wrong shape, hangs, never joins a collective, exits or is
+killed fails the clauses with lines that name the rank and the clause; a hang costs --call-timeout once; no process
+of the run survives it (every process it started carries a token in its environment, looked for in /proc
+afterwards); and no run can hang this test (each is killed past a time limit)."""
 from __future__ import annotations
 
 import os
@@ -12,12 +13,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from properties.catalog.sessions import run_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = "tests/distributed_kernels.py"
@@ -29,7 +31,8 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
 
 
 def _processes_with(token: str) -> dict[int, str]:
-    """pid -> command line of every process whose environment holds ``token``."""
+    """pid -> command line of every process whose environment holds ``token``, but the session servers the runs are
+    forked from (started with it, they outlive each run by design)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -39,35 +42,48 @@ def _processes_with(token: str) -> dict[int, str]:
                 found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:   # ended meanwhile, or not ours to read
             continue
-    return found
+    return {pid: command for pid, command in found.items() if f"-m {SESSION_SERVER}" not in command}
 
 
-def run_suite(*arguments: str, runner: tuple[str, ...] = (sys.executable, "-m", "pytest")):
-    """``runner properties/ -q -p no:cacheprovider ARGUMENTS`` from the repository root: (status, output, seconds,
-    processes of the run still alive 5 s after it ended)."""
-    token = f"CP_FAULTS_{uuid.uuid4().hex}"
+# The environment token of this process's runs: one for all of them, so that they share a session server (a run
+# whose environment differs gets a server of its own); each run's leftovers are killed before the next starts.
+TOKEN = f"CP_FAULTS_{uuid.uuid4().hex}"
+SESSION_SERVER = "properties.catalog.sessions"
+
+
+def run_suite(*arguments: str, runner: tuple[str, ...] | None = None):
+    """``python -m pytest properties/ -q -p no:cacheprovider ARGUMENTS`` from the repository root, forked from the
+    session server (``runner``: a command of its own, torchrun's): (status, output, seconds, processes of the run
+    still alive 5 s after it ended)."""
     env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "OMP_NUM_THREADS": "1",
-           token: "1"}
+           TOKEN: "1"}
+    command = ["properties/", "-q", "-p", "no:cacheprovider", *arguments]
     start = time.monotonic()
-    process = subprocess.Popen([*runner, "properties/", "-q", "-p", "no:cacheprovider", *arguments], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=NEVER)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the run did not end within {NEVER} s: {' '.join(arguments)}\n{output[-3000:]}")
+    if runner is None:
+        session = run_pytest(command, cwd=ROOT, env=env, timeout=NEVER)
+        if session.timed_out:
+            pytest.fail(f"the run did not end within {NEVER} s: {' '.join(arguments)}\n{session.output[-3000:]}")
+        status, output = session.returncode, session.output
+    else:
+        process = subprocess.Popen([*runner, *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=NEVER)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"the run did not end within {NEVER} s: {' '.join(arguments)}\n{output[-3000:]}")
+        status = process.returncode
     seconds = time.monotonic() - start
     end = time.monotonic() + 5
-    while (left := _processes_with(token)) and time.monotonic() < end:
+    while (left := _processes_with(TOKEN)) and time.monotonic() < end:
         time.sleep(0.2)
     for pid in left:   # leave nothing to the next test either
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    return process.returncode, output, seconds, left
+    return status, output, seconds, left
 
 
 def assert_one_line_usage_error(arguments, *words):
