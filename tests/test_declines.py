@@ -39,17 +39,22 @@ def _entry(name: str) -> Entry:
     return Entry(name, "kernel", PROFILES[name].__doc__ or name, (), "--kernel", f"properties.catalog.declining:{name}")
 
 
-def _run_all(_: str) -> list[Run]:
-    """Every profile in one session (its start-up paid once), each kernel on every clause, as if alone."""
-    return run_together([_entry(name) for name in NAMES], seed=0, extra=PROFILE)
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, Run]:
-    """name -> its Run; the session runs once per test run (under pytest-xdist, in the first worker that needs it)."""
-    every = (SharedRuns(common_directory(tmp_path_factory), _run_all, prefix="declining").runs("profiles")
-             if hasattr(request.config, "workerinput") else _run_all("profiles"))
-    return {run.entry.name: run for run in every}
+    """name -> its Run: the selected profiles in one session (its start-up paid once), each kernel on every clause as
+    if alone, run once per test run (under pytest-xdist, by the first worker that needs it; every worker has
+    collected the same selection)."""
+    selected = [name for name in NAMES if any(
+        item.module.__name__ == __name__ and getattr(item, "callspec", None) is not None and
+        item.callspec.params.get("name") == name for item in request.session.items)]
+
+    def run_selected(_: str) -> list[Run]:
+        return run_together([_entry(name) for name in selected], seed=0, extra=PROFILE)
+
+    if not hasattr(request.config, "workerinput"):
+        return {run.entry.name: run for run in run_selected("")}
+    shared = SharedRuns(common_directory(tmp_path_factory), run_selected, prefix="declining")
+    return {run.entry.name: run for run in shared.runs("all" if selected == NAMES else "-".join(selected))}
 
 
 @pytest.mark.parametrize("name", NAMES)
