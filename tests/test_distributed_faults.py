@@ -232,9 +232,9 @@ def test_under_torchrun_the_suite_joins_its_group_and_names_the_rank():
     assert status == 1 and "INTERNALERROR" not in output, output[-5000:]
     assert not left, f"processes left behind: {left}"
     assert "torchrun rank 1 of 2: served rank 0's session" in output, output[-3000:]
-    ring = [line for line in output.splitlines() if line.endswith("[ring]")]
-    assert ring and all(line.startswith(("PASSED", "SKIPPED")) for line in ring) and \
-        any(line.startswith("PASSED") for line in ring), ring
+    ring = [line for line in output.splitlines() if "[ring]" in line]
+    assert any(line.startswith("PASSED") for line in ring), output[-3000:]
+    assert not [line for line in ring if line.startswith(("FAILED", "ERROR"))], ring
     lines = _failure_lines(output, "wrong_shape_on_rank_1")
     assert lines and all("rank 1's output shape" in line and "[clause CP-" in line for line in lines), \
         output[-5000:]
